@@ -1,0 +1,81 @@
+"""A run's whole configuration (model, data, training), presets and command-line overrides.
+
+A CONFIG on the command line is a YAML path or the name of a shipped preset
+(``looplm/presets/NAME.yaml``); ``key=value`` arguments override dotted fields
+(``model.topology.kind=mesh``, ``train.max_steps=100``), values parsed as YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from looplm.config_base import Config, ConfigError, set_dotted
+from looplm.data.config import DataConfig
+from looplm.model_config import ModelConfig
+from looplm.train.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Config):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+
+    @classmethod
+    def from_dict(cls, data: Optional[dict[str, Any]], prefix: str = "") -> "RunConfig":
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"model", "data", "train"})
+        if unknown:
+            raise ConfigError(unknown[0], data[unknown[0]], "unknown top-level key; allowed keys: model, data, train")
+        return cls(
+            model=ModelConfig.from_dict(data.get("model"), prefix="model"),
+            data=DataConfig.from_dict(data.get("data"), prefix="data"),
+            train=TrainConfig.from_dict(data.get("train"), prefix="train"),
+        )
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("looplm.presets").iterdir() if p.name.endswith(".yaml"))
+
+
+def read_config_source(source: Optional[str]) -> dict[str, Any]:
+    """The raw mapping of a YAML path or preset name (``None``: the default main job)."""
+    if source is None:
+        source = "default"
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError("CONFIG", source, "an existing YAML file or a preset name: " + ", ".join(preset_names()))
+        text = path.read_text()
+    else:
+        preset = resources.files("looplm.presets") / f"{source}.yaml"
+        if not preset.is_file():
+            raise ConfigError("CONFIG", source, "a YAML path or a preset name: " + ", ".join(preset_names()))
+        text = preset.read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError("CONFIG", source, "a YAML mapping with keys model, data, train")
+    return data
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    pairs = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("override", item, "key=value, e.g. model.layout=4+8R2+4 or train.max_steps=100")
+        pairs.append((key.strip(), yaml.safe_load(value) if value.strip() else None))
+    return pairs
+
+
+def load_config(source: Optional[str] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a preset or YAML file, apply ``key=value`` overrides, validate everything."""
+    data = read_config_source(source)
+    for key, value in parse_overrides(overrides):
+        set_dotted(data, key, value)
+    return RunConfig.from_dict(data)

@@ -1,0 +1,161 @@
+"""Typed, frozen config dataclasses that round-trip to plain dicts (and so to YAML).
+
+Every component config subclasses :class:`Config`. ``from_dict`` checks each key and
+value against the dataclass annotations, so an unknown key or a wrong type is refused
+at load with the dotted name of the field, the value and what is allowed; semantic
+checks live in each config's ``__post_init__`` and raise the same :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value. The message names field, value and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field}={value!r} is invalid: {allowed}")
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin in (tuple, list):
+        return f"a list of {_describe(get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, Config):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    """Return ``value`` converted to annotation ``tp``, or raise ConfigError."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(name, value, _describe(tp))
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, name)
+            except ConfigError:
+                continue
+        raise ConfigError(name, value, _describe(tp))
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, value, _describe(tp))
+        (item,) = get_args(tp)[:1]
+        items = [_coerce(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if isinstance(tp, type) and issubclass(tp, Config):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(name, value, _describe(tp))
+        return tp.from_dict(value, prefix=name)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, value, "true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(name, value, "an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(name, value, "a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(name, value, "a string")
+    if tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(name, value, "a mapping")
+    raise TypeError(f"unsupported config annotation {tp!r} for {name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Base of all configs: strict ``from_dict``, ``to_dict`` and ``replace``."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "Config":
+        data = {} if data is None else data
+        where = prefix or cls.__name__
+        if not isinstance(data, dict):
+            raise ConfigError(where, data, "a mapping")
+        hints = get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+            raise ConfigError(key, data[unknown[0]], f"unknown key; allowed keys: {', '.join(fields)}")
+        kwargs = {
+            key: _coerce(hints[key], value, f"{prefix}.{key}" if prefix else key)
+            for key, value in data.items()
+        }
+        return cls._with_prefix(prefix, **kwargs)
+
+    @classmethod
+    def _with_prefix(cls, prefix: str, **kwargs: Any) -> "Config":
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            if prefix and not err.field.startswith(prefix + "."):
+                raise ConfigError(f"{prefix}.{err.field}", err.value, err.allowed) from None
+            raise
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if not f.init:
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, Config):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = [v.to_dict() if isinstance(v, Config) else v for v in value]
+            out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def check(condition: bool, field: str, value: Any, allowed: str) -> None:
+    """Raise ConfigError(field, value, allowed) unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(field, value, allowed)
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data['a']['b'] = value`` for ``dotted == 'a.b'``, creating mappings as needed."""
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(dotted, value, f"{key} is not a mapping, so it has no sub-keys")
+        node = child
+    node[keys[-1]] = value
+

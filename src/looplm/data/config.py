@@ -1,0 +1,39 @@
+"""Configuration of the data pipeline: where text comes from, how it is tokenized and packed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from looplm.config_base import Config, check
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Config):
+    """Text source, tokenizer and packing.
+
+    ``source`` is ``"pydoc"`` (the built-in corpus: the English reference documentation
+    shipped with CPython in ``pydoc_data``), a local ``.txt`` / ``.jsonl`` / ``.parquet``
+    file or a folder of them, or ``"hf:NAME"`` for a Hugging Face dataset by name or
+    local path (``hf_config``, ``hf_split``, ``streaming`` apply to it).
+    ``tokenizer`` is ``"byte"`` (built-in, no files) or a path to a ``tokenizers`` JSON
+    file or a ``transformers`` tokenizer directory.
+    """
+
+    source: str = "pydoc"
+    tokenizer: str = "byte"
+    text_field: str = "text"
+    hf_config: Optional[str] = None
+    hf_split: str = "train"
+    streaming: bool = False
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    val_batches: int = 8
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(bool(self.source), "data.source", self.source, "a non-empty source name or path")
+        check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
+        check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in [0, 1)")
+        check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")

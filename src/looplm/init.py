@@ -1,0 +1,49 @@
+"""Weight initialisation, a separate pass over a built model.
+
+Linear and embedding weights ~ N(0, init_std²), biases 0, norms 1. With
+``depth_scaled_init`` the output projections of every block (attention W_O, FFN down)
+use std = init_std / sqrt(2 · N_compute), N_compute being the number of blocks on the
+unrolled computation path (MeSH Appendix B; GPT-2's residual scaling applied to the
+unrolled depth, since a shared block adds to the residual stream once per iteration).
+Topologies initialise their own parameters (zero gates, routers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from looplm.modules.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from looplm.model import LoopLM
+
+
+def output_projection_std(init_std: float, unrolled_depth: int, depth_scaled: bool) -> float:
+    """init_std / sqrt(2 · N_compute) (MeSH Appendix B) or init_std."""
+    return init_std / math.sqrt(2 * max(unrolled_depth, 1)) if depth_scaled else init_std
+
+
+def init_weights(model: "LoopLM") -> None:
+    cfg = model.cfg
+    std = cfg.init_std
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+    out_std = output_projection_std(std, cfg.loop.unrolled_depth, cfg.depth_scaled_init)
+    for block in model.blocks():
+        nn.init.normal_(block.attn.out.weight, std=out_std)
+        nn.init.normal_(block.ffn.down.weight, std=out_std)
+    if model.topology is not None:
+        model.topology.reset_parameters(std)

@@ -1,0 +1,214 @@
+"""The looped language model: one graph for every configuration.
+
+    tokens ─ embed ─ prelude ─ Recurrence(core × T, topology) ─ coda ─ norm ─ head ─ logits
+
+A dense transformer is the layout with no recurrence (``"12"``). The recurrence is a
+plain loop: the core stack runs on the state h^(t) and the topology (``looplm.topology``)
+folds its output into the next state. Rotary tables and the attention mask are computed
+once per forward and passed down; the decoding cache is an explicit argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.cache import KVSlot, LoopCache
+from looplm.config_base import ConfigError
+from looplm.init import init_weights
+from looplm.model_config import ModelConfig
+from looplm.modules.block import Block
+from looplm.modules.norm import build_norm
+from looplm.modules.rotary import Rotary
+from looplm.topology import Topology, build_topology
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    """logits: [B, T, V]. loss: mean next-token cross-entropy over targets != -100 (None
+    without targets). aux_losses: named extra losses already weighted (empty here).
+    states: [h^(0), ..., h^(T)] (each [B, T, d]) when ``output_states``; the per-iteration
+    hidden states of the loop. record: per-iteration topology values (e.g. MeSH router
+    weights ``write`` / ``read``, each a list over t = -1 .. T-1 of [B, T, B_slots])."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    states: Optional[list[torch.Tensor]] = None
+    record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+
+class LoopLM(nn.Module):
+    """Embedding, prelude blocks, looped core, coda blocks, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        layout = cfg.loop
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(layout.prelude))
+        stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
+        # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
+        self.core = nn.ModuleList(nn.ModuleList(Block(cfg) for _ in range(layout.core)) for _ in range(stacks))
+        self.topology: Optional[Topology] = build_topology(cfg) if layout.is_looped else None
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(layout.coda))
+        self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        init_weights(self)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Optional[LoopCache] = None,
+        iterations: Optional[int] = None,
+        output_states: bool = False,
+    ) -> ModelOutput:
+        """input_ids, targets: [B, T] (targets already shifted; -100 is ignored).
+        attention_mask: [B, T], 1 for real tokens and 0 for (left) padding of the *new*
+        tokens; earlier positions' validity lives in ``cache``. iterations: loop count
+        T at inference (test-time compute scaling), where the topology allows it."""
+        n_iter = self._check_iterations(iterations, cache)
+        positions, mask = self._positions_and_mask(input_ids, attention_mask, cache)
+        h_emb = self.embed(input_ids)
+        if self.cfg.embed_scale:
+            h_emb = h_emb * math.sqrt(self.cfg.d_model)
+        rope = self.rotary(positions, h_emb.dtype)
+
+        h = self._run(self.prelude, "prelude", 0, h_emb, rope, mask, cache)
+        states, record = None, {}
+        if self.topology is not None:
+            state = self.topology.start(h_emb, h)
+            trace = [state.h]
+            for t in range(n_iter):
+                stack = self.core[0 if self.cfg.share_core else t]
+                update = self._run(stack, "core", t, state.h, rope, mask, cache)  # f_core(h^(t))
+                state = self.topology.step(state, update, t)
+                trace.append(state.h)
+            h, record = self.topology.finish(state), state.record
+            states = trace if output_states else None
+        h = self._run(self.coda, "coda", 0, h, rope, mask, cache)
+        logits = self.head(self.norm(h))
+
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            )
+        return ModelOutput(logits=logits, loss=loss, states=states, record=record)
+
+    def _run(self, blocks, name: str, t: int, h, rope, mask, cache: Optional[LoopCache]) -> torch.Tensor:
+        for j, block in enumerate(blocks):
+            kv: Optional[KVSlot] = cache.slot(f"{name}.{j}", t) if cache is not None else None
+            h = block(h, rope, mask, kv)
+        return h
+
+    def _check_iterations(self, iterations: Optional[int], cache: Optional[LoopCache]) -> int:
+        trained = self.cfg.iterations
+        n_iter = trained if iterations is None else iterations
+        if n_iter != trained:
+            if self.topology is None:
+                raise ConfigError("iterations", iterations, f"None: layout {self.cfg.layout!r} has no loop")
+            if n_iter < 1:
+                raise ConfigError("iterations", iterations, "an integer >= 1")
+            if not self.cfg.share_core:
+                raise ConfigError(
+                    "iterations", iterations, f"{trained}: share_core=false has one core stack per trained iteration"
+                )
+            if self.topology.trained_iterations is not None:
+                raise ConfigError(
+                    "iterations",
+                    iterations,
+                    f"{trained}: topology {self.cfg.topology.kind!r} has per-iteration parameters for "
+                    f"the {trained} trained iterations only",
+                )
+        if cache is not None:
+            if cache.iterations is None:
+                cache.iterations = n_iter
+            elif cache.iterations != n_iter:
+                raise ConfigError("iterations", n_iter, f"{cache.iterations}, the count this cache was filled with")
+        return n_iter
+
+    def _positions_and_mask(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Optional[LoopCache]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Position ids [B, T] and the attention mask: None for plain causal attention
+        (no padding, and no past or a single query), else bool [B, 1, T, S]."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        new_valid = (
+            torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+        )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(B, T)}")
+        past = cache.get_seq_length() if cache is not None else 0
+        if cache is not None and cache.valid is not None:
+            if cache.valid.shape[0] != B:
+                raise ValueError(f"batch of {B} rows does not match the cache's {cache.valid.shape[0]}")
+            valid = torch.cat([cache.valid, new_valid], dim=1)
+            start = cache.next_position
+        else:
+            valid, start = new_valid, torch.zeros(B, dtype=torch.long, device=device)
+        positions = (start[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
+        if int(positions.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {int(positions.max()) + 1} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if cache is not None:
+            cache.valid, cache.next_position = valid, start + new_valid.long().sum(dim=1)
+
+        padded = attention_mask is not None and not bool(valid.all())
+        if not padded and (past == 0 or T == 1):
+            return positions, None
+        S = past + T
+        query = torch.arange(past, S, device=device)[:, None]  # [T, 1] absolute index
+        key = torch.arange(S, device=device)[None, :]  # [1, S]
+        allowed = (key <= query)[None] & valid[:, None, :]  # [B, T, S]
+        allowed = allowed | (key == query)[None]  # a padding query still sees itself (no NaN rows)
+        return positions, allowed[:, None]
+
+    # ---------------------------------------------------------------- utilities
+    @torch.no_grad()
+    def generate(self, input_ids, **kwargs):
+        """Sample continuations; see :func:`looplm.generation.generate` for the arguments."""
+        from looplm.generation import generate
+
+        return generate(self, input_ids, **kwargs)
+
+    def save_pretrained(self, directory: Union[str, Path]) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (Hugging Face layout)."""
+        from safetensors.torch import save_model
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        save_model(self, str(directory / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(cls, directory: Union[str, Path], map_location: str = "cpu") -> "LoopLM":
+        from safetensors.torch import load_model
+
+        directory = Path(directory)
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: not a directory written by save_pretrained")
+        model = cls(ModelConfig.from_dict(json.loads(config_path.read_text()), prefix="model"))
+        load_model(model, str(directory / "model.safetensors"), strict=True, device=map_location)
+        return model
+
+    def blocks(self) -> list[Block]:
+        """Every distinct block module (prelude, core stacks, coda)."""
+        return [*self.prelude, *(b for stack in self.core for b in stack), *self.coda]

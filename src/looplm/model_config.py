@@ -1,0 +1,177 @@
+"""Configuration of a looped language model: block shape, layout and state-passing topology."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Optional
+
+from looplm.config_base import Config, check
+from looplm.layout import Layout, parse_layout
+
+#: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
+SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
+
+#: Topology kinds, one value of one axis each (see ``looplm.topology``).
+TOPOLOGIES = (
+    "base",
+    "residual",
+    "anchor",
+    "anchor_embedding",
+    "additive",
+    "gated_residual",
+    "static_combination",
+    "dynamic_combination",
+    "mesh",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyConfig(Config):
+    """How an iteration's core output enters the loop state.
+
+    ``additive`` sums the core output with every entry of ``supplements`` (MeSH
+    Appendix E.3's fixed combinations, e.g. ``[anchor, anchor_embedding]``);
+    ``buffer_slots`` is MeSH's B (default T + 3, Appendix E.2).
+    """
+
+    kind: str = "base"
+    supplements: tuple[str, ...] = ()
+    buffer_slots: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check(self.kind in TOPOLOGIES, "model.topology.kind", self.kind, f"one of {', '.join(TOPOLOGIES)}")
+        if self.kind == "additive":
+            check(
+                len(self.supplements) > 0 and all(s in SUPPLEMENTS for s in self.supplements)
+                and len(set(self.supplements)) == len(self.supplements),
+                "model.topology.supplements",
+                list(self.supplements),
+                f"a non-empty list of distinct entries from {', '.join(SUPPLEMENTS)} (needed by kind=additive)",
+            )
+        else:
+            check(
+                not self.supplements,
+                "model.topology.supplements",
+                list(self.supplements),
+                "empty unless kind=additive",
+            )
+        if self.kind == "mesh":
+            check(
+                self.buffer_slots is None or self.buffer_slots >= 2,
+                "model.topology.buffer_slots",
+                self.buffer_slots,
+                "an integer >= 2 (slot 0 holds the embeddings), or null for T + 3",
+            )
+        else:
+            check(
+                self.buffer_slots is None,
+                "model.topology.buffer_slots",
+                self.buffer_slots,
+                "null unless kind=mesh",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Config):
+    """One looped LM: ``embed -> prelude -> loop(core x T, topology) -> coda -> norm -> head``.
+
+    With ``norm=layernorm, parallel_residual=true, rotary_pct=0.25, mlp=gelu, bias=true``
+    the blocks are GPT-NeoX (Pythia) blocks; with ``norm=rmsnorm, mlp=swiglu, bias=false``
+    they are LLaMA blocks.
+    """
+
+    vocab_size: int = 257
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    layout: str = "2+4R2+2"
+    share_core: bool = True
+    topology: TopologyConfig = TopologyConfig()
+    norm: Literal["rmsnorm", "layernorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp_hidden: Optional[int] = None
+    parallel_residual: bool = False
+    bias: bool = True
+    tie_embeddings: bool = False
+    rotary_pct: float = 1.0
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    embed_scale: bool = False
+    init_std: float = 0.02
+    depth_scaled_init: bool = True
+
+    def __post_init__(self) -> None:
+        layout = parse_layout(self.layout)  # raises ConfigError naming model.layout
+        check(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "an integer >= 2")
+        check(self.d_model >= 1, "model.d_model", self.d_model, "an integer >= 1")
+        check(self.n_heads >= 1, "model.n_heads", self.n_heads, "an integer >= 1")
+        check(
+            self.d_model % self.n_heads == 0,
+            "model.n_heads",
+            self.n_heads,
+            f"a divisor of d_model={self.d_model}",
+        )
+        check(
+            self.n_kv_heads is None or (self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0),
+            "model.n_kv_heads",
+            self.n_kv_heads,
+            f"null or a divisor of n_heads={self.n_heads}",
+        )
+        check(0.0 <= self.rotary_pct <= 1.0, "model.rotary_pct", self.rotary_pct, "a number in [0, 1]")
+        rot = int(self.head_dim * self.rotary_pct)
+        check(rot % 2 == 0, "model.rotary_pct", self.rotary_pct, f"a fraction giving an even number of rotary dims of head_dim={self.head_dim} (got {rot})")
+        check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a number > 0")
+        check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a number > 0")
+        check(self.mlp_hidden is None or self.mlp_hidden >= 1, "model.mlp_hidden", self.mlp_hidden, "null or an integer >= 1")
+        check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
+        check(self.init_std > 0, "model.init_std", self.init_std, "a number > 0")
+        check(
+            all(r == 1 for r in layout.resolutions),
+            "model.layout",
+            self.layout,
+            "full resolution (1) in every iteration; multi-resolution schedules are not implemented yet",
+        )
+        if not layout.is_looped:
+            check(
+                self.topology.kind == "base",
+                "model.topology.kind",
+                self.topology.kind,
+                f"'base' for the dense layout {self.layout!r}: topologies act on a loop such as 4+8R2+4",
+            )
+
+    @functools.cached_property
+    def loop(self) -> Layout:
+        """The parsed layout (prelude / core / coda block counts, iterations)."""
+        return parse_layout(self.layout)
+
+    @property
+    def iterations(self) -> int:
+        return self.loop.iterations
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+    @property
+    def ffn_hidden(self) -> int:
+        """FFN width: 4d for GELU; for SwiGLU 8d/3 rounded up to a multiple of 64 (LLaMA §2)."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return 64 * -(-(8 * self.d_model // 3) // 64)
+
+    @property
+    def buffer_slots(self) -> int:
+        """MeSH buffer length B (default T + 3, MeSH Appendix E.2)."""
+        return self.topology.buffer_slots or self.iterations + 3

@@ -1,0 +1,49 @@
+"""The topology interface U(update, state, carrier, t) -> (state, carrier).
+
+A topology decides how the core's output f_core(h^(t)) enters the loop state. It owns
+its parameters (routers, gates) but never its carrier: the anchor h^(0), the embeddings
+and the MeSH buffer travel in a :class:`LoopState` that the loop driver passes along, so
+the same module can serve every iteration and every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class LoopState:
+    """h: the state h^(t) the next core pass reads, [B, T, d].
+    carrier: what the topology keeps besides h (h^(0), h_emb, the MeSH buffer).
+    record: per-iteration values for callers (e.g. router weights), lists in iteration order.
+    """
+
+    h: torch.Tensor
+    carrier: dict[str, torch.Tensor]
+    record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+
+class Topology(nn.Module):
+    """Base class. ``trained_iterations`` is None when any iteration count works at
+    inference (no per-iteration parameters), else the count the parameters exist for."""
+
+    trained_iterations: Optional[int] = None
+
+    def start(self, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
+        """State entering the loop from the embeddings h_emb and the prelude output h_pre."""
+        return LoopState(h=h_pre, carrier={"h0": h_pre, "h_emb": h_emb})
+
+    def step(self, state: LoopState, update: torch.Tensor, t: int) -> LoopState:
+        """Next state from ``update`` = f_core(state.h) at iteration t (0-based)."""
+        raise NotImplementedError
+
+    def finish(self, state: LoopState) -> torch.Tensor:
+        """h^(K), the state handed to the coda."""
+        return state.h
+
+    def reset_parameters(self, init_std: float) -> None:
+        """Initialise own parameters (called by the model's init pass)."""

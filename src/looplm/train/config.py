@@ -1,0 +1,80 @@
+"""Configuration of a training run: optimisation, schedule, precision, logging, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from looplm.config_base import Config, check
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Config):
+    """AdamW with linear warmup and cosine decay to ``min_lr_ratio`` · lr (the papers use
+    1% warmup and a 10% floor). ``batch_size`` is sequences per optimiser step per
+    data-parallel rank, split into ``grad_accum`` micro-batches."""
+
+    out_dir: str = "runs/default"
+    max_steps: int = 1000
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_fraction: float = 0.01
+    warmup_steps: Optional[int] = None
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    decay_norms_and_biases: bool = False
+    grad_clip: float = 1.0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    compile: bool = False
+    device: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 500
+    max_bad_steps: int = 5
+    sample_prompt: str = "The "
+    sample_tokens: int = 200
+    sample_temperature: float = 0.8
+
+    def __post_init__(self) -> None:
+        positive = "an integer >= 1"
+        check(self.max_steps >= 1, "train.max_steps", self.max_steps, positive)
+        check(self.batch_size >= 1, "train.batch_size", self.batch_size, positive)
+        check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, positive)
+        check(
+            self.batch_size % self.grad_accum == 0,
+            "train.grad_accum",
+            self.grad_accum,
+            f"a divisor of train.batch_size={self.batch_size}",
+        )
+        check(self.lr > 0, "train.lr", self.lr, "a number > 0")
+        check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        check(0.0 <= self.warmup_fraction < 1.0, "train.warmup_fraction", self.warmup_fraction, "a number in [0, 1)")
+        check(
+            self.warmup_steps is None or 0 <= self.warmup_steps < self.max_steps,
+            "train.warmup_steps",
+            self.warmup_steps,
+            f"null or an integer in [0, max_steps={self.max_steps})",
+        )
+        check(0.0 <= self.beta1 < 1.0, "train.beta1", self.beta1, "a number in [0, 1)")
+        check(0.0 <= self.beta2 < 1.0, "train.beta2", self.beta2, "a number in [0, 1)")
+        check(self.eps > 0, "train.eps", self.eps, "a number > 0")
+        check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "a number >= 0")
+        check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
+        check(self.log_every >= 1, "train.log_every", self.log_every, positive)
+        check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0 (0 disables)")
+        check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0 (0: only at the end)")
+        check(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, positive)
+        check(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens, "an integer >= 0")
+        check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature, "a number >= 0")
+
+    @property
+    def warmup(self) -> int:
+        """Warmup steps: ``warmup_steps`` if set, else ``warmup_fraction`` of max_steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return int(self.warmup_fraction * self.max_steps)
