@@ -1,7 +1,7 @@
 """A run's whole configuration (model, data, training), presets and command-line overrides.
 
 A CONFIG on the command line is a YAML path or the name of a shipped preset
-(``looplm/presets/NAME.yaml``); ``key=value`` arguments override dotted fields
+(``looplm/presets/NAME.yaml``, which may ``extends:`` another); ``key=value`` arguments override dotted fields
 (``model.topology.kind=mesh``, ``train.max_steps=100``), values parsed as YAML.
 """
 
@@ -43,8 +43,11 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("looplm.presets").iterdir() if p.name.endswith(".yaml"))
 
 
-def read_config_source(source: Optional[str]) -> dict[str, Any]:
-    """The raw mapping of a YAML path or preset name (``None``: the default main job)."""
+def read_config_source(source: Optional[str], _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The raw mapping of a YAML path or preset name (``None``: the default main job).
+
+    A file may start from another with ``extends: NAME_OR_PATH`` and override parts of it.
+    """
     if source is None:
         source = "default"
     path = Path(source)
@@ -60,7 +63,23 @@ def read_config_source(source: Optional[str]) -> dict[str, Any]:
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ConfigError("CONFIG", source, "a YAML mapping with keys model, data, train")
+    parent = data.pop("extends", None)
+    if parent is not None:
+        if len(_seen) > 8 or parent in _seen:
+            raise ConfigError("extends", parent, "a preset or YAML path that does not extend itself")
+        data = _merge(read_config_source(parent, _seen=(*_seen, source)), data)
     return data
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``override`` into a copy of ``base`` (mappings merge, the rest replaces)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:

@@ -80,6 +80,11 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(name, value, "a number")
     if tp is str:
         if isinstance(value, str):

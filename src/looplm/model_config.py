@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from looplm.config_base import Config, check
 from looplm.layout import Layout, parse_layout
@@ -85,7 +85,7 @@ class ModelConfig(Config):
     d_model: int = 256
     n_heads: int = 4
     n_kv_heads: Optional[int] = None
-    layout: str = "2+4R2+2"
+    layout: Union[str, int] = "2+4R2+2"
     share_core: bool = True
     topology: TopologyConfig = TopologyConfig()
     norm: Literal["rmsnorm", "layernorm"] = "layernorm"
@@ -103,6 +103,8 @@ class ModelConfig(Config):
     depth_scaled_init: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.layout, int) and not isinstance(self.layout, bool):
+            object.__setattr__(self, "layout", str(self.layout))  # YAML reads `layout: 12` as an int
         layout = parse_layout(self.layout)  # raises ConfigError naming model.layout
         check(self.vocab_size >= 2, "model.vocab_size", self.vocab_size, "an integer >= 2")
         check(self.d_model >= 1, "model.d_model", self.d_model, "an integer >= 1")

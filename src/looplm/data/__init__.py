@@ -1,0 +1,17 @@
+"""Data pipeline: text sources, tokenizers, packing into windows, train/validation batches."""
+
+from looplm.data.config import DataConfig
+from looplm.data.loader import TrainStream, validation_batches
+from looplm.data.sources import iter_documents
+from looplm.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+
+__all__ = [
+    "DataConfig",
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "build_tokenizer",
+    "iter_documents",
+    "TrainStream",
+    "validation_batches",
+]

@@ -1,0 +1,297 @@
+"""Autoregressive decoding for :class:`~looplm.model.LoopLM`: greedy or sampled, batched.
+
+Prompts of different lengths are left-padded so that every row's last prompt token sits
+in the last column. One prefill forward fills a :class:`~looplm.cache.LoopCache` (which
+remembers which key positions are padding and each row's next position id); each new
+token is then one forward of ``[B, 1]`` tokens against that cache. The test-time loop
+count ``iterations`` goes to every forward, so the cache is filled and read at one count.
+
+Sampling order follows Hugging Face ``transformers``: logits / temperature -> top-k ->
+top-p (nucleus) -> softmax -> draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+
+from looplm.cache import LoopCache
+
+if TYPE_CHECKING:
+    from looplm.model import LoopLM
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """sequences: [B, T + N] long, the (left-padded) prompts followed by the N generated
+    columns; rows that stopped early carry ``pad_token_id`` after their stop token.
+    new_tokens: per row, the generated ids up to and including the stop token (no
+    trailing padding). finished: [B] bool, True where the row emitted a stop token."""
+
+    sequences: torch.Tensor
+    new_tokens: list[list[int]]
+    finished: torch.Tensor
+
+
+def _invalid(name: str, value: Any, allowed: str) -> ValueError:
+    # Same shape as ConfigError's message: argument, value, what is allowed.
+    return ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+# ----------------------------------------------------------------- inputs
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: Union[str, torch.device, None] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists to one batch.
+
+    Returns input_ids [B, T_max] (long) and attention_mask [B, T_max] (long; 1 for real
+    tokens, 0 for the padding on the left), T_max the longest prompt.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise _invalid("input_ids", prompts, "a non-empty list of lists of token ids, or a LongTensor [B, T]")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise _invalid(f"input_ids[{i}]", prompt, "a list of token ids (int)")
+        if len(prompt) == 0:
+            raise _invalid(f"input_ids[{i}]", list(prompt), "a non-empty prompt (at least one token)")
+        if not all(isinstance(tok, int) and not isinstance(tok, bool) for tok in prompt):
+            raise _invalid(f"input_ids[{i}]", list(prompt), "a list of token ids (int)")
+        rows.append(list(prompt))
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def _check_mask(mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Validate a user attention mask (0/1, left padding only, no empty row); return it as bool."""
+    if mask.shape != input_ids.shape:
+        raise _invalid(
+            "attention_mask", f"<tensor of shape {tuple(mask.shape)}>", f"a tensor of input_ids' shape {tuple(input_ids.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise _invalid("attention_mask", "<tensor>", "a bool or integer tensor of 0 (left padding) and 1 (real tokens)")
+        mask = mask.bool()
+    empty = (~mask.any(dim=1)).nonzero()
+    if len(empty):
+        row = int(empty[0])
+        raise _invalid("attention_mask", f"<row {row} all zeros>", "at least one real token (1) in every row: empty prompts cannot be continued")
+    # Left padding means each row is 0...0 1...1: the mask never falls from 1 to 0.
+    falls = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1).nonzero()
+    if len(falls):
+        row = int(falls[0])
+        raise _invalid(
+            "attention_mask",
+            f"<row {row}: {mask[row].long().tolist()}>",
+            "left padding only (0s before the 1s of each row); right padding is not supported, "
+            "pad on the left (e.g. with looplm.generation.left_pad)",
+        )
+    return mask
+
+
+def _prepare_inputs(
+    input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
+    attention_mask: Optional[torch.Tensor],
+    pad_token_id: int,
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] long and bool attention_mask [B, T] on ``device``, validated."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+            raise _invalid(
+                "input_ids", f"<tensor of shape {tuple(input_ids.shape)}>", "a tensor [B, T] with B >= 1 (use input_ids[None] for one prompt)"
+            )
+        if input_ids.shape[1] == 0:
+            raise _invalid("input_ids", f"<tensor of shape {tuple(input_ids.shape)}>", "a non-empty prompt (T >= 1)")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise _invalid("input_ids", f"<{input_ids.dtype} tensor>", "an integer tensor of token ids")
+        ids = input_ids.to(device=device, dtype=torch.long)
+        mask = (
+            torch.ones_like(ids, dtype=torch.bool)
+            if attention_mask is None
+            else _check_mask(torch.as_tensor(attention_mask).to(device), ids)
+        )
+    else:
+        if attention_mask is not None:
+            raise _invalid(
+                "attention_mask", "<given>", "None when input_ids is a list of prompts (the mask is built by left-padding)"
+            )
+        ids, mask = left_pad(input_ids, pad_token_id, device)
+        mask = mask.bool()
+    if bool(((ids < 0) | (ids >= vocab_size)).any()):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise _invalid("input_ids", f"<contains {bad}>", f"token ids in [0, {vocab_size}) (model.vocab_size={vocab_size})")
+    return ids, mask
+
+
+# ---------------------------------------------------------------- sampling
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row (exactly k, ties broken by ``torch.topk``);
+    the rest become -inf. logits: [B, V] -> [B, V]."""
+    k = min(k, logits.shape[-1])
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most probable tokens whose total
+    probability is >= p (the most probable token always stays); the rest become -inf.
+    logits: [B, V] -> [B, V]."""
+    if p >= 1.0:
+        return logits  # everything; avoids dropping tail tokens through float round-off
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token in the ranking
+    drop_sorted = before >= p  # the set above already reaches p, so this token is not needed
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token(
+    logits: torch.Tensor,
+    *,
+    sample: bool,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Choose one token per row from last-position logits [B, V]; returns [B] long.
+    Greedy (argmax) unless ``sample``; sampling applies temperature -> top-k -> top-p."""
+    logits = logits.float()
+    if not sample:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+# -------------------------------------------------------------- generation
+def _stop_ids(stop_tokens: Union[int, Iterable[int]], vocab_size: int) -> list[int]:
+    items = [stop_tokens] if isinstance(stop_tokens, int) and not isinstance(stop_tokens, bool) else stop_tokens
+    try:
+        ids = list(items)
+    except TypeError:
+        raise _invalid("stop_tokens", stop_tokens, "a token id or a collection of token ids") from None
+    for tok in ids:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            raise _invalid("stop_tokens", stop_tokens, f"token ids (int) in [0, {vocab_size})")
+    return ids
+
+
+def _check_options(
+    max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float], pad_token_id: int, vocab_size: int
+) -> None:
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise _invalid("max_new_tokens", max_new_tokens, "an integer >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise _invalid("temperature", temperature, "a number >= 0 (0 means greedy)")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise _invalid("top_k", top_k, "None or an integer >= 1")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise _invalid("top_p", top_p, "None or a number in (0, 1]")
+    if not is_int(pad_token_id) or not 0 <= pad_token_id < vocab_size:
+        raise _invalid("pad_token_id", pad_token_id, f"a token id in [0, {vocab_size}) (model.vocab_size={vocab_size})")
+
+
+def generate(
+    model: "LoopLM",
+    input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    do_sample: Optional[bool] = None,
+    stop_tokens: Union[int, Iterable[int]] = (),
+    pad_token_id: int = 0,
+    iterations: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> GenerationOutput:
+    """Continue each prompt by up to ``max_new_tokens`` tokens through the decoding cache.
+
+    input_ids: LongTensor [B, T], optionally with attention_mask [B, T] (1 real token, 0
+    left padding; right padding is refused), or a list of B token-id lists of any lengths,
+    which are left-padded with ``pad_token_id``.
+
+    Decoding is greedy (argmax) when ``do_sample`` is False or ``temperature == 0``, and
+    sampled otherwise; ``do_sample=None`` means "sample iff temperature > 0", so the
+    defaults sample at temperature 1 and ``temperature=0`` is greedy. When sampling, the
+    logits are divided by ``temperature`` and then filtered by ``top_k`` and ``top_p``
+    (in that order); both are ignored when greedy. ``generator`` makes draws reproducible.
+
+    A row finishes after it emits any of ``stop_tokens`` (kept in the output) and emits
+    ``pad_token_id`` from then on; decoding ends when every row has finished.
+    ``iterations`` is the loop count of every forward (test-time compute; the model
+    refuses counts its topology cannot run). The model runs in eval mode without
+    gradients; its training flag is restored afterwards.
+    """
+    cfg = model.cfg
+    _check_options(max_new_tokens, temperature, top_k, top_p, pad_token_id, cfg.vocab_size)
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise _invalid("do_sample", do_sample, "None, True or False")
+    stops = _stop_ids(stop_tokens, cfg.vocab_size)
+    device = next(model.parameters()).device
+    ids, mask = _prepare_inputs(input_ids, attention_mask, pad_token_id, cfg.vocab_size, device)
+    longest = int(mask.sum(dim=1).max())
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise _invalid(
+            "max_new_tokens",
+            max_new_tokens,
+            f"at most {max(cfg.max_seq_len - longest, 0)}: the longest prompt has {longest} tokens and "
+            f"model.max_seq_len={cfg.max_seq_len} bounds prompt + new tokens",
+        )
+    sample = (temperature > 0) if do_sample is None else (do_sample and temperature > 0)
+
+    B = ids.shape[0]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # generated ids kept per row
+    stop_tensor = torch.tensor(stops, dtype=torch.long, device=device)
+    columns: list[torch.Tensor] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if max_new_tokens > 0:
+                cache = LoopCache()
+                # Left padding puts every row's last real token in the last column.
+                logits = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations).logits[:, -1]
+                ones = torch.ones(B, 1, dtype=torch.long, device=device)
+                for step in range(max_new_tokens):
+                    token = next_token(
+                        logits, sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+                    )
+                    token = token.masked_fill(finished, pad_token_id)  # [B]
+                    columns.append(token)
+                    stopped = ~finished & torch.isin(token, stop_tensor)
+                    lengths = torch.where(stopped, step + 1, lengths)
+                    finished = finished | stopped
+                    if bool(finished.all()) or step == max_new_tokens - 1:
+                        break
+                    # The explicit mask of ones keeps the cache's record of earlier padding in force.
+                    logits = model(token[:, None], attention_mask=ones, cache=cache, iterations=iterations).logits[:, -1]
+    finally:
+        model.train(was_training)
+
+    generated = torch.stack(columns, dim=1) if columns else ids.new_zeros(B, 0)  # [B, N]
+    sequences = torch.cat([ids, generated], dim=1)  # [B, T + N]
+    n = generated.shape[1]
+    new_tokens = [row[: min(int(length), n)] for row, length in zip(generated.tolist(), lengths.tolist())]
+    return GenerationOutput(sequences=sequences, new_tokens=new_tokens, finished=finished)

@@ -1,0 +1,42 @@
+"""Shared helpers: tiny model configs spanning the configuration grid."""
+
+from __future__ import annotations
+
+import torch
+
+from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
+
+TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
+
+
+def tiny_config(topology: str = "base", layout: str = "1+2R2+1", **overrides) -> ModelConfig:
+    """A CPU-sized model; ``topology`` may be any kind ('additive' sums anchor+anchor*)."""
+    supplements = ("anchor", "anchor_embedding") if topology == "additive" else ()
+    fields = dict(
+        vocab_size=61,
+        d_model=32,
+        n_heads=4,
+        layout=layout,
+        topology=TopologyConfig(kind=topology, supplements=supplements),
+        max_seq_len=128,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def all_configs() -> list[tuple[str, ModelConfig]]:
+    """Every topology, plus dense, unshared-core and block-shape variants."""
+    grid = [(f"topology={k}", tiny_config(k)) for k in [*TOPOLOGY_KINDS, "additive"]]
+    grid += [
+        ("dense", tiny_config("base", layout="3")),
+        ("mesh-unshared", tiny_config("mesh", share_core=False)),
+        ("anchor-llama-gqa", tiny_config("anchor", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)),
+        ("mesh-neox", tiny_config("mesh", parallel_residual=True, rotary_pct=0.25, layout="2R3", embed_scale=True)),
+        ("residual-tied", tiny_config("residual", tie_embeddings=True, layout="1+1R3")),
+    ]
+    return grid
+
+
+def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
