@@ -116,3 +116,16 @@ def test_cache_crop_and_select_batch():
     torch.testing.assert_close(model(x[:, 6:7], cache=cache).logits[:, 0], full[:, 6], atol=2e-5, rtol=1e-5)
     cache.select_batch(torch.tensor([2, 0]))
     torch.testing.assert_close(model(x[[2, 0], 7:8], cache=cache).logits[:, 0], full[[2, 0], 7], atol=2e-5, rtol=1e-5)
+
+
+def test_decoding_after_padded_prefill_needs_no_mask():
+    """The cache remembers padding: later steps without attention_mask stay correct."""
+    model = _model(tiny_config("anchor"))
+    short = random_ids(1, 4, seed=3)
+    batch = torch.cat([torch.zeros(1, 3, dtype=torch.long), short], dim=1)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    cache = LoopCache()
+    model(batch, attention_mask=mask, cache=cache)
+    nxt = random_ids(1, 1, seed=4)
+    stepped = model(nxt, cache=cache).logits[0, -1]
+    torch.testing.assert_close(stepped, model(torch.cat([short, nxt], 1)).logits[0, -1], atol=2e-5, rtol=1e-5)

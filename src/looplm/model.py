@@ -170,7 +170,7 @@ class LoopLM(nn.Module):
         if cache is not None:
             cache.valid, cache.next_position = valid, start + new_valid.long().sum(dim=1)
 
-        padded = attention_mask is not None and not bool(valid.all())
+        padded = not bool(valid.all())  # padding may come from the cache's earlier positions
         if not padded and (past == 0 or T == 1):
             return positions, None
         S = past + T
