@@ -26,7 +26,7 @@ from looplm.model_config import ModelConfig
 
 MODEL_TYPES = ("gpt_neox", "llama")
 
-# HF parameters-free buffers that some checkpoints still carry: the causal-mask buffers of
+# Parameter-free HF buffers that some checkpoints still carry: the causal-mask buffers of
 # old GPT-NeoX (``attention.bias`` / ``attention.masked_bias``) and rotary tables.
 _IGNORED = re.compile(r"(^|\.)(attention\.bias|attention\.masked_bias|rotary_emb\.inv_freq)$")
 
@@ -56,8 +56,11 @@ _LLAMA_BLOCK = {
     "mlp.down_proj.bias": "ffn.down.bias",
 }
 # Top-level names: (HF prefix of the blocks, embedding, final norm weight/bias, LM head names).
+# GPT-NeoX checkpoints name the head ``embed_out`` (transformers renames it ``lm_head`` on load).
 _TOP = {
-    "gpt_neox": ("gpt_neox.layers.", "gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm.", ("embed_out.weight", "lm_head.weight")),
+    "gpt_neox": (
+        "gpt_neox.layers.", "gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm.", ("embed_out.weight", "lm_head.weight")
+    ),
     "llama": ("model.layers.", "model.embed_tokens.weight", "model.norm.", ("lm_head.weight",)),
 }
 
@@ -249,7 +252,8 @@ def _llama_block(block: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str) 
         present = [n for n in names if n in block]
         if len(present) == 3:
             # q [H·D], k [H_kv·D], v [H_kv·D] stacked along the output dim.
-            out[f"attn.qkv.{kind}"] = (torch.cat([block.pop(n) for n in names], dim=0), prefix + "self_attn.{q,k,v}_proj." + kind)
+            fused = torch.cat([block.pop(n) for n in names], dim=0)
+            out[f"attn.qkv.{kind}"] = (fused, f"{prefix}self_attn.{{q,k,v}}_proj.{kind}")
         elif present:
             missing = [prefix + n for n in names if n not in block]
             raise ValueError(f"missing keys in the llama checkpoint: {', '.join(missing)}")
