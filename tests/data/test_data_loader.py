@@ -16,8 +16,9 @@ TOK = ByteTokenizer()
 
 @pytest.fixture
 def corpus_cfg(tmp_path) -> DataConfig:
-    """~30 windows of 25 tokens per epoch, with a hash-rule validation split (no fallback)."""
-    return DataConfig(source=str(write_jsonl(tmp_path / "c.jsonl", make_documents(40))), seq_len=24, val_fraction=0.2)
+    """33 training windows of 25 tokens per epoch; 5 held-out windows by the hash rule alone."""
+    docs = make_documents(24, max_words=6)
+    return DataConfig(source=str(write_jsonl(tmp_path / "c.jsonl", docs)), seq_len=24, val_fraction=0.2)
 
 
 def draw(stream: TrainStream, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -32,7 +33,7 @@ def same(a, b) -> bool:
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_exact_resume_across_epoch_boundaries(corpus_cfg, shuffle, streaming) -> None:
     cfg = corpus_cfg.replace(shuffle=shuffle, streaming=streaming)
-    for k in (0, 3, 7, 11):  # 7 and 11 batches of 4 end inside the second and third epochs
+    for k in (0, 3, 7, 11):  # 0, 12, 28 and 44 windows drawn; the 12 more cross one or two epoch ends
         stream = TrainStream(cfg, TOK, batch_size=4, shuffle_buffer=5)
         draw(stream, k)
         state = json.loads(json.dumps(stream.state_dict()))  # JSON-able
@@ -143,14 +144,15 @@ def test_bad_parallel_arguments(corpus_cfg) -> None:
 def test_hf_streaming_dataset_trains_and_resumes(tmp_path) -> None:
     import datasets
 
-    datasets.Dataset.from_dict({"text": make_documents(40)}).save_to_disk(str(tmp_path / "ds"))
+    docs = make_documents(24, max_words=6)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))
     cfg = DataConfig(source=f"hf:{tmp_path / 'ds'}", seq_len=24, val_fraction=0.2, streaming=True)
-    local = DataConfig(source=str(write_jsonl(tmp_path / "c.jsonl", make_documents(40))), seq_len=24,
+    local = DataConfig(source=str(write_jsonl(tmp_path / "c.jsonl", docs)), seq_len=24,
                        val_fraction=0.2, streaming=True)
     stream = TrainStream(cfg, TOK, batch_size=4, shuffle_buffer=5)
     assert same(draw(stream, 5), draw(TrainStream(local, TOK, batch_size=4, shuffle_buffer=5), 5))
     state = stream.state_dict()
-    expected = draw(stream, 6)
+    expected = draw(stream, 6)  # windows 20..43 of a 33-window epoch
     resumed = TrainStream(cfg, TOK, batch_size=4, shuffle_buffer=5)
     resumed.load_state_dict(state)
     assert same(draw(resumed, 6), expected)

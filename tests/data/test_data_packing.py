@@ -100,3 +100,26 @@ def test_pydoc_byte_packing_counts_and_cache() -> None:
     # fields that do not change the packing share the cached corpus; seq_len does not
     assert packed_corpus(cfg.replace(seed=3, shuffle=False, val_batches=1), ByteTokenizer()) is corpus
     assert packed_corpus(cfg.replace(seq_len=64), TOK) is not corpus
+
+
+def test_empty_documents_are_skipped(tmp_path) -> None:
+    docs = make_documents(30)
+    with_empty = [""] + docs[:10] + ["", ""] + docs[10:]
+    cfg = DataConfig(source=str(write_jsonl(tmp_path / "a.jsonl", with_empty)), seq_len=20, val_fraction=0.0)
+    corpus = packed_corpus(cfg, TOK)
+    assert torch.equal(corpus.train.flatten().long(), joined(docs)[: corpus.train.numel()])
+
+
+def test_packing_with_a_trained_tokenizer(tmp_path, bpe_tokenizer_json) -> None:
+    from looplm.data import build_tokenizer
+
+    tok = build_tokenizer(str(bpe_tokenizer_json))
+    docs = make_documents(40)
+    cfg = DataConfig(source=str(write_jsonl(tmp_path / "a.jsonl", docs)), seq_len=15, val_fraction=0.0)
+    ids: list[int] = []
+    for d in docs:
+        ids += tok.encode(d) + [tok.eos_id]
+    corpus = packed_corpus(cfg, tok)
+    assert corpus.train.shape[0] == len(ids) // 16
+    assert corpus.train.flatten().tolist() == ids[: corpus.train.numel()]
+    assert packed_corpus(cfg, build_tokenizer(str(bpe_tokenizer_json))) is corpus  # same file: cache hit

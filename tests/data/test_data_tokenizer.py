@@ -56,7 +56,9 @@ def test_tokenizers_json(bpe_tokenizer_json) -> None:
 def test_transformers_directory(bpe_tokenizer_json, tmp_path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=_raw(bpe_tokenizer_json), eos_token="<|endoftext|>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_raw(bpe_tokenizer_json), eos_token="<|endoftext|>", pad_token="<pad>"
+    )
     fast.save_pretrained(str(tmp_path / "hf_tok"))
     tok = build_tokenizer(str(tmp_path / "hf_tok"))
     json_tok = build_tokenizer(str(bpe_tokenizer_json))
@@ -76,7 +78,8 @@ def test_bare_json_eos_lookup_and_missing_eos(tmp_path) -> None:
     def word_level(specials: list[str], name: str):
         raw = RawTokenizer(models.WordLevel(unk_token="[UNK]"))
         raw.pre_tokenizer = pre_tokenizers.Whitespace()
-        raw.train_from_iterator(["a b c", "b c d"], trainers.WordLevelTrainer(special_tokens=specials, show_progress=False))
+        trainer = trainers.WordLevelTrainer(special_tokens=specials, show_progress=False)
+        raw.train_from_iterator(["a b c", "b c d"], trainer)
         raw.save(str(tmp_path / name))
         return raw, str(tmp_path / name)
 

@@ -15,7 +15,9 @@ class DataConfig(Config):
     ``source`` is ``"pydoc"`` (the built-in corpus: the English reference documentation
     shipped with CPython in ``pydoc_data``), a local ``.txt`` / ``.jsonl`` / ``.parquet``
     file or a folder of them, or ``"hf:NAME"`` for a Hugging Face dataset by name or
-    local path (``hf_config``, ``hf_split``, ``streaming`` apply to it).
+    local path (``hf_config``, ``hf_split`` apply to it). ``streaming`` packs windows on
+    the fly instead of tokenizing everything first (for any source), shuffling within a
+    bounded buffer.
     ``tokenizer`` is ``"byte"`` (built-in, no files) or a path to a ``tokenizers`` JSON
     file or a ``transformers`` tokenizer directory.
     """

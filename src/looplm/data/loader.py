@@ -76,7 +76,10 @@ class _PackedWindows:
     def _order_of(self, epoch: int) -> Tensor:
         if epoch != self._order_epoch:
             n = self.per_epoch
-            self._order = torch.randperm(n, generator=epoch_generator(self.seed, epoch)) if self.shuffle else torch.arange(n)
+            if self.shuffle:
+                self._order = torch.randperm(n, generator=epoch_generator(self.seed, epoch))
+            else:
+                self._order = torch.arange(n)
             self._order_epoch = epoch
         return self._order
 
@@ -215,7 +218,8 @@ class TrainStream:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position: ``{"epoch", "offset", "windows_per_epoch"}`` (windows, global)."""
-        return {"epoch": self._windows.epoch, "offset": self._windows.offset, "windows_per_epoch": self._windows.per_epoch}
+        w = self._windows
+        return {"epoch": w.epoch, "offset": w.offset, "windows_per_epoch": w.per_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, yielding exactly what the saved stream would have yielded next."""

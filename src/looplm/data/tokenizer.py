@@ -107,7 +107,8 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         if self._is_transformers:
-            return list(self._backend.encode(text, add_special_tokens=False))
+            # verbose=False: documents are longer than model_max_length by design (we pack them).
+            return list(self._backend.encode(text, add_special_tokens=False, verbose=False))
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
