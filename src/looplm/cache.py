@@ -53,6 +53,7 @@ class LoopCache:
         self.slots: dict[tuple[str, int], KVSlot] = {}
         self.valid: Optional[torch.Tensor] = None
         self.next_position: Optional[torch.Tensor] = None
+        self.padded = False  # whether any key position so far is padding
         self.iterations: Optional[int] = None
 
     def slot(self, block: str, iteration: int) -> KVSlot:
@@ -69,6 +70,7 @@ class LoopCache:
             slot.crop(length)
         self.valid = self.valid[:, :length]
         self.next_position = self.valid.long().sum(dim=1)
+        self.padded = not bool(self.valid.all())
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep (and reorder to) the rows in ``index``, e.g. for beam search or finished rows."""
@@ -77,3 +79,4 @@ class LoopCache:
         if self.valid is not None:
             self.valid = self.valid[index]
             self.next_position = self.next_position[index]
+            self.padded = not bool(self.valid.all())

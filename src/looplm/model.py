@@ -164,13 +164,15 @@ class LoopLM(nn.Module):
             start = cache.next_position
         else:
             valid, start = new_valid, torch.zeros(B, dtype=torch.long, device=device)
+        if past + T > self.cfg.max_seq_len:  # host-side ints: no device sync under torch.compile
+            raise ValueError(f"sequence of {past + T} positions exceeds model.max_seq_len={self.cfg.max_seq_len}")
         positions = (start[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
-        if int(positions.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {int(positions.max()) + 1} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        padded = cache.padded if cache is not None else False
+        if attention_mask is not None:
+            padded = padded or not bool(new_valid.all())
         if cache is not None:
             cache.valid, cache.next_position = valid, start + new_valid.long().sum(dim=1)
-
-        padded = not bool(valid.all())  # padding may come from the cache's earlier positions
+            cache.padded = padded
         if not padded and (past == 0 or T == 1):
             return positions, None
         S = past + T

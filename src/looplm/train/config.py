@@ -35,6 +35,7 @@ class TrainConfig(Config):
     log_every: int = 10
     eval_every: int = 200
     save_every: int = 500
+    keep_last: Optional[int] = None
     max_bad_steps: int = 5
     sample_prompt: str = "The "
     sample_tokens: int = 200
@@ -68,6 +69,12 @@ class TrainConfig(Config):
         check(self.log_every >= 1, "train.log_every", self.log_every, positive)
         check(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0 (0 disables)")
         check(self.save_every >= 0, "train.save_every", self.save_every, "an integer >= 0 (0: only at the end)")
+        check(
+            self.keep_last is None or self.keep_last >= 1,
+            "train.keep_last",
+            self.keep_last,
+            "null (keep every checkpoint) or an integer >= 1",
+        )
         check(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, positive)
         check(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens, "an integer >= 0")
         check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature, "a number >= 0")

@@ -1,0 +1,148 @@
+"""The ``looplm`` command line: train, eval, generate, info, presets.
+
+    looplm train [CONFIG] [key=value ...] [--resume [PATH]]
+    looplm eval RUN_OR_CHECKPOINT [key=value ...] [--json]
+    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ...
+    looplm info CONFIG [key=value ...] [--json]
+    looplm presets
+
+CONFIG is a YAML path or a preset name (``looplm presets`` lists them); ``key=value``
+overrides dotted fields, e.g. ``model.topology.kind=anchor train.max_steps=100``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+from looplm.config_base import ConfigError
+
+log = logging.getLogger("looplm")
+
+
+def _split_config_and_overrides(items: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """The first item is CONFIG unless it looks like ``key=value``."""
+    items = list(items)
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from looplm.config import load_config
+    from looplm.train import Trainer
+    from looplm.train.distributed import process_group_from_env
+
+    source, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(source, overrides)
+    resume = args.resume if args.resume is not None else False
+    with process_group_from_env():
+        Trainer(cfg, resume=resume, progress=not args.no_progress).fit()
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from looplm.evaluation import evaluate_run
+
+    result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        for key, value in result.items():
+            sys.stdout.write(f"{key:<16} {value}\n")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from looplm.evaluation import generate_text
+
+    text = generate_text(
+        args.run,
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        iterations=args.iterations,
+        seed=args.seed,
+    )
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from looplm.config import load_config
+    from looplm.info import describe, format_description
+
+    source, overrides = _split_config_and_overrides(args.items)
+    info = describe(load_config(source, overrides).model)
+    sys.stdout.write((json.dumps(info, indent=2) if args.json else format_description(info)) + "\n")
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from looplm.config import preset_names, read_config_source
+
+    for name in preset_names():
+        model = read_config_source(name).get("model", {})
+        sys.stdout.write(f"{name:<42} layout={model.get('layout')} topology={model.get('topology', {}).get('kind')}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="looplm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (no CONFIG: the default main job)")
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                   help="continue from train.out_dir's latest checkpoint, or from PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss and perplexity of a run or checkpoint")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("overrides", nargs="*", metavar="data.key=value", help="evaluate on other data")
+    p.add_argument("--batches", type=int, default=None, help="number of validation batches")
+    p.add_argument("--iterations", type=int, default=None, help="loop iterations at inference")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from a run or checkpoint")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--iterations", type=int, default=None, help="loop iterations at inference")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
+    p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("presets", help="list the shipped presets")
+    p.set_defaults(func=cmd_presets)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as err:
+        log.error("error: %s", err)
+        return 2
+    except BrokenPipeError:  # e.g. `looplm presets | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Training checkpoints: atomic, verified, and complete enough to resume bit for bit.
+
+Layout of a run directory::
+
+    out_dir/checkpoints/
+        latest                   # text: the name of the newest complete step directory
+        step_0000500/
+            model.safetensors    # weights (safetensors.torch.save_model: a tied matrix stored once)
+            config.json          # RunConfig.to_dict() of the run that wrote it
+            trainer.pt           # optimiser state, step, tokens seen, data position, RNG, counters
+            manifest.json        # {"format", "step", "files": {name: sha256}}, written last
+
+Atomicity: a checkpoint is written into a hidden temporary directory beside the final
+one, every file and the directory are fsync'ed, the directory is renamed to
+``step_NNNNNNN`` and only then is ``latest`` replaced (temporary file, fsync,
+``os.replace``). A process killed at any point leaves ``latest`` naming the previous
+complete checkpoint; leftovers of an interrupted save are removed by the next save.
+``latest`` is the only source of truth: a step directory it does not name is never loaded
+through a run or checkpoints directory.
+
+Loading verifies every file against the manifest's sha256 and the model config against
+the current run's, and reads ``trainer.pt`` with ``torch.load(weights_only=True)``: the
+payload holds only tensors, numbers, strings, lists, tuples, dicts and None (AdamW's
+state, ``random.getstate()``, byte RNG tensors), so no pickled code is ever executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from looplm.config_base import Config
+from looplm.model import LoopLM
+
+logger = logging.getLogger("looplm")
+
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+MODEL_FILE, CONFIG_FILE, TRAINER_FILE = "model.safetensors", "config.json", "trainer.pt"
+FILES = (MODEL_FILE, CONFIG_FILE, TRAINER_FILE)
+_STEP_DIR = re.compile(r"^step_(\d{7,})$")
+_TEMP_PREFIXES = (".tmp-", ".old-")
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupted or for another model."""
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded checkpoint. path: its step directory. config: the saved RunConfig as a
+    dict. state: the contents of ``trainer.pt`` (``step``, ``optimizer`` and whatever
+    the trainer stored: ``tokens_seen``, ``data``, ``rng``, counters)."""
+
+    path: Path
+    step: int
+    config: dict[str, Any]
+    state: dict[str, Any]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def checkpoints_dir(out_dir: PathLike) -> Path:
+    return Path(out_dir) / CHECKPOINTS_DIR
+
+
+def has_checkpoints(out_dir: PathLike) -> bool:
+    """Whether ``out_dir`` holds a ``latest`` pointer or any step directory."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return False
+    return (root / LATEST).exists() or any(_STEP_DIR.match(p.name) for p in root.iterdir())
+
+
+# ---------------------------------------------------------------------------- saving
+def save_checkpoint(
+    out_dir: PathLike,
+    *,
+    step: int,
+    model: nn.Module,
+    run_config: Config,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    state: Optional[dict[str, Any]] = None,
+    keep_last: Optional[int] = None,
+) -> Path:
+    """Write ``out_dir/checkpoints/step_{step:07d}/`` atomically and point ``latest`` at it.
+
+    model: the plain module (not DDP- or compile-wrapped, so parameter names are the
+    model's own). state: extra JSON-like values for ``trainer.pt`` (tensors allowed).
+    keep_last: keep only this many step directories at or below ``step`` (None keeps
+    all); directories above ``step`` (left by an abandoned run that this one resumed
+    before) are left for later saves to replace. Returns the step directory.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be None or >= 1")
+    from safetensors.torch import save_model
+
+    root = checkpoints_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
+    name = step_dir_name(step)
+    final = root / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    payload = {"format": FORMAT_VERSION, "step": step, "optimizer": optimizer.state_dict() if optimizer else None}
+    payload.update(state or {})
+    try:
+        save_model(model, str(tmp / MODEL_FILE))
+        _write_text(tmp / CONFIG_FILE, json.dumps(run_config.to_dict(), indent=2) + "\n")
+        torch.save(payload, tmp / TRAINER_FILE)
+        for file in FILES:
+            _fsync_file(tmp / file)
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": {f: _sha256(tmp / f) for f in FILES}}
+        _write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        _fsync_dir(tmp)
+        _commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_text(root / LATEST, name + "\n", atomic=True)
+    if keep_last is not None:
+        _prune(root, step, keep_last)
+    return final
+
+
+def _commit_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``, replacing an existing ``final`` (rename(2) cannot
+    replace a non-empty directory, so the old one is moved aside first and put back if
+    the rename fails)."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, final)
+        raise
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Temporary directories of saves that were killed midway (only one process saves)."""
+    for path in root.iterdir():
+        if path.name.startswith(_TEMP_PREFIXES):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    steps = sorted(s for s in (_step_of(p.name) for p in root.iterdir() if p.is_dir()) if s is not None and s <= step)
+    for old in steps[:-keep_last]:
+        shutil.rmtree(root / step_dir_name(old), ignore_errors=True)
+
+
+def _step_of(name: str) -> Optional[int]:
+    match = _STEP_DIR.match(name)
+    return int(match[1]) if match else None
+
+
+def _write_text(path: Path, text: str, atomic: bool = False) -> None:
+    """Write and fsync; with ``atomic`` through a temporary file and ``os.replace``."""
+    target = path
+    if atomic:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+        os.close(fd)
+        target = Path(tmp_name)
+    try:
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if atomic:
+            os.replace(target, path)
+            _fsync_dir(path.parent)
+    except BaseException:
+        if atomic:
+            target.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":  # directories cannot be opened for fsync on Windows
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------- loading
+def resolve_checkpoint(path: PathLike) -> Path:
+    """The step directory meant by ``path``: a run directory or a checkpoints directory
+    (through its ``latest``), or a step directory itself."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: the path does not exist")
+    if path.is_dir() and ((path / MANIFEST).exists() or _step_of(path.name) is not None):
+        return path
+    root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(
+            f"no checkpoint at {path}: expected a run directory (with checkpoints/{LATEST}), a checkpoints "
+            f"directory (with {LATEST}) or a step directory (with {MANIFEST})"
+        )
+    name = latest.read_text(encoding="utf-8").strip()
+    if _step_of(name) is None:
+        raise CheckpointError(f"{latest} is corrupted: it names {name!r}, not a step_NNNNNNN directory")
+    step_dir = root / name
+    if not step_dir.is_dir():
+        raise CheckpointError(f"{latest} names {name}, but {step_dir} does not exist")
+    return step_dir
+
+
+def verify_checkpoint(step_dir: PathLike) -> dict[str, Any]:
+    """Check that every file exists and matches the manifest's sha256; return the manifest."""
+    step_dir = Path(step_dir)
+    manifest_path = step_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {step_dir} is incomplete: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {step_dir} is corrupted: {MANIFEST} is unreadable ({err})") from err
+    missing = [f for f in FILES if not (step_dir / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {step_dir} is incomplete: missing {', '.join(missing)}")
+    for file in FILES:
+        if file not in files:
+            raise CheckpointError(f"checkpoint {step_dir} is corrupted: {MANIFEST} has no checksum for {file}")
+        actual = _sha256(step_dir / file)
+        if actual != files[file]:
+            raise CheckpointError(
+                f"checkpoint {step_dir} is corrupted: {file} has sha256 {actual[:16]}…, the manifest records "
+                f"{str(files[file])[:16]}…; resume from an earlier checkpoint (pass its step directory)"
+            )
+    return manifest
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str) -> list[str]:
+    """``"prefix.field: checkpoint X, this run Y"`` for every differing (nested) field."""
+    out = []
+    for key in sorted(set(saved) | set(current), key=str):
+        name = f"{prefix}.{key}"
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, name)
+        elif a != b:
+            out.append(f"{name}: checkpoint {a!r}, this run {b!r}")
+    return out
+
+
+def load_checkpoint(
+    path: PathLike,
+    *,
+    model: Optional[nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    model_config: Optional[Config] = None,
+    map_location: Union[str, torch.device] = "cpu",
+) -> Checkpoint:
+    """Verify and load a checkpoint; restore ``model`` weights and ``optimizer`` state if given.
+
+    path: a run directory, its ``checkpoints`` directory (both through ``latest``) or a
+    step directory. model_config: the current run's model config (defaults to
+    ``model.cfg``); a checkpoint saved with a different one is refused, naming the
+    differing fields. Weights load onto the device the model's parameters are on.
+    """
+    step_dir = resolve_checkpoint(path)
+    manifest = verify_checkpoint(step_dir)
+    config = json.loads((step_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    if model_config is None and isinstance(model, LoopLM):
+        model_config = model.cfg
+    if model_config is not None:
+        differences = config_differences(config.get("model", {}), model_config.to_dict(), "model")
+        if differences:
+            raise CheckpointError(
+                f"checkpoint {step_dir} was saved for a different model; differing fields:\n  "
+                + "\n  ".join(differences)
+                + "\nuse the checkpoint's model settings, or start a new run in another train.out_dir"
+            )
+    state = torch.load(step_dir / TRAINER_FILE, map_location=map_location, weights_only=True)
+    if state.get("format") != FORMAT_VERSION or state.get("step") != manifest.get("step"):
+        raise CheckpointError(
+            f"checkpoint {step_dir}: {TRAINER_FILE} has format {state.get('format')!r} and step "
+            f"{state.get('step')!r}; expected format {FORMAT_VERSION} and the manifest's step {manifest.get('step')!r}"
+        )
+    if model is not None:
+        from safetensors.torch import load_model
+
+        device = next(model.parameters()).device
+        load_model(model, str(step_dir / MODEL_FILE), strict=True, device=str(device))
+    if optimizer is not None:
+        if state.get("optimizer") is None:
+            raise CheckpointError(f"checkpoint {step_dir} has no optimizer state")
+        optimizer.load_state_dict(state["optimizer"])
+    return Checkpoint(path=step_dir, step=int(state["step"]), config=config, state=state)
+
+
+# ---------------------------------------------------------------------------- RNG state
+def rng_state() -> dict[str, Any]:
+    """Python ``random``, torch CPU and (when CUDA is in use) every CUDA device's generator."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured (CUDA only when the device count matches)."""
+    python = state["python"]
+    # weights_only loading returns Python's state with lists where getstate() had tuples
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+        else:
+            logger.warning(
+                "checkpoint has CUDA RNG states for %d devices, this machine has %d: CUDA RNG not restored",
+                len(cuda), torch.cuda.device_count(),
+            )

@@ -1,0 +1,504 @@
+"""The training loop: one object that builds a run from a RunConfig and fits it.
+
+Setup happens once, in ``Trainer.__init__``, in this order (torchtitan's shape: the model
+code stays single-device; everything distributed or compiled is applied from outside):
+
+1. seed Python and torch from ``train.seed``; pick the device (``auto``: CUDA if
+   available, else CPU; ``cuda`` under torchrun means ``cuda:$LOCAL_RANK``);
+2. build the tokenizer and check it fits ``model.vocab_size``; build ``LoopLM``, the AdamW
+   optimiser (:func:`~looplm.train.optim.build_optimizer`), the training stream (sharded
+   by the torch.distributed rank when a process group is initialised) and the validation
+   batches;
+3. restore a checkpoint when resuming (weights, optimiser, step, data position, counters,
+   and the RNG states last, so that everything after it sees the saved streams);
+4. wrap for execution: ``DistributedDataParallel`` when a process group is initialised,
+   then ``torch.compile`` when ``train.compile`` (compiling the DDP module lets
+   Dynamo's DDP optimiser split graphs at gradient-bucket boundaries).
+
+Checkpoints, evaluation, sampling and parameter counts always use the plain model.
+
+Precision: ``auto`` is bf16 autocast on a CUDA device that supports bf16 and fp32
+otherwise; ``bf16`` forces bf16 autocast, on CPU too (CPU autocast: slow, meant for
+checking bf16 numerics without a GPU); ``fp32`` disables autocast. Weights, optimiser
+state and the loss reduction stay fp32 in every mode.
+
+One optimiser step: ``train.batch_size`` sequences per rank, in ``train.grad_accum``
+micro-batches whose losses are scaled by ``1 / grad_accum``; the learning rate is
+``lr_at(step)``; gradients are clipped to ``train.grad_clip`` (0: measured, not clipped). A
+step whose mean loss or gradient norm is not finite is skipped (gradients dropped, no
+update; it still counts as a step and consumes its batch) and logged; ``train.max_bad_steps``
+consecutive skipped steps stop the run with a RuntimeError. Reading the loss and norm
+back costs one host-device synchronisation per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from looplm.config_base import ConfigError
+from looplm.data import TrainStream, build_tokenizer, validation_batches
+from looplm.model import LoopLM
+from looplm.train.checkpoint import (
+    config_differences,
+    has_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from looplm.train.config import TrainConfig
+from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perplexity
+from looplm.train.optim import build_optimizer
+from looplm.train.params import parameter_counts
+from looplm.train.schedule import lr_at
+
+if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
+    from looplm.config import RunConfig
+
+logger = logging.getLogger("looplm")
+
+#: Train-config fields that may differ on resume without changing what is computed.
+_RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last", "sample_prompt",
+                   "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps"}
+
+
+class Trainer:
+    """Trains ``LoopLM(run_cfg.model)`` on ``run_cfg.data`` as ``run_cfg.train`` says.
+
+    resume: ``False`` starts a fresh run and refuses an ``out_dir`` that already holds
+    checkpoints; ``True`` continues from ``out_dir``'s latest checkpoint, or starts fresh
+    (with a warning) when there is none, so a pre-emptible job can always pass it; a path
+    (run, checkpoints or step directory) continues from that checkpoint, which must exist.
+    progress: show a tqdm bar on stderr (rank 0 only).
+
+    Under ``torchrun`` initialise the process group before constructing the Trainer; rank
+    0 writes checkpoints, metrics and the summary, and every rank reads checkpoints from
+    ``out_dir`` (a shared file system).
+    """
+
+    def __init__(self, run_cfg: RunConfig, *, resume: Union[bool, str, os.PathLike] = False, progress: bool = True):
+        self.cfg = run_cfg
+        tc = run_cfg.train
+        self.out_dir = Path(tc.out_dir)
+        self.progress = progress
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
+        self.device = _pick_device(tc.device, self.distributed)
+        self.autocast_dtype = _autocast_dtype(tc.precision, self.device)
+        _seed_everything(tc.seed)
+
+        self.tokenizer = build_tokenizer(run_cfg.data.tokenizer)
+        if run_cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                "model.vocab_size", run_cfg.model.vocab_size,
+                f"an integer >= {self.tokenizer.vocab_size}, the vocabulary size of tokenizer "
+                f"{self.tokenizer.name!r} (data.tokenizer)",
+            )
+        if run_cfg.data.seq_len > run_cfg.model.max_seq_len:
+            raise ConfigError(
+                "data.seq_len", run_cfg.data.seq_len, f"at most model.max_seq_len={run_cfg.model.max_seq_len}"
+            )
+        self.model = LoopLM(run_cfg.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, tc)
+        self.stream = TrainStream(run_cfg.data, self.tokenizer, tc.batch_size, self.rank, self.world_size)
+        self.micro_batch = tc.batch_size // tc.grad_accum
+        self.val_batches = validation_batches(
+            run_cfg.data, self.tokenizer, self.micro_batch, self.rank, self.world_size
+        )
+        self.tokens_per_step = tc.batch_size * run_cfg.data.seq_len * self.world_size
+
+        # Progress; everything here is saved in trainer.pt and restored on resume.
+        self.step = 0
+        self.tokens_seen = 0
+        self.bad_steps = 0  # consecutive skipped steps
+        self.skipped_steps = 0
+        self.best_val_loss: Optional[float] = None
+        self.last_train_loss: Optional[float] = None
+        self.last_val_loss: Optional[float] = None
+        self.train_time_s = 0.0
+
+        self.resumed_from: Optional[Path] = None
+        self.last_saved_step: Optional[int] = None
+        self.last_eval_step: Optional[int] = None
+        self.last_checkpoint: Optional[Path] = None
+        source = self._checkpoint_to_resume(resume)
+        if source is not None:
+            self._restore(source)
+        self.train_model = self._wrap(self.model)
+
+        metrics_path = self.out_dir / "metrics.jsonl"
+        if self.rank == 0 and self.resumed_from is None and metrics_path.exists():
+            logger.warning("%s has no checkpoint; its metrics.jsonl is replaced by this fresh run's", self.out_dir)
+        self.metrics = MetricsWriter(metrics_path if self.rank == 0 else None, fresh=self.resumed_from is None)
+        if self.resumed_from is None:
+            self.metrics.log("start", 0, parameters=parameter_counts(self.model), world_size=self.world_size,
+                             device=str(self.device))
+        else:
+            self.metrics.log("resume", self.step, checkpoint=str(self.resumed_from), world_size=self.world_size)
+            logger.info("resumed from %s at step %d", self.resumed_from, self.step)
+
+    # ------------------------------------------------------------------ setup
+    def _checkpoint_to_resume(self, resume: Union[bool, str, os.PathLike]) -> Optional[Union[str, os.PathLike]]:
+        if resume is False or resume is None:
+            if has_checkpoints(self.out_dir):
+                raise ConfigError(
+                    "train.out_dir", str(self.out_dir),
+                    "a directory without checkpoints for a fresh run: it already holds a run's checkpoints. "
+                    "Pass resume=True (CLI: --resume) to continue that run, or choose another train.out_dir",
+                )
+            return None
+        if resume is True:
+            if (self.out_dir / "checkpoints" / "latest").is_file():
+                return self.out_dir
+            logger.warning("resume requested but %s has no checkpoint: starting a fresh run", self.out_dir)
+            return None
+        return resume
+
+    def _restore(self, source: Union[str, os.PathLike]) -> None:
+        ckpt = load_checkpoint(source, model=self.model, optimizer=self.optimizer, model_config=self.cfg.model)
+        tc = self.cfg.train
+        # The optimiser's groups come back with the saved hyper-parameters; the current
+        # config is authoritative (differences are reported below). lr is set every step.
+        for group, wd in zip(self.optimizer.param_groups, _group_weight_decays(tc)):
+            group.update(weight_decay=wd, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+        saved_train = {k: v for k, v in ckpt.config.get("train", {}).items() if k not in _RESUME_NEUTRAL}
+        current_train = {k: v for k, v in tc.to_dict().items() if k not in _RESUME_NEUTRAL}
+        differences = config_differences(ckpt.config.get("data", {}), self.cfg.data.to_dict(), "data")
+        differences += config_differences(saved_train, current_train, "train")
+        if differences:
+            logger.warning(
+                "resuming %s with settings that differ from the checkpoint's, so the run will not continue "
+                "exactly as it would have:\n  %s", ckpt.path, "\n  ".join(differences),
+            )
+        s = ckpt.state
+        self.stream.load_state_dict(s["data"])
+        self.step, self.tokens_seen = ckpt.step, int(s["tokens_seen"])
+        self.bad_steps, self.skipped_steps = int(s["bad_steps"]), int(s["skipped_steps"])
+        self.best_val_loss, self.last_train_loss = s["best_val_loss"], s["last_train_loss"]
+        self.last_val_loss, self.train_time_s = s["last_val_loss"], float(s["train_time_s"])
+        set_rng_state(s["rng"])
+        self.resumed_from = self.last_checkpoint = ckpt.path
+        self.last_saved_step = ckpt.step
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        wrapped = model
+        if self.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids)
+        if self.cfg.train.compile:
+            wrapped = torch.compile(wrapped)
+        return wrapped
+
+    def _state(self) -> dict[str, Any]:
+        """What trainer.pt holds besides the optimiser (see :func:`save_checkpoint`)."""
+        return {
+            "tokens_seen": self.tokens_seen,
+            "data": self.stream.state_dict(),
+            "rng": rng_state(),
+            "bad_steps": self.bad_steps,
+            "skipped_steps": self.skipped_steps,
+            "best_val_loss": self.best_val_loss,
+            "last_train_loss": self.last_train_loss,
+            "last_val_loss": self.last_val_loss,
+            "train_time_s": self.train_time_s,
+            "world_size": self.world_size,
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, stop_after: Optional[int] = None) -> dict[str, Any]:
+        """Train to ``train.max_steps`` (or stop after step ``stop_after``, as a pre-empted
+        job would: the schedule still runs to max_steps), evaluate, save a checkpoint,
+        generate a sample, write ``summary.json`` and return the summary."""
+        tc = self.cfg.train
+        end = tc.max_steps if stop_after is None else min(stop_after, tc.max_steps)
+        wall_start = time.perf_counter()
+        session_tokens, session_time = 0, 0.0
+        window_tokens, window_time = 0, 0.0
+        bar = _progress_bar(total=tc.max_steps, initial=self.step, enabled=self.progress and self.rank == 0)
+        try:
+            with _redirect_logging(bar):
+                while self.step < end:
+                    lr = lr_at(self.step, tc)
+                    t0 = time.perf_counter()
+                    loss, grad_norm = self._train_step(lr)
+                    elapsed = time.perf_counter() - t0
+                    self.step += 1
+                    self.tokens_seen += self.tokens_per_step
+                    self.train_time_s += elapsed
+                    session_tokens, session_time = session_tokens + self.tokens_per_step, session_time + elapsed
+                    window_tokens, window_time = window_tokens + self.tokens_per_step, window_time + elapsed
+                    bar.update(1)
+                    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                        self._on_bad_step(loss, grad_norm)
+                    else:
+                        self.bad_steps, self.last_train_loss = 0, loss
+                        if self.step % tc.log_every == 0 or self.step == end:
+                            tps = window_tokens / window_time if window_time > 0 else 0.0
+                            self.metrics.log("train", self.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                                             tokens=self.tokens_seen, tokens_per_s=tps)
+                            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
+                            window_tokens, window_time = 0, 0.0
+                    if tc.eval_every and self.step % tc.eval_every == 0:
+                        self.evaluate()
+                    if tc.save_every and self.step % tc.save_every == 0:
+                        self.save()
+                if self.last_eval_step != self.step:
+                    self.evaluate()
+                if self.last_saved_step != self.step:
+                    self.save()
+        finally:
+            bar.close()
+        sample = self.sample() if self.rank == 0 else None
+        summary = self._summary(
+            tokens_per_s=session_tokens / session_time if session_time > 0 else None,
+            wall_time_s=time.perf_counter() - wall_start,
+            sample=sample,
+        )
+        if self.rank == 0:
+            _write_json(self.out_dir / "summary.json", summary)
+            logger.info("run summary\n%s", format_summary(summary))
+            if sample is not None:
+                logger.info("sample (%d tokens, temperature %g):\n%s", tc.sample_tokens, tc.sample_temperature, sample)
+        return summary
+
+    def _train_step(self, lr: float) -> tuple[float, float]:
+        """One optimiser step at learning rate ``lr``; returns (mean loss, gradient norm)."""
+        tc = self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = next(self.stream)
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for i in range(tc.grad_accum):
+            rows = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
+            last = i == tc.grad_accum - 1
+            with self._gradient_sync(last):  # DDP all-reduces only on the last micro-batch
+                with self._autocast():
+                    loss = self.train_model(inputs[rows], targets[rows]).loss
+                (loss / tc.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        mean_loss = loss_sum / tc.grad_accum
+        if self.distributed:
+            dist.all_reduce(mean_loss)
+            mean_loss /= self.world_size
+        # max_norm=inf measures without clipping (clip coefficient clamps to exactly 1)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_value, norm_value = torch.stack([mean_loss, grad_norm.float()]).tolist()  # one sync
+        if math.isfinite(loss_value) and math.isfinite(norm_value):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value
+
+    def _on_bad_step(self, loss: float, grad_norm: float) -> None:
+        self.bad_steps += 1
+        self.skipped_steps += 1
+        limit = self.cfg.train.max_bad_steps
+        self.metrics.log("skipped", self.step, loss=loss, grad_norm=grad_norm, bad_steps=self.bad_steps)
+        logger.warning(
+            "step %d skipped: non-finite loss=%s or grad_norm=%s (%d consecutive, limit train.max_bad_steps=%d)",
+            self.step, loss, grad_norm, self.bad_steps, limit,
+        )
+        if self.bad_steps >= limit:
+            last = "no checkpoint was saved"
+            if self.last_checkpoint is not None:
+                last = f"the last checkpoint is {self.last_checkpoint}"
+            raise RuntimeError(
+                f"training stopped at step {self.step}: {self.bad_steps} consecutive steps "
+                f"({self.step - self.bad_steps + 1}..{self.step}) had a non-finite loss or gradient norm "
+                f"(last: loss={loss}, grad_norm={grad_norm}), so no update was applied; {last}. The run is "
+                f"diverging: try a lower train.lr (now {self.cfg.train.lr:g}), a smaller train.grad_clip "
+                f"(now {self.cfg.train.grad_clip:g}), a longer warmup or train.precision=fp32, and resume "
+                f"from the checkpoint"
+            )
+
+    def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        if self.distributed and not enabled:
+            return self._ddp_module().no_sync()
+        return contextlib.nullcontext()
+
+    def _ddp_module(self) -> nn.Module:
+        module = self.train_model
+        return getattr(module, "_orig_mod", module)  # torch.compile's wrapper keeps the DDP module here
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    # ------------------------------------------------------------------ evaluation, saving, sampling
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Mean loss over the validation batches (all ranks); logs ``val_loss`` and ``val_ppl``.
+        None when the data has no validation split. Batches have the micro-batch size
+        (``batch_size / grad_accum``), the size known to fit in memory."""
+        self.last_eval_step = self.step
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in self.val_batches:
+            with self._autocast():
+                total += self.model(inputs.to(self.device), targets.to(self.device)).loss.float()
+        self.model.train()
+        mean = total / len(self.val_batches)  # equal-size batches without padding: the token mean
+        if self.distributed:
+            dist.all_reduce(mean)
+            mean /= self.world_size
+        val_loss = mean.item()
+        self.last_val_loss = val_loss
+        if math.isfinite(val_loss) and (self.best_val_loss is None or val_loss < self.best_val_loss):
+            self.best_val_loss = val_loss
+        self.metrics.log("eval", self.step, val_loss=val_loss, val_ppl=perplexity(val_loss))
+        return val_loss
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (rank 0) and wait for it on every rank."""
+        path = self.out_dir / "checkpoints" / f"step_{self.step:07d}"
+        if self.rank == 0:
+            path = save_checkpoint(
+                self.out_dir, step=self.step, model=self.model, run_config=self.cfg,
+                optimizer=self.optimizer, state=self._state(), keep_last=self.cfg.train.keep_last,
+            )
+        if self.distributed:
+            dist.barrier()
+        self.last_saved_step, self.last_checkpoint = self.step, path
+        return path
+
+    @torch.no_grad()
+    def sample(self) -> Optional[str]:
+        """``train.sample_prompt`` continued by up to ``train.sample_tokens`` tokens (seeded by
+        ``train.seed``), or None when sampling is off."""
+        tc = self.cfg.train
+        if tc.sample_tokens == 0:
+            return None
+        ids = self.tokenizer.encode(tc.sample_prompt) or [self.tokenizer.eos_id]
+        new = min(tc.sample_tokens, self.cfg.model.max_seq_len - len(ids))
+        if new <= 0:
+            logger.warning("no sample: the prompt fills model.max_seq_len=%d", self.cfg.model.max_seq_len)
+            return None
+        generator = torch.Generator(device=self.device).manual_seed(tc.seed)
+        self.model.eval()
+        try:
+            with self._autocast():
+                out = self.model.generate(
+                    torch.tensor([ids], device=self.device),
+                    max_new_tokens=new,
+                    temperature=tc.sample_temperature,  # 0: greedy
+                    stop_tokens=(self.tokenizer.eos_id,),
+                    pad_token_id=self.tokenizer.pad_id,
+                    generator=generator,
+                )
+        finally:
+            self.model.train()
+        return tc.sample_prompt + self.tokenizer.decode(out.new_tokens[0])
+
+    def _summary(self, *, tokens_per_s: Optional[float], wall_time_s: float, sample: Optional[str]) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "out_dir": str(self.out_dir),
+            "steps": self.step,
+            "max_steps": cfg.train.max_steps,
+            "skipped_steps": self.skipped_steps,
+            "parameters": parameter_counts(self.model),
+            "layout": cfg.model.layout,
+            "unrolled_depth": cfg.model.loop.unrolled_depth,
+            "tokens_seen": self.tokens_seen,
+            "train_loss": self.last_train_loss,
+            "train_ppl": None if self.last_train_loss is None else perplexity(self.last_train_loss),
+            "val_loss": self.last_val_loss,
+            "val_ppl": None if self.last_val_loss is None else perplexity(self.last_val_loss),
+            "best_val_loss": self.best_val_loss,
+            "tokens_per_s": tokens_per_s,
+            "wall_time_s": wall_time_s,
+            "train_time_s": self.train_time_s,
+            "device": str(self.device),
+            "precision": "fp32" if self.autocast_dtype is None else "bf16",
+            "world_size": self.world_size,
+            "checkpoint": None if self.last_checkpoint is None else str(self.last_checkpoint),
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+            "sample": sample,
+            "config": cfg.to_dict(),
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+def _pick_device(spec: str, distributed: bool) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError("train.device", spec, "auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", spec, "auto or cpu: CUDA is not available on this machine")
+        if device.index is None:
+            index = int(os.environ.get("LOCAL_RANK", 0)) if distributed else torch.cuda.current_device()
+            device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
+    """bf16 or None (fp32) for ``train.precision`` on ``device``; see the module docstring."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        if device.type == "cuda" and not cuda_bf16:
+            raise ConfigError("train.precision", precision, "fp32 or auto: this GPU does not support bf16")
+        return torch.bfloat16
+    return torch.bfloat16 if cuda_bf16 else None
+
+
+def _group_weight_decays(tc: TrainConfig) -> list[float]:
+    return [tc.weight_decay, tc.weight_decay if tc.decay_norms_and_biases else 0.0]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # every device's generator, CUDA included
+
+
+def _progress_bar(*, total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
+                disable=not enabled, dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def _redirect_logging(bar) -> Iterator[None]:
+    """Route console log records through tqdm while the bar is shown, so they do not tear it."""
+    if bar.disable:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger(), logger]):
+        yield
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write through a temporary file and os.replace, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(json_safe(data), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

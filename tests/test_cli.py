@@ -1,0 +1,50 @@
+"""The command line: info, presets and clear errors (train/eval/generate in tests/train)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from looplm.cli import main
+
+
+def test_info_reports_mesh_table_6_counts(capsys):
+    assert main(["info", "pythia-1.4b-4+8R2+4-mesh", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layout"] == "4+8R2+4" and info["unrolled_depth"] == 24
+    # MeSH Table 6: non-embedding 805,797,918 including 61,470 router weights
+    assert info["parameters"]["non_embedding"] == 805_797_918
+    assert info["parameters"]["topology"] == 61_470
+
+
+def test_info_dense_pythia_non_embedding_matches_table_6(capsys):
+    assert main(["info", "pythia-1.4b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"]["non_embedding"] == 1_208_602_624
+
+
+def test_info_table_with_overrides(capsys):
+    assert main(["info", "default", "model.layout=2+3R4+2", "model.topology.kind=anchor"]) == 0
+    out = capsys.readouterr().out
+    assert "2+3R4+2" in out and "unrolled_depth   16" in out and "anchor" in out
+
+
+def test_presets_lists_every_preset(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "default" in out and "pythia-410m-3+6R3+3-mesh" in out and "tiny-gated_residual" in out
+
+
+def test_invalid_override_is_a_clear_error(capsys, caplog):
+    assert main(["info", "default", "model.topology.kind=meshy"]) == 2
+    assert "model.topology.kind='meshy' is invalid" in caplog.text
+
+
+def test_missing_run_is_a_clear_error(tmp_path, caplog):
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in caplog.text
+
+
+def test_info_requires_config():
+    with pytest.raises(SystemExit):
+        main(["info"])

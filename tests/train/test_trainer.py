@@ -1,0 +1,194 @@
+"""Trainer: exact resume, non-finite steps, metrics and summary, refusals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+
+import pytest
+import torch
+
+from looplm import LoopLM
+from looplm.config_base import ConfigError
+from looplm.train import CheckpointError, Trainer, parameter_counts, read_metrics, train_losses
+from tests.train.helpers import assert_same_weights, checkpoint_weights, run_config
+
+
+class Crash(Exception):
+    """Stands in for a job killed mid-run."""
+
+
+# ---------------------------------------------------------------------- resume
+@pytest.mark.parametrize(
+    "topology,grad_accum",
+    [("base", 1), ("mesh", 1), ("mesh", 2)],
+)
+def test_resumed_run_matches_uninterrupted_run_step_for_step(tmp_path, topology, grad_accum):
+    kw = dict(topology=topology, grad_accum=grad_accum, max_steps=6, save_every=3)
+    Trainer(run_config(tmp_path / "whole", **kw), progress=False).fit()
+    Trainer(run_config(tmp_path / "split", **kw), progress=False).fit(stop_after=3)
+    assert sorted(train_losses(tmp_path / "split" / "metrics.jsonl")) == [1, 2, 3]
+    resumed = Trainer(run_config(tmp_path / "split", **kw), resume=True, progress=False)
+    assert resumed.step == 3 and resumed.tokens_seen == 3 * 4 * 32
+    resumed.fit()
+
+    whole = train_losses(tmp_path / "whole" / "metrics.jsonl")
+    split = train_losses(tmp_path / "split" / "metrics.jsonl")
+    assert sorted(whole) == list(range(1, 7))
+    assert split == whole  # bit-exact floats, every step
+    assert_same_weights(checkpoint_weights(tmp_path / "whole", 6), checkpoint_weights(tmp_path / "split", 6))
+    assert [e["event"] for e in read_metrics(tmp_path / "split" / "metrics.jsonl")].count("resume") == 1
+
+
+def test_resume_after_a_crash_replays_the_lost_steps_exactly(tmp_path, monkeypatch):
+    kw = dict(topology="gated_residual", max_steps=6, save_every=2, eval_every=2)
+    Trainer(run_config(tmp_path / "whole", **kw), progress=False).fit()
+
+    real_step = Trainer._train_step
+
+    def crashing_step(self, lr):
+        if self.step == 4:  # checkpoints at steps 2 and 4; the job dies in step 5
+            raise Crash
+        return real_step(self, lr)
+
+    monkeypatch.setattr(Trainer, "_train_step", crashing_step)
+    with pytest.raises(Crash):
+        Trainer(run_config(tmp_path / "crashed", **kw), progress=False).fit()
+    monkeypatch.undo()
+    assert (tmp_path / "crashed" / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    Trainer(run_config(tmp_path / "crashed", **kw), resume=True, progress=False).fit()
+    whole = train_losses(tmp_path / "whole" / "metrics.jsonl")
+    assert train_losses(tmp_path / "crashed" / "metrics.jsonl") == whole
+    evals = [e for e in read_metrics(tmp_path / "crashed" / "metrics.jsonl") if e["event"] == "eval"]
+    whole_evals = [e for e in read_metrics(tmp_path / "whole" / "metrics.jsonl") if e["event"] == "eval"]
+    assert [(e["step"], e["val_loss"]) for e in evals] == [(e["step"], e["val_loss"]) for e in whole_evals]
+    assert_same_weights(checkpoint_weights(tmp_path / "whole", 6), checkpoint_weights(tmp_path / "crashed", 6))
+
+
+def test_resume_from_an_explicit_step_directory(tmp_path):
+    kw = dict(max_steps=4, save_every=2)
+    Trainer(run_config(tmp_path / "run", **kw), progress=False).fit()
+    step2 = tmp_path / "run" / "checkpoints" / "step_0000002"
+    saved = torch.load(step2 / "trainer.pt", weights_only=True)
+    random.seed(123)
+    trainer = Trainer(run_config(tmp_path / "run", **kw), resume=str(step2), progress=False)
+    assert trainer.step == 2 and trainer.resumed_from == step2
+    assert trainer.stream.state_dict() == saved["data"]
+    assert torch.equal(torch.get_rng_state(), saved["rng"]["torch"])  # RNG restored after model init
+    assert random.getstate()[1] == tuple(saved["rng"]["python"][1])
+
+
+def test_bf16_autocast_on_cpu(tmp_path):
+    summary = Trainer(run_config(tmp_path / "run", max_steps=2, precision="bf16"), progress=False).fit()
+    assert summary["precision"] == "bf16" and math.isfinite(summary["train_loss"])
+    assert math.isfinite(summary["val_loss"])
+
+
+# ---------------------------------------------------------------------- refusals
+def test_fresh_run_into_a_directory_with_checkpoints_is_refused(tmp_path):
+    cfg = run_config(tmp_path / "run", max_steps=2)
+    Trainer(cfg, progress=False).fit()
+    with pytest.raises(ConfigError, match=r"train.out_dir.*already holds a run's checkpoints.*resume=True"):
+        Trainer(cfg, progress=False)
+    # a finished run resumed does no more steps and keeps its checkpoint
+    summary = Trainer(cfg, resume=True, progress=False).fit()
+    assert summary["steps"] == 2 and summary["checkpoint"].endswith("step_0000002")
+
+
+def test_resume_without_a_checkpoint(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="looplm"):
+        trainer = Trainer(run_config(tmp_path / "new"), resume=True, progress=False)
+    assert trainer.step == 0 and "starting a fresh run" in caplog.text
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Trainer(run_config(tmp_path / "new2"), resume=str(tmp_path / "missing"), progress=False)
+
+
+def test_resume_with_another_model_is_refused(tmp_path):
+    Trainer(run_config(tmp_path / "run", max_steps=2), progress=False).fit()
+    with pytest.raises(CheckpointError, match="model.layout: checkpoint '1\\+1R2\\+1', this run '1\\+1R3\\+1'"):
+        Trainer(run_config(tmp_path / "run", model={"layout": "1+1R3+1"}), resume=True, progress=False)
+
+
+def test_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.vocab_size=200 .*>= 257"):
+        Trainer(run_config(tmp_path / "run", model={"vocab_size": 200}), progress=False)
+
+
+# ---------------------------------------------------------------------- non-finite steps
+def nan_loss_at(monkeypatch, bad_calls):
+    """Make the training forward calls numbered in ``bad_calls`` (1-based) return a NaN loss."""
+    real_forward = LoopLM.forward
+    calls = {"n": 0}
+
+    def forward(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] in bad_calls:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(LoopLM, "forward", forward)
+
+
+def test_non_finite_step_is_skipped_and_training_continues(tmp_path, monkeypatch, caplog):
+    nan_loss_at(monkeypatch, {3})
+    cfg = run_config(tmp_path / "run", max_steps=5, save_every=1)
+    with caplog.at_level(logging.WARNING, logger="looplm"):
+        summary = Trainer(cfg, progress=False).fit()
+    assert "step 3 skipped" in caplog.text
+    events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    skipped = [e for e in events if e["event"] == "skipped"]
+    assert [(e["step"], e["loss"], e["bad_steps"]) for e in skipped] == [(3, "nan", 1)]
+    assert sorted(train_losses(tmp_path / "run" / "metrics.jsonl")) == [1, 2, 4, 5]
+    assert all(math.isfinite(v) for v in train_losses(tmp_path / "run" / "metrics.jsonl").values())
+    assert summary["skipped_steps"] == 1 and summary["steps"] == 5
+    # the skipped step changed nothing; the steps around it did
+    assert_same_weights(checkpoint_weights(tmp_path / "run", 2), checkpoint_weights(tmp_path / "run", 3))
+    w3, w4 = checkpoint_weights(tmp_path / "run", 3), checkpoint_weights(tmp_path / "run", 4)
+    assert not torch.equal(w3["embed.weight"], w4["embed.weight"])
+
+
+def test_persistent_non_finite_loss_stops_the_run(tmp_path, monkeypatch):
+    nan_loss_at(monkeypatch, set(range(2, 100)))
+    cfg = run_config(tmp_path / "run", max_steps=10, max_bad_steps=3)
+    with pytest.raises(RuntimeError, match=r"3 consecutive steps \(2..4\).*non-finite.*lower train.lr"):
+        Trainer(cfg, progress=False).fit()
+    skipped = [e["step"] for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "skipped"]
+    assert skipped == [2, 3, 4]
+
+
+# ---------------------------------------------------------------------- records
+def test_metrics_and_summary(tmp_path):
+    cfg = run_config(tmp_path / "run", max_steps=4, eval_every=2, log_every=2, sample_tokens=4, sample_prompt="def ")
+    trainer = Trainer(cfg, progress=False)
+    summary = trainer.fit()
+    events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert events[0]["event"] == "start" and events[0]["parameters"] == parameter_counts(trainer.model)
+    train = [e for e in events if e["event"] == "train"]
+    assert [e["step"] for e in train] == [2, 4]
+    for e in train:
+        assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "time"} <= set(e)
+        assert e["tokens"] == e["step"] * 4 * 32 and e["tokens_per_s"] > 0
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4]  # eval_every, and not twice at the end
+    for e in evals:
+        assert e["val_ppl"] == pytest.approx(math.exp(e["val_loss"]), rel=1e-12)
+
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    for key in ("parameters", "unrolled_depth", "tokens_seen", "train_loss", "train_ppl", "val_loss", "val_ppl",
+                "tokens_per_s", "wall_time_s", "sample", "checkpoint", "steps"):
+        assert key in summary
+    assert summary["parameters"] == parameter_counts(trainer.model)
+    assert summary["parameters"]["non_embedding"] < summary["parameters"]["total"]
+    assert summary["unrolled_depth"] == 1 + 1 * 2 + 1
+    assert summary["tokens_seen"] == 4 * 4 * 32 and summary["steps"] == 4
+    assert summary["val_loss"] == evals[-1]["val_loss"]
+    assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]), rel=1e-12)
+    assert summary["train_loss"] == train[-1]["loss"]
+    assert summary["train_ppl"] == pytest.approx(math.exp(summary["train_loss"]), rel=1e-12)
+    assert isinstance(summary["sample"], str) and summary["sample"].startswith("def ")
+    assert summary["checkpoint"].endswith("step_0000004")
