@@ -48,3 +48,41 @@ def test_missing_run_is_a_clear_error(tmp_path, caplog):
 def test_info_requires_config():
     with pytest.raises(SystemExit):
         main(["info"])
+
+
+def test_train_eval_generate_resume_through_the_cli(tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["tiny-mesh", f"train.out_dir={run}", "train.eval_every=0", "train.save_every=3",
+              "train.sample_tokens=8", "model.d_model=32", "data.seq_len=32", "train.batch_size=4"]
+    assert main(["train", *common, "train.max_steps=3", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["sample"].startswith("The ")
+    # a fresh run into the same directory is refused; --resume continues it
+    assert main(["train", *common, "train.max_steps=5", "--no-progress"]) == 2
+    assert main(["train", *common, "train.max_steps=5", "--resume", "--no-progress"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 5
+    capsys.readouterr()
+
+    assert main(["eval", str(run), "--json", "--batches", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["checkpoint"].endswith("step_0000005") and result["val_ppl"] > 1
+    assert abs(result["val_ppl"] - __import__("math").exp(result["val_loss"])) < 1e-6
+
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("def ")
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+def test_generate_from_save_pretrained_directory(tmp_path, capsys):
+    from looplm import LoopLM
+    from tests.conftest import tiny_config
+
+    model = LoopLM(tiny_config("anchor", vocab_size=257))
+    model.save_pretrained(tmp_path / "pretrained")
+    reloaded = LoopLM.from_pretrained(tmp_path / "pretrained")
+    for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()):
+        assert __import__("torch").equal(a, b)
+    assert main(["generate", str(tmp_path / "pretrained"), "--prompt", "ab", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("ab")

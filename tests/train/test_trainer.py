@@ -21,12 +21,21 @@ class Crash(Exception):
 
 
 # ---------------------------------------------------------------------- resume
-@pytest.mark.parametrize(
-    "topology,grad_accum",
-    [("base", 1), ("mesh", 1), ("mesh", 2)],
+TOPOLOGIES = ["base", "residual", "anchor", "anchor_embedding", "gated_residual", "static_combination",
+              "dynamic_combination", "mesh"]
+RESUME_GRID = (
+    [(kind, {}, 1) for kind in TOPOLOGIES]
+    + [("mesh", {}, 2), ("base", {"layout": "3"}, 1), ("mesh", {"share_core": False}, 1),
+       ("additive", {"topology": {"kind": "additive", "supplements": ["anchor", "anchor_embedding"]}}, 1)]
 )
-def test_resumed_run_matches_uninterrupted_run_step_for_step(tmp_path, topology, grad_accum):
-    kw = dict(topology=topology, grad_accum=grad_accum, max_steps=6, save_every=3)
+
+
+@pytest.mark.parametrize(
+    "topology,model,grad_accum", RESUME_GRID,
+    ids=[f"{k}-{'-'.join(map(str, m.values())) or 'shared'}-accum{a}" for k, m, a in RESUME_GRID],
+)
+def test_resumed_run_matches_uninterrupted_run_step_for_step(tmp_path, topology, model, grad_accum):
+    kw = dict(topology=topology, model=model, grad_accum=grad_accum, max_steps=6, save_every=3)
     Trainer(run_config(tmp_path / "whole", **kw), progress=False).fit()
     Trainer(run_config(tmp_path / "split", **kw), progress=False).fit(stop_after=3)
     assert sorted(train_losses(tmp_path / "split" / "metrics.jsonl")) == [1, 2, 3]
