@@ -103,6 +103,8 @@ class ModelConfig(Config):
     depth_scaled_init: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.topology, dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
+            object.__setattr__(self, "topology", TopologyConfig.from_dict(self.topology, prefix="model.topology"))
         if isinstance(self.layout, int) and not isinstance(self.layout, bool):
             object.__setattr__(self, "layout", str(self.layout))  # YAML reads `layout: 12` as an int
         layout = parse_layout(self.layout)  # raises ConfigError naming model.layout
