@@ -50,3 +50,24 @@ def test_two_ranks_match_one_process_and_resume(tmp_path):
                   if e["event"] == "eval"}
     assert val.keys() == val_single.keys() == {2, 4}
     assert val[4] == pytest.approx(val_single[4], rel=1e-5)
+
+
+def test_torchrun_launches_the_cli_with_ddp(tmp_path):
+    """`torchrun -m looplm.cli train ...`: the CLI sets up the process group from the env."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "torchrun"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", "-m", "looplm.cli", "train", "tiny-base", f"train.out_dir={out}",
+        "train.max_steps=2", "train.batch_size=2", "train.eval_every=0", "train.sample_tokens=4",
+        "model.d_model=32", "data.seq_len=32", "train.device=cpu", "--no-progress",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert summary["tokens_seen"] == 2 * 2 * 2 * 32  # steps x ranks x batch x seq_len
