@@ -4,8 +4,9 @@
 
 A dense transformer is the layout with no recurrence (``"12"``). The recurrence is a
 plain loop: the core stack runs on the state h^(t) and the topology (``looplm.topology``)
-folds its output into the next state. Rotary tables and the attention mask are computed
-once per forward and passed down; the decoding cache is an explicit argument.
+folds its output into the next state. Positions, rotary tables and key validity are
+computed once per forward (a :class:`~looplm.mixers.MixerContext`) and passed to every
+mixer; the decoding cache is an explicit argument.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.cache import KVSlot, LoopCache
+from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
 from looplm.init import init_weights
+from looplm.mixers import MixerContext
 from looplm.model_config import ModelConfig
 from looplm.modules.block import Block
 from looplm.modules.norm import build_norm
@@ -84,25 +86,24 @@ class LoopLM(nn.Module):
         tokens; earlier positions' validity lives in ``cache``. iterations: loop count
         T at inference (test-time compute scaling), where the topology allows it."""
         n_iter = self._check_iterations(iterations, cache)
-        positions, mask = self._positions_and_mask(input_ids, attention_mask, cache)
         h_emb = self.embed(input_ids)
         if self.cfg.embed_scale:
             h_emb = h_emb * math.sqrt(self.cfg.d_model)
-        rope = self.rotary(positions, h_emb.dtype)
+        ctx = self._context(input_ids, attention_mask, cache, h_emb.dtype)
 
-        h = self._run(self.prelude, "prelude", 0, h_emb, rope, mask, cache)
+        h = self._run(self.prelude, "prelude", 0, h_emb, ctx, cache)
         states, record = None, {}
         if self.topology is not None:
             state = self.topology.start(h_emb, h)
             trace = [state.h]
             for t in range(n_iter):
                 stack = self.core[0 if self.cfg.share_core else t]
-                update = self._run(stack, "core", t, state.h, rope, mask, cache)  # f_core(h^(t))
+                update = self._run(stack, "core", t, state.h, ctx, cache)  # f_core(h^(t))
                 state = self.topology.step(state, update, t)
                 trace.append(state.h)
             h, record = self.topology.finish(state), state.record
             states = trace if output_states else None
-        h = self._run(self.coda, "coda", 0, h, rope, mask, cache)
+        h = self._run(self.coda, "coda", 0, h, ctx, cache)
         logits = self.head(self.norm(h))
 
         loss = None
@@ -112,10 +113,12 @@ class LoopLM(nn.Module):
             )
         return ModelOutput(logits=logits, loss=loss, states=states, record=record)
 
-    def _run(self, blocks, name: str, t: int, h, rope, mask, cache: Optional[LoopCache]) -> torch.Tensor:
+    def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
         for j, block in enumerate(blocks):
-            kv: Optional[KVSlot] = cache.slot(f"{name}.{j}", t) if cache is not None else None
-            h = block(h, rope, mask, kv)
+            key = f"{name}.{j}"
+            h, state = block(h, ctx, cache.get(key, t) if cache is not None else None)
+            if cache is not None:
+                cache.set(key, t, state)
         return h
 
     def _check_iterations(self, iterations: Optional[int], cache: Optional[LoopCache]) -> int:
@@ -144,18 +147,18 @@ class LoopLM(nn.Module):
                 raise ConfigError("iterations", n_iter, f"{cache.iterations}, the count this cache was filled with")
         return n_iter
 
-    def _positions_and_mask(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Optional[LoopCache]
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Position ids [B, T] and the attention mask: None for plain causal attention
-        (no padding, and no past or a single query), else bool [B, 1, T, S]."""
+    def _context(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Optional[LoopCache], dtype
+    ) -> MixerContext:
+        """Position ids, rotary tables and key validity, once per forward; updates the cache's
+        bookkeeping (valid positions, next position per row)."""
         B, T = input_ids.shape
         device = input_ids.device
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(B, T)}")
         new_valid = (
             torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
         )
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {(B, T)}")
         past = cache.get_seq_length() if cache is not None else 0
         if cache is not None and cache.valid is not None:
             if cache.valid.shape[0] != B:
@@ -173,14 +176,7 @@ class LoopLM(nn.Module):
         if cache is not None:
             cache.valid, cache.next_position = valid, start + new_valid.long().sum(dim=1)
             cache.padded = padded
-        if not padded and (past == 0 or T == 1):
-            return positions, None
-        S = past + T
-        query = torch.arange(past, S, device=device)[:, None]  # [T, 1] absolute index
-        key = torch.arange(S, device=device)[None, :]  # [1, S]
-        allowed = (key <= query)[None] & valid[:, None, :]  # [B, T, S]
-        allowed = allowed | (key == query)[None]  # a padding query still sees itself (no NaN rows)
-        return positions, allowed[:, None]
+        return MixerContext(rope=self.rotary(positions, dtype), valid=valid, past=past, padded=padded)
 
     # ---------------------------------------------------------------- utilities
     @torch.no_grad()

@@ -72,6 +72,32 @@ class TopologyConfig(Config):
             )
 
 
+#: Token-mixer kinds (see ``looplm.mixers``).
+MIXERS = ("attention", "sliding_window")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerConfig(Config):
+    """The token mixer of a block. ``window``: positions a ``sliding_window`` query sees
+    (itself included). ``output_gate``: LT2's SDPA output gate (§4.4) on softmax mixers."""
+
+    kind: str = "attention"
+    window: Optional[int] = None
+    output_gate: bool = False
+
+    def __post_init__(self) -> None:
+        check(self.kind in MIXERS, "model.mixer.kind", self.kind, f"one of {', '.join(MIXERS)}")
+        if self.kind == "sliding_window":
+            check(
+                self.window is not None and self.window >= 1,
+                "model.mixer.window",
+                self.window,
+                "an integer >= 1 (needed by kind=sliding_window)",
+            )
+        else:
+            check(self.window is None, "model.mixer.window", self.window, "null unless kind=sliding_window")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Config):
     """One looped LM: ``embed -> prelude -> loop(core x T, topology) -> coda -> norm -> head``.
@@ -88,6 +114,7 @@ class ModelConfig(Config):
     layout: Union[str, int] = "2+4R2+2"
     share_core: bool = True
     topology: TopologyConfig = TopologyConfig()
+    mixer: MixerConfig = MixerConfig()
     norm: Literal["rmsnorm", "layernorm"] = "layernorm"
     norm_eps: float = 1e-5
     mlp: Literal["gelu", "swiglu"] = "gelu"
@@ -103,8 +130,9 @@ class ModelConfig(Config):
     depth_scaled_init: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.topology, dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
-            object.__setattr__(self, "topology", TopologyConfig.from_dict(self.topology, prefix="model.topology"))
+        for name, kind in (("topology", TopologyConfig), ("mixer", MixerConfig)):
+            if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
+                object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if isinstance(self.layout, int) and not isinstance(self.layout, bool):
             object.__setattr__(self, "layout", str(self.layout))  # YAML reads `layout: 12` as an int
         layout = parse_layout(self.layout)  # raises ConfigError naming model.layout

@@ -1,0 +1,95 @@
+"""Softmax attention through ``F.scaled_dot_product_attention``: full or sliding-window,
+optionally with LT2's SDPA output gate (lt2.txt §4.4; Qiu et al. 2025's head-specific
+elementwise sigmoid gate, Y ← Y ⊙ σ(X W_θ))."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.mixers.base import MixerContext
+from looplm.modules.rotary import apply_rotary
+
+
+@dataclasses.dataclass
+class KVState:
+    """Keys and values [B, H_kv, S_kept, D] of the last S_kept positions; ``start`` is the
+    absolute index of the first kept position (> 0 once a sliding window drops keys)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.keys.shape[2]
+
+    def crop(self, length: int) -> "KVState":
+        if length < self.start:
+            raise ValueError(
+                f"cannot crop a sliding-window cache to {length} positions: positions before {self.start} "
+                "were already dropped"
+            )
+        keep = length - self.start
+        return KVState(self.keys[:, :, :keep], self.values[:, :, :keep], self.start)
+
+    def select(self, index: torch.Tensor) -> "KVState":
+        return KVState(self.keys[index], self.values[index], self.start)
+
+
+class SoftmaxAttention(nn.Module):
+    """Multi-head (optionally grouped-query) causal attention with rotary embeddings.
+
+    ``qkv`` projects to [q (H·D) | k (H_kv·D) | v (H_kv·D)]; ``out`` is W_O. ``window``
+    w: each query attends to its last w positions, itself included, and decoding keeps
+    only the last w - 1 keys and values. ``gate`` (output gate): W_θ, d -> H·D.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool,
+                 window: Optional[int] = None, output_gate: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.window = window
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
+        self.gate = nn.Linear(dim, n_heads * self.head_dim, bias=bias) if output_gate else None
+        self.out = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}" if self.window else ""
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[KVState] = None
+    ) -> tuple[torch.Tensor, KVState]:
+        """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        start = 0
+        if state is not None:
+            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+            start = state.start
+        mask = ctx.attention_mask(self.window)
+        if mask is not None:
+            mask = mask[..., start:]  # only the kept keys
+        keys, values = k, v
+        if Hkv != H:
+            keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        # mask None: the T queries are the last T of the keys and need only causality
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
+        new_state = KVState(k, v, start)
+        if self.window is not None and k.shape[2] > self.window - 1:
+            drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
+            new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop)
+        return self.out(y), new_state

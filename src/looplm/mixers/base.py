@@ -1,0 +1,70 @@
+"""The token-mixer interface and what all mixers of one forward share.
+
+A mixer maps x [B, T, d] to [B, T, d] given a :class:`MixerContext` and its own decoding
+state for this (block, iteration): ``forward(x, ctx, state) -> (out, new_state)``. In
+training ``state`` is None and the returned state is ignored; in decoding the model keeps
+it in :class:`~looplm.cache.LoopCache`. States are typed per mixer and know how to crop
+and select rows (:class:`MixerState`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Protocol
+
+import torch
+
+
+class MixerState(Protocol):
+    """A mixer's decoding state: everything it needs from earlier positions."""
+
+    def crop(self, length: int) -> "MixerState":
+        """The state as it was after the first ``length`` positions."""
+
+    def select(self, index: torch.Tensor) -> "MixerState":
+        """Keep (and reorder to) the batch rows in ``index``."""
+
+
+@dataclasses.dataclass
+class MixerContext:
+    """Computed once per forward and passed to every mixer.
+
+    rope: (cos, sin) [B, T, R] for the new positions. valid: [B, S] bool, real (not
+    padding) key positions, the cache's earlier ones first. past: cached positions
+    S - T. padded: whether any of the S positions is padding.
+    """
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    valid: torch.Tensor
+    past: int
+    padded: bool
+    _masks: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        """T, the number of new positions."""
+        return self.valid.shape[1] - self.past
+
+    @property
+    def new_valid(self) -> torch.Tensor:
+        """[B, T] bool: which new positions are real tokens."""
+        return self.valid[:, self.past :]
+
+    def attention_mask(self, window: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Bool [B, 1, T, S] (True = may attend) for causal attention over the last
+        ``window`` positions (all when None), or None when plain causal attention of the
+        new positions over all S keys is exact (no padding, and no past or one query)."""
+        T, S = self.length, self.valid.shape[1]
+        if not self.padded and (self.past == 0 or T == 1) and (window is None or S <= window):
+            return None
+        if window not in self._masks:
+            device = self.valid.device
+            query = torch.arange(self.past, S, device=device)[:, None]  # [T, 1] absolute index
+            key = torch.arange(S, device=device)[None, :]  # [1, S]
+            allowed = key <= query
+            if window is not None:
+                allowed = allowed & (key > query - window)  # the last `window` positions, itself included
+            allowed = allowed[None] & self.valid[:, None, :]  # [B, T, S]
+            allowed = allowed | (key == query)[None]  # a padding query still sees itself (no NaN rows)
+            self._masks[window] = allowed[:, None]
+        return self._masks[window]

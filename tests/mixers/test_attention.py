@@ -1,0 +1,90 @@
+"""Softmax attention: sliding window semantics, the SDPA output gate, window caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from looplm import LoopCache, LoopLM
+from looplm.config_base import ConfigError
+from looplm.mixers import MixerContext, SoftmaxAttention
+from looplm.model_config import MixerConfig, ModelConfig
+from looplm.modules.rotary import Rotary
+from tests.conftest import random_ids, tiny_config
+
+
+def _influence(model: LoopLM, length: int) -> torch.Tensor:
+    """[i, j] = True where input position j changes the logits at position i (via gradients)."""
+    x = random_ids(1, length)
+    emb = model.embed(x).detach().requires_grad_(True)
+    influence = torch.zeros(length, length, dtype=torch.bool)
+    original = model.embed.forward
+    model.embed.forward = lambda ids: emb  # feed the leaf tensor through the model
+    try:
+        logits = model(x).logits[0]
+        for i in range(length):
+            (grad,) = torch.autograd.grad(logits[i].sum(), emb, retain_graph=True)
+            influence[i] = grad[0].abs().sum(-1) > 0
+    finally:
+        model.embed.forward = original
+    return influence
+
+
+@pytest.mark.parametrize("window,blocks", [(1, 1), (3, 1), (3, 2), (4, 3)])
+def test_sliding_window_receptive_field_of_a_dense_stack(window, blocks):
+    model = LoopLM(tiny_config("base", layout=str(blocks), mixer=MixerConfig(kind="sliding_window", window=window)))
+    reach = _influence(model, 12)
+    span = blocks * (window - 1)  # each block reaches w - 1 positions further back
+    i, j = torch.meshgrid(torch.arange(12), torch.arange(12), indexing="ij")
+    torch.testing.assert_close(reach, (j <= i) & (i - j <= span))
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+def test_looped_sliding_window_receptive_field_grows_with_iterations(iterations):
+    """LT2 §2.2: looping a windowed block T times lets information travel T·(w-1) back."""
+    window = 3
+    cfg = tiny_config("base", layout=f"2R{iterations}", mixer=MixerConfig(kind="sliding_window", window=window))
+    reach = _influence(LoopLM(cfg), 16)
+    span = 2 * iterations * (window - 1)
+    i, j = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    torch.testing.assert_close(reach, (j <= i) & (i - j <= span))
+
+
+def test_window_cache_keeps_only_the_last_w_minus_1_positions():
+    model = LoopLM(tiny_config("anchor", mixer=MixerConfig(kind="sliding_window", window=4))).eval()
+    x = random_ids(2, 11)
+    cache = LoopCache()
+    model(x[:, :7], cache=cache)
+    for i in range(7, 11):
+        model(x[:, i : i + 1], cache=cache)
+    state = cache.get("core.0", 1)
+    assert state.keys.shape[2] == 3 and state.start == 8
+    with pytest.raises(ValueError, match="already dropped"):
+        cache.crop(5)
+    cache.crop(10)
+    assert cache.get("core.0", 1).keys.shape[2] == 2
+
+
+def test_output_gate_is_sigmoid_of_the_input_elementwise():
+    torch.manual_seed(0)
+    dim, heads = 16, 4
+    gated = SoftmaxAttention(dim, heads, heads, bias=False, output_gate=True)
+    plain = SoftmaxAttention(dim, heads, heads, bias=False)
+    plain.load_state_dict({k: v for k, v in gated.state_dict().items() if not k.startswith("gate")})
+    x = torch.randn(2, 5, dim)
+    positions = torch.arange(5).expand(2, 5)
+    ctx = MixerContext(rope=Rotary(4, 10000.0)(positions, x.dtype), valid=torch.ones(2, 5, dtype=torch.bool), past=0, padded=False)
+    out_gated, _ = gated(x, ctx)
+    plain.out = torch.nn.Identity()
+    y, _ = plain(x, ctx)
+    torch.testing.assert_close(out_gated, gated.out(y * torch.sigmoid(gated.gate(x))))
+
+
+@pytest.mark.parametrize(
+    "mixer,fragment",
+    [({"kind": "sliding_window"}, "needed by kind=sliding_window"), ({"kind": "attention", "window": 4}, "null unless"),
+     ({"kind": "sliding_window", "window": 0}, ">= 1"), ({"kind": "lstm"}, "one of attention")],
+)
+def test_mixer_config_errors(mixer, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        ModelConfig.from_dict({"mixer": mixer}, prefix="model")
