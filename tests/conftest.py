@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from looplm.model_config import TOPOLOGIES, MixerConfig, ModelConfig, TopologyConfig
+from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
 
 TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
 
@@ -33,9 +33,9 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("anchor-llama-gqa", tiny_config("anchor", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2)),
         ("mesh-neox", tiny_config("mesh", parallel_residual=True, rotary_pct=0.25, layout="2R3", embed_scale=True)),
         ("residual-tied", tiny_config("residual", tie_embeddings=True, layout="1+1R3")),
-        ("swa-anchor", tiny_config("anchor", mixer=MixerConfig(kind="sliding_window", window=4))),
-        ("gated-attention-mesh", tiny_config("mesh", mixer=MixerConfig(output_gate=True))),
-        ("gated-swa-dense", tiny_config("base", layout="3", mixer=MixerConfig(kind="sliding_window", window=3, output_gate=True))),
+        ("swa-anchor", tiny_config("anchor", mixer={"kind": "sliding_window", "window": 4})),
+        ("gated-attention-mesh", tiny_config("mesh", mixer={"kind": "attention", "output_gate": True})),
+        ("gated-swa-dense", tiny_config("base", layout="3", mixer={"kind": "sliding_window", "window": 3, "output_gate": True})),
     ]
     return grid
 

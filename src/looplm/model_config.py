@@ -8,6 +8,7 @@ from typing import Literal, Optional, Union
 
 from looplm.config_base import Config, check
 from looplm.layout import Layout, parse_layout
+from looplm.mixers.config import AttentionConfig, MixerConfig
 
 #: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
 SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
@@ -72,32 +73,6 @@ class TopologyConfig(Config):
             )
 
 
-#: Token-mixer kinds (see ``looplm.mixers``).
-MIXERS = ("attention", "sliding_window")
-
-
-@dataclasses.dataclass(frozen=True)
-class MixerConfig(Config):
-    """The token mixer of a block. ``window``: positions a ``sliding_window`` query sees
-    (itself included). ``output_gate``: LT2's SDPA output gate (§4.4) on softmax mixers."""
-
-    kind: str = "attention"
-    window: Optional[int] = None
-    output_gate: bool = False
-
-    def __post_init__(self) -> None:
-        check(self.kind in MIXERS, "model.mixer.kind", self.kind, f"one of {', '.join(MIXERS)}")
-        if self.kind == "sliding_window":
-            check(
-                self.window is not None and self.window >= 1,
-                "model.mixer.window",
-                self.window,
-                "an integer >= 1 (needed by kind=sliding_window)",
-            )
-        else:
-            check(self.window is None, "model.mixer.window", self.window, "null unless kind=sliding_window")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Config):
     """One looped LM: ``embed -> prelude -> loop(core x T, topology) -> coda -> norm -> head``.
@@ -114,7 +89,7 @@ class ModelConfig(Config):
     layout: Union[str, int] = "2+4R2+2"
     share_core: bool = True
     topology: TopologyConfig = TopologyConfig()
-    mixer: MixerConfig = MixerConfig()
+    mixer: MixerConfig = AttentionConfig()
     norm: Literal["rmsnorm", "layernorm"] = "layernorm"
     norm_eps: float = 1e-5
     mlp: Literal["gelu", "swiglu"] = "gelu"

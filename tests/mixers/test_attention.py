@@ -7,8 +7,9 @@ import torch
 
 from looplm import LoopCache, LoopLM
 from looplm.config_base import ConfigError
-from looplm.mixers import MixerContext, SoftmaxAttention
-from looplm.model_config import MixerConfig, ModelConfig
+from looplm.mixers import MixerContext
+from looplm.mixers.attention import SoftmaxAttention
+from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary
 from tests.conftest import random_ids, tiny_config
 
@@ -32,7 +33,7 @@ def _influence(model: LoopLM, length: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("window,blocks", [(1, 1), (3, 1), (3, 2), (4, 3)])
 def test_sliding_window_receptive_field_of_a_dense_stack(window, blocks):
-    model = LoopLM(tiny_config("base", layout=str(blocks), mixer=MixerConfig(kind="sliding_window", window=window)))
+    model = LoopLM(tiny_config("base", layout=str(blocks), mixer={"kind": "sliding_window", "window": window}))
     reach = _influence(model, 12)
     span = blocks * (window - 1)  # each block reaches w - 1 positions further back
     i, j = torch.meshgrid(torch.arange(12), torch.arange(12), indexing="ij")
@@ -43,7 +44,7 @@ def test_sliding_window_receptive_field_of_a_dense_stack(window, blocks):
 def test_looped_sliding_window_receptive_field_grows_with_iterations(iterations):
     """LT2 §2.2: looping a windowed block T times lets information travel T·(w-1) back."""
     window = 3
-    cfg = tiny_config("base", layout=f"2R{iterations}", mixer=MixerConfig(kind="sliding_window", window=window))
+    cfg = tiny_config("base", layout=f"2R{iterations}", mixer={"kind": "sliding_window", "window": window})
     reach = _influence(LoopLM(cfg), 16)
     span = 2 * iterations * (window - 1)
     i, j = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
@@ -51,7 +52,7 @@ def test_looped_sliding_window_receptive_field_grows_with_iterations(iterations)
 
 
 def test_window_cache_keeps_only_the_last_w_minus_1_positions():
-    model = LoopLM(tiny_config("anchor", mixer=MixerConfig(kind="sliding_window", window=4))).eval()
+    model = LoopLM(tiny_config("anchor", mixer={"kind": "sliding_window", "window": 4})).eval()
     x = random_ids(2, 11)
     cache = LoopCache()
     model(x[:, :7], cache=cache)
@@ -82,8 +83,8 @@ def test_output_gate_is_sigmoid_of_the_input_elementwise():
 
 @pytest.mark.parametrize(
     "mixer,fragment",
-    [({"kind": "sliding_window"}, "needed by kind=sliding_window"), ({"kind": "attention", "window": 4}, "null unless"),
-     ({"kind": "sliding_window", "window": 0}, ">= 1"), ({"kind": "lstm"}, "one of attention")],
+    [({"kind": "attention", "window": 4}, "unknown key"), ({"kind": "sliding_window", "window": 0}, ">= 1"),
+     ({"kind": "lstm"}, "one of attention"), ({"kind": "sliding_window", "window": "x"}, "an integer")],
 )
 def test_mixer_config_errors(mixer, fragment):
     with pytest.raises(ConfigError, match=fragment):

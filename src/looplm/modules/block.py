@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from looplm.mixers import MixerContext, MixerState, build_mixer
+from looplm.mixers import MixerContext, MixerState
 from looplm.model_config import ModelConfig
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
@@ -21,7 +21,7 @@ class Block(nn.Module):
         super().__init__()
         self.parallel_residual = cfg.parallel_residual
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.attn = build_mixer(cfg, cfg.mixer)  # named as in fla's layers, whatever the mixer
+        self.attn = cfg.mixer.build(cfg)  # named as in fla's layers, whatever the mixer
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
 

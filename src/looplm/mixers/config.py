@@ -1,0 +1,82 @@
+"""Mixer configs: one frozen dataclass per kind, chosen by the ``kind`` key.
+
+``MixerConfig.from_dict({"kind": "sliding_window", "window": 512})`` returns the
+``SlidingWindowConfig`` the registry (``looplm.mixers.registry``) names for that kind,
+so each kind validates its own fields and unknown keys are errors. ``build(model)``
+makes the layer, sized by the model's width and heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import nn
+
+from looplm.config_base import Config, ConfigError, check
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerConfig(Config):
+    """Base of every mixer config; ``kind`` selects the subclass."""
+
+    kind: str = "attention"
+
+    @classmethod
+    def from_dict(cls, data: Optional[dict[str, Any]], prefix: str = "model.mixer") -> "MixerConfig":
+        from looplm.mixers.registry import MIXER_CONFIGS
+
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(prefix, data, "a mapping with a kind, e.g. {kind: attention}")
+        kind = data.get("kind", "attention")
+        if kind not in MIXER_CONFIGS:
+            raise ConfigError(f"{prefix}.kind", kind, f"one of {', '.join(MIXER_CONFIGS)}")
+        target = MIXER_CONFIGS[kind]
+        if cls is not MixerConfig and not issubclass(target, cls):
+            raise ConfigError(f"{prefix}.kind", kind, f"a kind of {cls.__name__}")
+        return Config.from_dict.__func__(target, data, prefix)
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} does not build a layer")
+
+    @property
+    def is_softmax(self) -> bool:
+        """Whether the mixer computes softmax attention (SGT head looping, probes)."""
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig(MixerConfig):
+    """Full causal softmax attention; ``output_gate``: LT2's SDPA output gate (§4.4)."""
+
+    kind: str = "attention"
+    output_gate: bool = False
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        from looplm.mixers.attention import SoftmaxAttention
+
+        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, None, self.output_gate)
+
+    @property
+    def is_softmax(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowConfig(AttentionConfig):
+    """Softmax attention over the last ``window`` positions (itself included)."""
+
+    kind: str = "sliding_window"
+    window: int = 512
+
+    def __post_init__(self) -> None:
+        check(self.window >= 1, "model.mixer.window", self.window, "an integer >= 1")
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        from looplm.mixers.attention import SoftmaxAttention
+
+        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, self.window, self.output_gate)
