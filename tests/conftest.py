@@ -36,6 +36,10 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("swa-anchor", tiny_config("anchor", mixer={"kind": "sliding_window", "window": 4})),
         ("gated-attention-mesh", tiny_config("mesh", mixer={"kind": "attention", "output_gate": True})),
         ("gated-swa-dense", tiny_config("base", layout="3", mixer={"kind": "sliding_window", "window": 3, "output_gate": True})),
+        ("loop-level-windows", tiny_config("anchor", layout="1+1R3+1", loop_mixers=[
+            {"kind": "attention"}, {"kind": "sliding_window", "window": 4}, {"kind": "sliding_window", "window": 2}])),
+        ("depth-hybrid-bookend", tiny_config("mesh", mixer={"kind": "sliding_window", "window": 3},
+                                             hybrid={"mixer": {"kind": "attention"}, "ratio": "1:1", "placement": "bookend"})),
     ]
     return grid
 

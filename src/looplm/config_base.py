@@ -49,6 +49,9 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        alternatives = [a for a in args if a is not type(None)]
+        if len(alternatives) == 1:  # Optional[X]: X's own error is the informative one
+            return _coerce(alternatives[0], value, name)
         for arg in args:
             if arg is type(None):
                 continue

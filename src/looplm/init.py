@@ -1,7 +1,7 @@
 """Weight initialisation, a separate pass over a built model.
 
 Linear and embedding weights ~ N(0, init_std²), biases 0, norms 1. With
-``depth_scaled_init`` the output projections of every block (attention W_O, FFN down)
+``depth_scaled_init`` the output projections of every block (the mixer's ``o_proj``, FFN down)
 use std = init_std / sqrt(2 · N_compute), N_compute being the number of blocks on the
 unrolled computation path (MeSH Appendix B; GPT-2's residual scaling applied to the
 unrolled depth, since a shared block adds to the residual stream once per iteration).
@@ -43,7 +43,8 @@ def init_weights(model: "LoopLM") -> None:
             nn.init.ones_(module.weight)
     out_std = output_projection_std(std, cfg.loop.unrolled_depth, cfg.depth_scaled_init)
     for block in model.blocks():
-        nn.init.normal_(block.attn.out.weight, std=out_std)
+        for mixer in block.mixer_layers():
+            nn.init.normal_(mixer.o_proj.weight, std=out_std)  # every mixer names its W_O o_proj
         nn.init.normal_(block.ffn.down.weight, std=out_std)
     if model.topology is not None:
         model.topology.reset_parameters(std)

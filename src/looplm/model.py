@@ -25,6 +25,7 @@ from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
 from looplm.init import init_weights
 from looplm.mixers import MixerContext
+from looplm.mixers.pattern import block_mixers
 from looplm.model_config import ModelConfig
 from looplm.modules.block import Block
 from looplm.modules.norm import build_norm
@@ -57,12 +58,15 @@ class LoopLM(nn.Module):
         self.cfg = cfg
         layout = cfg.loop
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.prelude = nn.ModuleList(Block(cfg) for _ in range(layout.prelude))
+        plan = block_mixers(cfg)  # each block's mixer(s): depth- and loop-level hybrids
+        self.prelude = nn.ModuleList(Block(cfg, plan[("prelude", j)]) for j in range(layout.prelude))
         stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
-        self.core = nn.ModuleList(nn.ModuleList(Block(cfg) for _ in range(layout.core)) for _ in range(stacks))
+        self.core = nn.ModuleList(
+            nn.ModuleList(Block(cfg, plan[("core", j)]) for j in range(layout.core)) for _ in range(stacks)
+        )
         self.topology: Optional[Topology] = build_topology(cfg) if layout.is_looped else None
-        self.coda = nn.ModuleList(Block(cfg) for _ in range(layout.coda))
+        self.coda = nn.ModuleList(Block(cfg, plan[("coda", j)]) for j in range(layout.coda))
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -116,7 +120,7 @@ class LoopLM(nn.Module):
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
         for j, block in enumerate(blocks):
             key = f"{name}.{j}"
-            h, state = block(h, ctx, cache.get(key, t) if cache is not None else None)
+            h, state = block(h, ctx, cache.get(key, t) if cache is not None else None, iteration=t)
             if cache is not None:
                 cache.set(key, t, state)
         return h

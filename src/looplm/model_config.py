@@ -9,6 +9,7 @@ from typing import Literal, Optional, Union
 from looplm.config_base import Config, check
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
+from looplm.mixers.pattern import HybridConfig
 
 #: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
 SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
@@ -90,6 +91,8 @@ class ModelConfig(Config):
     share_core: bool = True
     topology: TopologyConfig = TopologyConfig()
     mixer: MixerConfig = AttentionConfig()
+    hybrid: Optional[HybridConfig] = None
+    loop_mixers: Optional[tuple[MixerConfig, ...]] = None
     norm: Literal["rmsnorm", "layernorm"] = "layernorm"
     norm_eps: float = 1e-5
     mlp: Literal["gelu", "swiglu"] = "gelu"
@@ -105,9 +108,14 @@ class ModelConfig(Config):
     depth_scaled_init: bool = True
 
     def __post_init__(self) -> None:
-        for name, kind in (("topology", TopologyConfig), ("mixer", MixerConfig)):
+        for name, kind in (("topology", TopologyConfig), ("mixer", MixerConfig), ("hybrid", HybridConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
+        if self.loop_mixers is not None:
+            object.__setattr__(self, "loop_mixers", tuple(
+                MixerConfig.from_dict(m, prefix=f"model.loop_mixers[{t}]") if isinstance(m, dict) else m
+                for t, m in enumerate(self.loop_mixers)
+            ))
         if isinstance(self.layout, int) and not isinstance(self.layout, bool):
             object.__setattr__(self, "layout", str(self.layout))  # YAML reads `layout: 12` as an int
         layout = parse_layout(self.layout)  # raises ConfigError naming model.layout
@@ -140,6 +148,19 @@ class ModelConfig(Config):
             self.layout,
             "full resolution (1) in every iteration; multi-resolution schedules are not implemented yet",
         )
+        if self.loop_mixers is not None:
+            check(
+                layout.is_looped and len(self.loop_mixers) == layout.iterations,
+                "model.loop_mixers",
+                [m.kind for m in self.loop_mixers],
+                f"one mixer per iteration of the loop ({layout.iterations} for layout {self.layout!r})",
+            )
+            check(self.hybrid is None, "model.loop_mixers", [m.kind for m in self.loop_mixers],
+                  "null when model.hybrid is set: choose a depth-level or a loop-level hybrid")
+        if self.hybrid is not None:
+            from looplm.mixers.pattern import hybrid_positions
+
+            hybrid_positions(self.hybrid, layout.prelude + (layout.core if layout.is_looped else 0) + layout.coda)
         if not layout.is_looped:
             check(
                 self.topology.kind == "base",

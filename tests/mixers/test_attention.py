@@ -76,9 +76,9 @@ def test_output_gate_is_sigmoid_of_the_input_elementwise():
     positions = torch.arange(5).expand(2, 5)
     ctx = MixerContext(rope=Rotary(4, 10000.0)(positions, x.dtype), valid=torch.ones(2, 5, dtype=torch.bool), past=0, padded=False)
     out_gated, _ = gated(x, ctx)
-    plain.out = torch.nn.Identity()
+    plain.o_proj = torch.nn.Identity()
     y, _ = plain(x, ctx)
-    torch.testing.assert_close(out_gated, gated.out(y * torch.sigmoid(gated.gate(x))))
+    torch.testing.assert_close(out_gated, gated.o_proj(y * torch.sigmoid(gated.gate(x))))
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ elementwise sigmoid gate, Y ← Y ⊙ σ(X W_θ))."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
@@ -44,7 +45,7 @@ class KVState:
 class SoftmaxAttention(nn.Module):
     """Multi-head (optionally grouped-query) causal attention with rotary embeddings.
 
-    ``qkv`` projects to [q (H·D) | k (H_kv·D) | v (H_kv·D)]; ``out`` is W_O. ``window``
+    ``qkv`` projects to [q (H·D) | k (H_kv·D) | v (H_kv·D)]; ``o_proj`` is W_O. ``window``
     w: each query attends to its last w positions, itself included, and decoding keeps
     only the last w - 1 keys and values. ``gate`` (output gate): W_θ, d -> H·D.
     """
@@ -57,10 +58,19 @@ class SoftmaxAttention(nn.Module):
         self.window = window
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.gate = nn.Linear(dim, n_heads * self.head_dim, bias=bias) if output_gate else None
-        self.out = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
 
     def extra_repr(self) -> str:
         return f"window={self.window}" if self.window else ""
+
+    def with_window(self, window: Optional[int]) -> "SoftmaxAttention":
+        """The same parameters with another window (a loop-level schedule's iteration view).
+        A shallow copy: its submodules are this module's, so nothing is duplicated."""
+        if window == self.window:
+            return self
+        view = copy.copy(self)
+        view.window = window
+        return view
 
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[KVState] = None
@@ -92,4 +102,4 @@ class SoftmaxAttention(nn.Module):
         if self.window is not None and k.shape[2] > self.window - 1:
             drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
             new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop)
-        return self.out(y), new_state
+        return self.o_proj(y), new_state

@@ -9,7 +9,7 @@ makes the layer, sized by the model's width and heads.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 from torch import nn
 
@@ -43,6 +43,15 @@ class MixerConfig(Config):
     def build(self, model: "ModelConfig") -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} does not build a layer")
 
+    def parameter_group(self) -> Hashable:
+        """Specs with equal groups can share one layer's parameters (a loop-level schedule
+        builds one layer per group); by default only identical specs do."""
+        return self
+
+    def view(self, owner: nn.Module) -> nn.Module:
+        """This spec's behaviour on ``owner``, the layer built for its parameter group."""
+        return owner
+
     @property
     def is_softmax(self) -> bool:
         """Whether the mixer computes softmax attention (SGT head looping, probes)."""
@@ -59,7 +68,17 @@ class AttentionConfig(MixerConfig):
     def build(self, model: "ModelConfig") -> nn.Module:
         from looplm.mixers.attention import SoftmaxAttention
 
-        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, None, self.output_gate)
+        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, self.window, self.output_gate)
+
+    @property
+    def window(self) -> Optional[int]:
+        return None
+
+    def parameter_group(self) -> Hashable:
+        return ("softmax", self.output_gate)  # full and windowed attention share parameters
+
+    def view(self, owner: nn.Module) -> nn.Module:
+        return owner.with_window(self.window)
 
     @property
     def is_softmax(self) -> bool:
@@ -75,8 +94,3 @@ class SlidingWindowConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         check(self.window >= 1, "model.mixer.window", self.window, "an integer >= 1")
-
-    def build(self, model: "ModelConfig") -> nn.Module:
-        from looplm.mixers.attention import SoftmaxAttention
-
-        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, self.window, self.output_gate)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from looplm.mixers import MixerContext, MixerState
+from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.model_config import ModelConfig
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
@@ -15,21 +15,38 @@ from looplm.modules.norm import build_norm
 
 class Block(nn.Module):
     """Sequential: x + mix(n1(x)), then + ffn(n2(·)). Parallel (GPT-NeoX):
-    x + mix(n1(x)) + ffn(n2(x))."""
+    x + mix(n1(x)) + ffn(n2(x)).
 
-    def __init__(self, cfg: ModelConfig):
+    ``mixers``: one spec, or one per loop iteration (a loop-level hybrid). One layer is
+    built per parameter group (``MixerConfig.parameter_group``) and held in ``attn`` (a
+    ModuleList when there are several); each iteration runs its spec's view of it.
+    """
+
+    def __init__(self, cfg: ModelConfig, mixers: Optional[Sequence[MixerConfig]] = None):
         super().__init__()
+        mixers = tuple(mixers or (cfg.mixer,))
         self.parallel_residual = cfg.parallel_residual
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.attn = cfg.mixer.build(cfg)  # named as in fla's layers, whatever the mixer
+        owners: dict = {}
+        for spec in mixers:
+            if spec.parameter_group() not in owners:
+                owners[spec.parameter_group()] = spec.build(cfg)
+        # named as in fla's layers, whatever the mixer
+        self.attn = next(iter(owners.values())) if len(owners) == 1 else nn.ModuleList(owners.values())
+        self.per_iteration = [spec.view(owners[spec.parameter_group()]) for spec in mixers]  # views, not registered
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
 
+    def mixer_layers(self) -> list[nn.Module]:
+        """The distinct mixer layers (parameter owners) of this block."""
+        return list(self.attn) if isinstance(self.attn, nn.ModuleList) else [self.attn]
+
     def forward(
-        self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
     ) -> tuple[torch.Tensor, MixerState]:
         """x: [B, T, d] -> ([B, T, d], the mixer's state after these positions)."""
-        mixed, state = self.attn(self.attn_norm(x), ctx, state)
+        mixer = self.per_iteration[iteration if len(self.per_iteration) > 1 else 0]
+        mixed, state = mixer(self.attn_norm(x), ctx, state)
         if self.parallel_residual:
             return x + mixed + self.ffn(self.ffn_norm(x)), state
         x = x + mixed
