@@ -16,7 +16,7 @@ import torch
 
 from looplm.config import RunConfig
 from looplm.config_base import set_dotted
-from looplm.data import build_tokenizer, validation_batches
+from looplm.data import data_tokenizer, validation_batches
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 
@@ -78,12 +78,12 @@ def evaluate_run(
     if batches is not None:
         data["val_batches"] = batches
     data_cfg = type(run.config.data).from_dict(data, prefix="data")
-    tokenizer = build_tokenizer(data_cfg.tokenizer)
+    tokenizer = data_tokenizer(data_cfg)
     total, count = 0.0, 0
     for inputs, targets in validation_batches(data_cfg, tokenizer, batch_size):
         out = run.model(inputs, targets, iterations=iterations)
         n = int((targets != -100).sum())
-        total, count = total + float(out.loss) * n, count + n
+        total, count = total + float(out.lm_loss) * n, count + n
     if count == 0:
         raise ValueError("the validation split is empty: set data.val_fraction > 0 or use more data")
     loss = total / count
@@ -102,7 +102,7 @@ def generate_text(
 ) -> str:
     """Prompt plus continuation, decoded with the run's tokenizer."""
     run = load_run(path)
-    tokenizer = build_tokenizer(run.config.data.tokenizer)
+    tokenizer = data_tokenizer(run.config.data)
     ids = tokenizer.encode(prompt)
     out = run.model.generate(
         [ids] if ids else [[tokenizer.eos_id]],

@@ -37,14 +37,17 @@ IGNORE_INDEX = -100
 
 @dataclasses.dataclass
 class ModelOutput:
-    """logits: [B, T, V]. loss: mean next-token cross-entropy over targets != -100 (None
-    without targets). aux_losses: named extra losses already weighted (empty here).
+    """logits: [B, T, V]. lm_loss: mean next-token cross-entropy over targets != -100
+    (None without targets). loss: lm_loss plus every auxiliary loss, what training
+    minimises. aux_losses: named auxiliary losses already weighted (e.g. ``dsa_index``),
+    present whether or not targets are given.
     states: [h^(0), ..., h^(T)] (each [B, T, d]) when ``output_states``; the per-iteration
     hidden states of the loop. record: per-iteration topology values (e.g. MeSH router
     weights ``write`` / ``read``, each a list over t = -1 .. T-1 of [B, T, B_slots])."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
+    lm_loss: Optional[torch.Tensor] = None
     aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     states: Optional[list[torch.Tensor]] = None
     record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
@@ -110,12 +113,15 @@ class LoopLM(nn.Module):
         h = self._run(self.coda, "coda", 0, h, ctx, cache)
         logits = self.head(self.norm(h))
 
-        loss = None
+        loss = lm_loss = None
         if targets is not None:
-            loss = F.cross_entropy(
+            lm_loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
             )
-        return ModelOutput(logits=logits, loss=loss, states=states, record=record)
+            loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
+        return ModelOutput(
+            logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses, states=states, record=record
+        )
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
         for j, block in enumerate(blocks):

@@ -1,7 +1,8 @@
-"""Data pipeline: text sources, tokenizers, packing into windows, train/validation batches."""
+"""Data pipeline: text sources, tokenizers, packing into windows, train/validation batches
+(and generated tasks, ``data.source=task:NAME``, from ``looplm.tasks``)."""
 
 from looplm.data.config import DataConfig
-from looplm.data.loader import TrainStream, validation_batches
+from looplm.data.loader import TrainStream, data_tokenizer, train_stream, validation_batches
 from looplm.data.sources import iter_documents
 from looplm.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
@@ -13,5 +14,7 @@ __all__ = [
     "build_tokenizer",
     "iter_documents",
     "TrainStream",
+    "data_tokenizer",
+    "train_stream",
     "validation_batches",
 ]

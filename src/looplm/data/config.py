@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 from looplm.config_base import Config, check
+from looplm.tasks.config import validate_task_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,9 @@ class DataConfig(Config):
     bounded buffer.
     ``tokenizer`` is ``"byte"`` (built-in, no files) or a path to a ``tokenizers`` JSON
     file or a ``transformers`` tokenizer directory.
+    ``source="task:NAME"`` selects a generated task (``looplm.tasks``: copy, reverse,
+    addition, state_tracking) with its parameters in ``task`` (defaults when omitted); a
+    task brings its own vocabulary, so ``tokenizer`` stays at its default (or ``task``).
     """
 
     source: str = "pydoc"
@@ -33,9 +37,13 @@ class DataConfig(Config):
     val_batches: int = 8
     shuffle: bool = True
     seed: int = 0
+    # Optional[TaskConfig], typed Any so that a mapping reaches validate_task_data, which
+    # builds it with errors naming the exact data.task.* field.
+    task: Any = None
 
     def __post_init__(self) -> None:
         check(bool(self.source), "data.source", self.source, "a non-empty source name or path")
         check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
         check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in [0, 1)")
         check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
+        object.__setattr__(self, "task", validate_task_data(self))  # None unless source is task:NAME

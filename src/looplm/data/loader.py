@@ -28,7 +28,9 @@ from looplm.data.config import DataConfig
 from looplm.data.packing import packed_corpus, stream_windows
 from looplm.data.sources import iter_documents
 from looplm.data.split import is_validation
-from looplm.data.tokenizer import Tokenizer
+from looplm.data.tokenizer import Tokenizer, build_tokenizer
+from looplm.tasks.config import is_task_source
+from looplm.tasks.stream import GeneratedTask, TaskStream, task_validation_batches
 
 Batch = tuple[Tensor, Tensor]  # (inputs, targets), each [batch_size, seq_len] int64
 
@@ -226,6 +228,25 @@ class TrainStream:
         self._windows.restore(int(state["epoch"]), int(state["offset"]), state.get("windows_per_epoch"))
 
 
+def data_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer of ``cfg``: a task's own vocabulary for ``source=task:NAME``
+    (``looplm.tasks``), else :func:`build_tokenizer` of ``cfg.tokenizer``."""
+    if is_task_source(cfg.source):
+        return GeneratedTask(cfg).tokenizer
+    return build_tokenizer(cfg.tokenizer)
+
+
+def train_stream(
+    cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, rank: int = 0, world_size: int = 1
+) -> TrainStream | TaskStream:
+    """The training stream of ``cfg``: a :class:`~looplm.tasks.TaskStream` for a task source
+    (which uses the task's own vocabulary; ``tokenizer`` is ignored), else a :class:`TrainStream`.
+    Both keep the same contract: batches, sharding, ``state_dict`` / ``load_state_dict``."""
+    if is_task_source(cfg.source):
+        return TaskStream(cfg, batch_size, rank, world_size)
+    return TrainStream(cfg, tokenizer, batch_size, rank, world_size)
+
+
 def validation_batches(
     cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, rank: int = 0, world_size: int = 1
 ) -> list[Batch]:
@@ -237,8 +258,11 @@ def validation_batches(
     ``windows // world_size`` rows (so a tiny corpus still gets evaluated), and the list is
     empty only when there are fewer windows than ranks (or ``val_fraction``/``val_batches``
     is 0). Streaming sources use the hash rule alone (no tiny-corpus fallback) and read
-    only as many held-out documents as these batches need.
+    only as many held-out documents as these batches need. A task source gives held-out
+    generated examples (:func:`~looplm.tasks.task_validation_batches`; ``tokenizer`` unused).
     """
+    if is_task_source(cfg.source):
+        return task_validation_batches(cfg, batch_size, rank, world_size)
     _check_parallel(batch_size, rank, world_size)
     if cfg.val_batches == 0 or cfg.val_fraction == 0.0:
         return []

@@ -31,14 +31,21 @@ class MixerContext:
 
     rope: (cos, sin) [B, T, R] for the new positions. valid: [B, S] bool, real (not
     padding) key positions, the cache's earlier ones first. past: cached positions
-    S - T. padded: whether any of the S positions is padding.
+    S - T. padded: whether any of the S positions is padding. losses: auxiliary training
+    losses mixers add during this forward (e.g. DSA's indexer loss), summed per name over
+    every block and iteration; the model adds them to its loss.
     """
 
     rope: tuple[torch.Tensor, torch.Tensor]
     valid: torch.Tensor
     past: int
     padded: bool
+    losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     _masks: dict = dataclasses.field(default_factory=dict)
+
+    def add_loss(self, name: str, value: torch.Tensor) -> None:
+        """Add an already weighted auxiliary loss under ``name``."""
+        self.losses[name] = self.losses[name] + value if name in self.losses else value
 
     @property
     def length(self) -> int:

@@ -8,7 +8,9 @@ code stays single-device; everything distributed or compiled is applied from out
 2. build the tokenizer and check it fits ``model.vocab_size``; build ``LoopLM``, the AdamW
    optimiser (:func:`~looplm.train.optim.build_optimizer`), the training stream (sharded
    by the torch.distributed rank when a process group is initialised) and the validation
-   batches;
+   batches; for ``data.source=task:NAME`` the task's own tokenizer and stream, and a
+   :class:`~looplm.tasks.TaskEvaluator` that logs ``task_eval`` metrics at every
+   evaluation and advances the state-tracking curriculum;
 3. restore a checkpoint when resuming (weights, optimiser, step, data position, counters,
    and the RNG states last, so that everything after it sees the saved streams);
 4. wrap for execution: ``DistributedDataParallel`` when a process group is initialised,
@@ -49,8 +51,9 @@ import torch.distributed as dist
 from torch import nn
 
 from looplm.config_base import ConfigError
-from looplm.data import TrainStream, build_tokenizer, validation_batches
+from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.model import LoopLM
+from looplm.tasks import task_evaluator
 from looplm.train.checkpoint import (
     config_differences,
     has_checkpoints,
@@ -100,7 +103,7 @@ class Trainer:
         self.autocast_dtype = _autocast_dtype(tc.precision, self.device)
         _seed_everything(tc.seed)
 
-        self.tokenizer = build_tokenizer(run_cfg.data.tokenizer)
+        self.tokenizer = data_tokenizer(run_cfg.data)  # a task source brings its own vocabulary
         if run_cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 "model.vocab_size", run_cfg.model.vocab_size,
@@ -113,7 +116,9 @@ class Trainer:
             )
         self.model = LoopLM(run_cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, tc)
-        self.stream = TrainStream(run_cfg.data, self.tokenizer, tc.batch_size, self.rank, self.world_size)
+        self.stream = train_stream(run_cfg.data, self.tokenizer, tc.batch_size, self.rank, self.world_size)
+        # Task sources (data.source=task:NAME): task metrics at each evaluation, curriculum included.
+        self.task_eval = task_evaluator(run_cfg, self.stream, self.rank, self.world_size)
         self.micro_batch = tc.batch_size // tc.grad_accum
         self.val_batches = validation_batches(
             run_cfg.data, self.tokenizer, self.micro_batch, self.rank, self.world_size
@@ -349,13 +354,16 @@ class Trainer:
         None when the data has no validation split. Batches have the micro-batch size
         (``batch_size / grad_accum``), the size known to fit in memory."""
         self.last_eval_step = self.step
+        if self.task_eval is not None:
+            with self._autocast():
+                self.metrics.log("task_eval", self.step, **self.task_eval.evaluate(self.model, self.step))
         if not self.val_batches:
             return None
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for inputs, targets in self.val_batches:
             with self._autocast():
-                total += self.model(inputs.to(self.device), targets.to(self.device)).loss.float()
+                total += self.model(inputs.to(self.device), targets.to(self.device)).lm_loss.float()
         self.model.train()
         mean = total / len(self.val_batches)  # equal-size batches without padding: the token mean
         if self.distributed:
@@ -388,6 +396,9 @@ class Trainer:
         tc = self.cfg.train
         if tc.sample_tokens == 0:
             return None
+        if self.task_eval is not None:  # a greedy answer to one evaluation problem
+            with self._autocast():
+                return self.task_eval.sample(self.model)
         ids = self.tokenizer.encode(tc.sample_prompt) or [self.tokenizer.eos_id]
         new = min(tc.sample_tokens, self.cfg.model.max_seq_len - len(ids))
         if new <= 0:
@@ -434,6 +445,7 @@ class Trainer:
             "checkpoint": None if self.last_checkpoint is None else str(self.last_checkpoint),
             "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
             "sample": sample,
+            "task": None if self.task_eval is None else self.task_eval.last,  # last task_eval record (n_max, ...)
             "config": cfg.to_dict(),
         }
 
