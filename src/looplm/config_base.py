@@ -127,7 +127,8 @@ class Config:
         try:
             return cls(**kwargs)
         except ConfigError as err:
-            if prefix and not err.field.startswith(prefix + "."):
+            absolute = err.field.split(".")[0] in ("model", "data", "train")  # checks name full paths
+            if prefix and not absolute and not err.field.startswith(prefix + "."):
                 raise ConfigError(f"{prefix}.{err.field}", err.value, err.allowed) from None
             raise
 

@@ -161,6 +161,11 @@ class ModelConfig(Config):
             from looplm.mixers.pattern import hybrid_positions
 
             hybrid_positions(self.hybrid, layout.prelude + (layout.core if layout.is_looped else 0) + layout.coda)
+        self.mixer.validate(self, "model.mixer")
+        if self.hybrid is not None:
+            self.hybrid.mixer.validate(self, "model.hybrid.mixer")
+        for t, spec in enumerate(self.loop_mixers or ()):
+            spec.validate(self, f"model.loop_mixers[{t}]")
         if not layout.is_looped:
             check(
                 self.topology.kind == "base",

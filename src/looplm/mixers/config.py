@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from looplm.model_config import ModelConfig
 
 
+_CANONICAL = "model.mixer"  # the field name mixer checks use, rewritten to where a spec sits
+
+
 @dataclasses.dataclass(frozen=True)
 class MixerConfig(Config):
     """Base of every mixer config; ``kind`` selects the subclass."""
@@ -38,7 +41,26 @@ class MixerConfig(Config):
         target = MIXER_CONFIGS[kind]
         if cls is not MixerConfig and not issubclass(target, cls):
             raise ConfigError(f"{prefix}.kind", kind, f"a kind of {cls.__name__}")
-        return Config.from_dict.__func__(target, data, prefix)
+        try:
+            return Config.from_dict.__func__(target, data, prefix)
+        except ConfigError as err:  # checks name fields model.mixer.*; this spec may sit elsewhere
+            if err.field.startswith(_CANONICAL + ".") and prefix != _CANONICAL:
+                field = prefix + err.field[len(_CANONICAL):]
+                raise ConfigError(field, err.value, err.allowed) from None
+            raise
+
+    def validate(self, model: "ModelConfig", field: str = "model.mixer") -> None:
+        """Check this spec against the model it sits in (head divisibility, rotary width...)
+        by building its layer on the meta device, so such errors surface at config load."""
+        import torch
+
+        try:
+            with torch.device("meta"):
+                self.build(model)
+        except ConfigError as err:
+            if err.field.startswith(_CANONICAL + ".") and field != _CANONICAL:
+                raise ConfigError(field + err.field[len(_CANONICAL):], err.value, err.allowed) from None
+            raise
 
     def build(self, model: "ModelConfig") -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} does not build a layer")

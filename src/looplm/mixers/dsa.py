@@ -1,0 +1,178 @@
+"""DeepSeek Sparse Attention (DSA; DeepSeek-V3.2) as a token mixer: a lightning indexer picks
+the top-k earlier keys of every query and softmax attention (multi-head, rotary, GQA) reads
+only those (LT2 Table 1, "Looped DSA"; LT2's GDN+DSA hybrid).
+
+The main attention has SoftmaxAttention's parameters (``qkv``, ``gate``, ``o_proj``), so a
+dense checkpoint loads into a DSA layer with only the ``indexer`` new (as DeepSeek-V3.2
+continued from V3.1), and with top-k >= the sequence length the layer *is* that dense
+attention. The math lives in :mod:`looplm.ops.sparse.dsa`.
+
+Training the indexer: top-k passes no gradient, and the indexer reads a detached copy of
+the input (DeepSeek-V3.2 §2.1.1: it is optimised by its own loss only, the rest of the
+model by the language-modelling loss). In training mode each call computes the indexer
+loss — KL(main attention, summed over heads and renormalised, detached ‖ softmax of the
+index scores) over the selected keys, mean over real queries, times
+``index_loss_weight`` — and adds it to the forward's auxiliary losses
+(``ctx.add_loss("dsa_index", ...)``); the model sums those of every DSA call (all blocks
+and loop iterations) into ``ModelOutput.aux_losses`` and its training loss. Dense warm-up (Eq. (2)) is the same loss with top_k >= max_seq_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.config_base import ConfigError, check
+from looplm.mixers.backend import log_backend
+from looplm.mixers.base import MixerContext
+from looplm.mixers.config import MixerConfig
+from looplm.modules.rotary import apply_rotary
+from looplm.ops.sparse.common import masked_softmax
+from looplm.ops.sparse.dsa import index_kl_loss, index_scores, select_keys
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAConfig(MixerConfig):
+    """DeepSeek Sparse Attention. Paper values (DeepSeek-V3.2 §2): top_k = 2048, H^I = 64
+    indexer heads of d^I = 128; the defaults are small.
+
+    top_k: keys each query attends to (itself among the candidates, not forced).
+    index_heads, index_head_dim: H^I and d^I of the lightning indexer (rotary on its
+    first rotary-dim channels, so index_head_dim >= the model's rotary dim).
+    index_loss_weight: factor on the indexer's KL loss returned in training.
+    output_gate: LT2's SDPA output gate (§4.4).
+    """
+
+    kind: str = "dsa"
+    output_gate: bool = False
+    top_k: int = 64
+    index_heads: int = 4
+    index_head_dim: int = 32
+    index_loss_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(self.top_k >= 1, "model.mixer.top_k", self.top_k, "an integer >= 1")
+        check(self.index_heads >= 1, "model.mixer.index_heads", self.index_heads, "an integer >= 1")
+        check(self.index_head_dim >= 1, "model.mixer.index_head_dim", self.index_head_dim, "an integer >= 1")
+        check(self.index_loss_weight >= 0, "model.mixer.index_loss_weight", self.index_loss_weight, "a number >= 0")
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        if self.index_head_dim < model.rotary_dim:
+            raise ConfigError(
+                "model.mixer.index_head_dim", self.index_head_dim,
+                f"an integer >= the rotary dim {model.rotary_dim} (head_dim × rotary_pct): the indexer is rotary too",
+            )
+        return DeepSeekSparseAttention(
+            model.d_model, model.n_heads, model.kv_heads, model.bias,
+            top_k=self.top_k, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
+            index_loss_weight=self.index_loss_weight, output_gate=self.output_gate,
+        )
+
+    @property
+    def is_softmax(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class DSAState:
+    """DSA's decoding state: keys, values [B, H_kv, S, D] (rotated) and index keys
+    [B, S, d^I] of every position."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    index_keys: torch.Tensor
+
+    def crop(self, length: int) -> "DSAState":
+        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length])
+
+    def select(self, index: torch.Tensor) -> "DSAState":
+        return DSAState(self.keys[index], self.values[index], self.index_keys[index])
+
+
+class LightningIndexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer: H^I query heads and one shared (MQA) key per token,
+    LayerNorm on the key, rotary on both, per-head weights w_{t,j} = (x W_w)_j / √H^I."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, bias: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, head_dim, bias=bias)
+        self.k_norm = nn.LayerNorm(head_dim)
+        self.w_proj = nn.Linear(dim, heads, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I])."""
+        B, T, _ = x.shape
+        q = apply_rotary(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), *rope)
+        k = apply_rotary(self.k_norm(self.k_proj(x))[:, None], *rope)[:, 0]
+        return q.transpose(1, 2), k, self.w_proj(x) * self.heads**-0.5
+
+
+class DeepSeekSparseAttention(nn.Module):
+    """Top-k sparse softmax attention; the selection is shared by all heads of a query."""
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, *, top_k: int, index_heads: int,
+        index_head_dim: int, index_loss_weight: float = 1.0, output_gate: bool = False,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.top_k, self.index_loss_weight = top_k, index_loss_weight
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
+        self.indexer = LightningIndexer(dim, index_heads, index_head_dim, bias)
+        self.gate = nn.Linear(dim, n_heads * self.head_dim, bias=bias) if output_gate else None
+        self.o_proj = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}"
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[DSAState] = None
+    ) -> tuple[torch.Tensor, DSAState]:
+        """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
+        log_backend("dsa", "torch")
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        q_index, k_index, w_index = self.indexer(x.detach(), ctx.rope)  # detached: trained by its own loss
+        if state is not None:
+            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+            k_index = torch.cat([state.index_keys, k_index], dim=1)
+        S, past = k.shape[2], ctx.past
+
+        scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, T, S]
+        key = torch.arange(S, device=x.device)
+        query = torch.arange(past, S, device=x.device)[:, None]  # [T, 1] absolute index
+        candidates = (key <= query)[None] & ctx.valid[:, None, :]  # [B, T, S]
+        selected = select_keys(scores, candidates, self.top_k)
+        allowed = selected | ((key == query)[None] & ~ctx.new_valid[..., None])  # a padding query sees itself
+        allowed = allowed[:, None]  # [B, 1, T, S]
+        keys, values = k, v
+        if Hkv != H:
+            keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+
+        if self.training:  # explicit probabilities: the indexer's target
+            p = masked_softmax(torch.matmul(q, keys.transpose(-1, -2)) * D**-0.5, allowed)  # [B, H, T, S]
+            y = torch.matmul(p.to(values.dtype), values)
+            ctx.add_loss("dsa_index", self.index_loss_weight * index_kl_loss(scores, p, selected, ctx.new_valid))
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
+        return self.o_proj(y), DSAState(k, v, k_index)

@@ -1,0 +1,155 @@
+"""Gated linear attention (Yang et al. 2024): a data-dependent diagonal decay,
+
+    S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,   log α_t = logsigmoid(W_2 W_1 x_t + b) / τ     (LT2 Table 1)
+
+with a low-rank gate projection (rank 16) and τ = ``gate_logit_normalizer`` (16). The
+layer is flash-linear-attention's ``fla.layers.GatedLinearAttention`` (parameter names
+included): q/k/v projections (optional short convolutions), gk_proj, the GLA op with
+scale 1/√K, a per-head RMSNorm of o gated by SiLU(g_proj(x)) and o_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.config_base import check
+from looplm.mixers.base import MixerContext
+from looplm.mixers.linear_attention import (
+    DecayMixer, DecayMixerConfig, DecayState, GatedRMSNorm, check_conv, check_widths, repeat_kv,
+)
+from looplm.modules.norm import RMSNorm
+from looplm.modules.short_conv import ShortConvolution
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+
+class GatedLinearAttention(DecayMixer):
+    """fla's ``GatedLinearAttention`` layer.
+
+    key_dim = hidden·expand_k (fla's default 0.5), value_dim = hidden·expand_v over
+    num_heads; k, v and the gate over num_kv_heads (grouped). gk_proj = Linear(hidden,
+    gate_low_rank_dim) then Linear(·, key_dim / groups, bias); ``clamp_min`` bounds log α
+    from below. ``use_output_gate``: o ← RMSNorm(o)·SiLU(g_proj(x)).
+    Shapes: x [B, T, hidden] -> [B, T, hidden]; state S [B, H, head_k_dim, head_v_dim].
+    """
+
+    kind = "gla"
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 4,
+        expand_k: float = 0.5,
+        expand_v: float = 1.0,
+        num_kv_heads: Optional[int] = None,
+        use_short_conv: bool = False,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        use_output_gate: bool = True,
+        norm_eps: float = 1e-5,
+        gate_logit_normalizer: float = 16,
+        gate_low_rank_dim: int = 16,
+        clamp_min: Optional[float] = None,
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        self.set_heads(hidden_size, num_heads, num_kv_heads, expand_k, expand_v)
+        self.use_short_conv, self.use_output_gate, self.chunk_size = use_short_conv, use_output_gate, chunk_size
+        self.gate_logit_normalizer, self.clamp_min = gate_logit_normalizer, clamp_min
+        kv_key_dim, kv_value_dim = self.key_dim // self.groups, self.value_dim // self.groups
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, kv_key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, kv_value_dim, bias=False)
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.k_conv1d = ShortConvolution(kv_key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.v_conv1d = ShortConvolution(kv_value_dim, conv_size, bias=conv_bias, activation="silu")
+        self.gk_proj = nn.Sequential(
+            nn.Linear(hidden_size, gate_low_rank_dim, bias=False), nn.Linear(gate_low_rank_dim, kv_key_dim, bias=True)
+        )
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        if use_output_gate:
+            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        else:
+            self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[DecayState] = None
+    ) -> tuple[torch.Tensor, DecayState]:
+        """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
+        B, T, _ = x.shape
+        H, Hkv = self.num_heads, self.num_kv_heads
+        valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        conv = state.conv if state is not None else (None, None, None)
+        new_conv: tuple[torch.Tensor, ...] = ()
+        if self.use_short_conv:
+            q, conv_q = self.q_conv1d(q, conv[0], valid)
+            k, conv_k = self.k_conv1d(k, conv[1], valid)
+            v, conv_v = self.v_conv1d(v, conv[2], valid)
+            new_conv = (conv_q, conv_k, conv_v)
+        q = q.view(B, T, H, self.head_k_dim)
+        k = repeat_kv(k.view(B, T, Hkv, self.head_k_dim), self.groups)
+        v = repeat_kv(v.view(B, T, Hkv, self.head_v_dim), self.groups)
+        gk = repeat_kv(self.gk_proj(x).view(B, T, Hkv, self.head_k_dim), self.groups)
+        log_alpha = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # [B, T, H, K]
+        if self.clamp_min is not None:
+            log_alpha = log_alpha.clamp(min=self.clamp_min)
+        k, log_alpha = self.mask_padding(valid, k, log_alpha)
+        o, S = self.decay(q, k, v, log_alpha, None, None if state is None else state.recurrent)
+        if self.use_output_gate:
+            o = self.g_norm_swish_gate(o, self.g_proj(x).view(B, T, H, self.head_v_dim))
+        else:
+            o = self.g_norm(o)
+        return self.o_proj(o.reshape(B, T, self.value_dim)), DecayState(S, new_conv, ctx.valid.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class GLAConfig(DecayMixerConfig):
+    """GLA (fla ``GatedLinearAttention``): key/value widths d_model·expand_k /
+    d_model·expand_v (default 0.5 and 1); ``num_kv_heads`` null: the model's kv heads."""
+
+    kind: str = "gla"
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    num_kv_heads: Optional[int] = None
+    use_short_conv: bool = False
+    conv_size: int = 4
+    conv_bias: bool = False
+    use_output_gate: bool = True
+    gate_logit_normalizer: float = 16.0
+    gate_low_rank_dim: int = 16
+    clamp_min: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
+        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
+        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
+              "null (the model's kv heads) or an integer >= 1")
+        check_conv(self)
+        check(self.gate_logit_normalizer > 0, "model.mixer.gate_logit_normalizer", self.gate_logit_normalizer,
+              "a number > 0")
+        check(self.gate_low_rank_dim >= 1, "model.mixer.gate_low_rank_dim", self.gate_low_rank_dim, "an integer >= 1")
+        check(self.clamp_min is None or self.clamp_min < 0, "model.mixer.clamp_min", self.clamp_min,
+              "null or a number < 0 (a lower bound on log α)")
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        heads = self.heads(model)
+        kv_heads = self.num_kv_heads or (model.kv_heads if heads == model.n_heads else heads)
+        check_widths(model, heads, kv_heads, expand_k=self.expand_k, expand_v=self.expand_v)
+        return GatedLinearAttention(
+            model.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads,
+            use_short_conv=self.use_short_conv, conv_size=self.conv_size, conv_bias=self.conv_bias,
+            use_output_gate=self.use_output_gate, norm_eps=self.norm_eps,
+            gate_logit_normalizer=self.gate_logit_normalizer, gate_low_rank_dim=self.gate_low_rank_dim,
+            clamp_min=self.clamp_min, chunk_size=self.chunk_size,
+        )

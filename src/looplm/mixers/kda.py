@@ -1,0 +1,92 @@
+"""Kimi Delta Attention (KDA; Kimi Team 2025, "Kimi Linear"): the delta rule with a
+data-dependent decay per key channel.
+
+    S_t = (I - β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ          (LT2 Table 1)
+    log α_t = -exp(A_log) · softplus(f_proj(x_t) + dt_bias)   ∈ R^K per head
+
+The layer is fla's ``fla.layers.KimiDeltaAttention`` (parameter names included): the
+DeltaNet body (:class:`~looplm.mixers.deltanet.DeltaRuleMixer`) with a low-rank f_proj
+for the decay, per-head A_log, per-channel dt_bias, and an output RMSNorm gated by
+sigmoid of a low-rank g_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.config_base import check
+from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, GatedRMSNorm, whole_number
+from looplm.mixers.gated_deltanet import head_shape, init_dt_bias
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+
+class KimiDeltaAttention(DeltaRuleMixer):
+    """fla's ``KimiDeltaAttention`` layer (value heads = heads, no safe_gate/lower_bound).
+
+    q, k: num_heads × head_dim; v: num_heads × head_dim·expand_v. f_proj: hidden ->
+    head_v_dim -> H·head_dim (the decay's low-rank projection); g_proj: hidden ->
+    head_v_dim -> value_dim with bias (the output gate).
+    """
+
+    kind = "kda"
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 16,
+        head_dim: int = 128,
+        expand_v: float = 1.0,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        allow_neg_eigval: bool = False,
+        norm_eps: float = 1e-5,
+        chunk_size: int = 64,
+    ):
+        super().__init__(
+            hidden_size, num_heads, head_dim, whole_number(head_dim * expand_v, "expand_v"),
+            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
+            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
+        )
+        self.f_proj = nn.Sequential(
+            nn.Linear(hidden_size, self.head_v_dim, bias=False), nn.Linear(self.head_v_dim, self.key_dim, bias=False)
+        )
+        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())  # A ~ U(1, 16)
+        self.dt_bias = nn.Parameter(init_dt_bias(self.key_dim))
+        self.g_proj = nn.Sequential(
+            nn.Linear(hidden_size, self.head_v_dim, bias=False), nn.Linear(self.head_v_dim, self.value_dim, bias=True)
+        )
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, activation="sigmoid")
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """log α_t = -exp(A_log) · softplus(f_proj(x) + dt_bias): [B, T, H, K], float32."""
+        B, T, _ = x.shape
+        f = (self.f_proj(x).float() + self.dt_bias.float()).view(B, T, self.num_heads, self.head_k_dim)
+        return -self.A_log.float().exp()[:, None] * F.softplus(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig(DeltaRuleConfig):
+    """Kimi Delta Attention (fla ``KimiDeltaAttention``). ``head_dim`` null: d_model /
+    num_heads; value heads are head_dim·expand_v wide."""
+
+    kind: str = "kda"
+    head_dim: Optional[int] = None
+    expand_v: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.head_dim is None or self.head_dim >= 1, "model.mixer.head_dim", self.head_dim,
+              "null (d_model / num_heads) or an integer >= 1")
+        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        heads, head_dim = head_shape(self, model)
+        return KimiDeltaAttention(model.d_model, heads, head_dim, self.expand_v, **self.common())

@@ -1,0 +1,352 @@
+"""Linear attention (Katharopoulos et al. 2020), and what the diagonal-decay mixers share.
+
+The diagonal-decay family — LA, RetNet, GLA, HGRN2, Mamba2 — all run one op,
+
+    S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,    o_t = S_tᵀ (scale · q_t)               (LT2 Table 1)
+
+(``looplm.ops.decay``), and differ in how they compute q, k, v and α from x and in their
+output gates and norms. :class:`DecayMixer` holds the shared part: the op on the right
+backend (flash-linear-attention's Triton kernels on CUDA when installed, else the
+chunkwise PyTorch form for several positions and the recurrent step for one), left
+padding (a padded position writes nothing and decays nothing), and the decoding state
+:class:`DecayState` (recurrent matrix + short-convolution inputs).
+
+:class:`LinearAttention` is fla's ``fla.layers.LinearAttention`` (parameter names
+included, so weights move between the two): q/k/v projections, a feature map on q and k
+(fla's default: the learned ``elementwise_product`` map), α = 1, no denominator
+(fla's default ``do_feature_map_norm=False``), a per-head RMSNorm of o and o_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.config_base import ConfigError, check
+from looplm.mixers.backend import log_backend, use_fla
+from looplm.mixers.base import MixerContext
+from looplm.mixers.config import MixerConfig
+from looplm.modules.norm import RMSNorm
+from looplm.ops.decay import chunk_decay, fla_decay, recurrent_decay
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+FEATURE_MAPS = ("elementwise_product", "elu", "relu", "identity")
+
+
+@dataclasses.dataclass
+class DecayState:
+    """Decoding state of a diagonal-decay mixer after ``length`` positions.
+
+    recurrent: S [B, H, K, V] (float32). conv: the last conv_size - 1 inputs of each short
+    convolution ([B, channels, conv_size - 1] each; empty without short convolutions).
+    """
+
+    recurrent: torch.Tensor
+    conv: tuple[torch.Tensor, ...]
+    length: int
+
+    def crop(self, length: int) -> "DecayState":
+        if length >= self.length:
+            return self
+        raise ValueError(
+            f"cannot crop a linear-attention state from {self.length} to {length} positions: its recurrent "
+            f"matrix S summarises every position and cannot be rewound; run the first {length} positions again"
+        )
+
+    def select(self, index: torch.Tensor) -> "DecayState":
+        return DecayState(self.recurrent[index], tuple(c[index] for c in self.conv), self.length)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a SiLU gate, in float32, weight initialised to ones.
+
+    ``norm_before_gate`` (fla's ``FusedRMSNormGated``, RetNet/GLA): y = rms(x)·w·silu(g);
+    otherwise (fla's ``RMSNormGated``, Mamba2): y = rms(x·silu(g))·w. ``group_size``: the
+    RMS is taken over groups of that many channels (Mamba2's n_groups); None: all.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, norm_before_gate: bool = True, group_size: Optional[int] = None):
+        super().__init__()
+        self.eps, self.norm_before_gate, self.group_size = eps, norm_before_gate, group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, norm_before_gate={self.norm_before_gate}"
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """x, g: [..., dim] -> [..., dim] in x's dtype."""
+        x32, gate = x.float(), F.silu(g.float())
+        if not self.norm_before_gate:
+            x32 = x32 * gate
+        groups = x32.unflatten(-1, (-1, self.group_size or x32.shape[-1]))  # [..., G, dim / G]
+        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
+        if self.norm_before_gate:
+            y = y * gate
+        return y.to(x.dtype)
+
+
+def positions(ctx: MixerContext) -> torch.Tensor:
+    """Position ids [B, T] of the new tokens, counting real tokens only (left padding gets
+    0), as the model computes them for its rotary tables."""
+    return (ctx.valid.long().cumsum(1) - 1).clamp(min=0)[:, ctx.past :]
+
+
+class DecayMixer(nn.Module):
+    """Base of the diagonal-decay layers: the op on its backend and left padding.
+
+    A subclass sets ``kind`` and ``chunk_size`` and names its output projection
+    ``o_proj`` (looplm's depth-scaled init finds W_O by that name).
+    """
+
+    kind = "linear_attention"
+    chunk_size = 64
+
+    def set_heads(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int], expand_k: float,
+                  expand_v: float) -> None:
+        """fla's multi-head shape: key_dim = hidden·expand_k and value_dim = hidden·expand_v
+        split over num_heads; keys and values over num_kv_heads, each serving ``groups``
+        consecutive heads."""
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        self.key_dim = whole(hidden_size * expand_k, "expand_k")
+        self.value_dim = whole(hidden_size * expand_v, "expand_v")
+        if self.key_dim % num_heads or self.value_dim % num_heads:
+            raise ValueError(
+                f"key_dim={self.key_dim} and value_dim={self.value_dim} must be divisible by num_heads={num_heads}"
+            )
+        self.head_k_dim, self.head_v_dim = self.key_dim // num_heads, self.value_dim // num_heads
+        self.groups = num_heads // self.num_kv_heads
+
+    @staticmethod
+    def mask_padding(
+        valid: Optional[torch.Tensor], k: torch.Tensor, log_alpha: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Left padding leaves S unchanged: k = 0 (no write) and log α = 0 (no decay) where
+        valid [B, T] is False. k: [B, T, H, K]; log_alpha: [B, T, H(, K)] or None."""
+        if valid is None:
+            return k, log_alpha
+        k = k * valid[:, :, None, None].to(k.dtype)
+        if log_alpha is not None:
+            log_alpha = torch.where(valid.view(*valid.shape, *([1] * (log_alpha.dim() - 2))), log_alpha, 0.0)
+        return k, log_alpha
+
+    def decay(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        log_alpha: Optional[torch.Tensor],
+        scale: Optional[float],
+        initial_state: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op: q, k [B, T, H, K]; v [B, T, H, V]; log_alpha [B, T, H(, K)] or None;
+        initial_state [B, H, K, V] or None. Returns (o [B, T, H, V], S_T float32).
+
+        On CUDA with fla: its fused recurrent kernel for inference on up to 64 positions
+        (fla's layers' rule), its chunked kernel otherwise. On PyTorch: the recurrent step
+        for one position, the chunkwise form for more."""
+        T = q.shape[1]
+        if use_fla(q):
+            log_backend(self.kind, "fla")
+            recurrent = T <= 64 and not torch.is_grad_enabled()
+            o, S = fla_decay(q, k, v, log_alpha, scale, initial_state, output_final_state=True, recurrent=recurrent)
+            return o, S.float()
+        log_backend(self.kind, "torch")
+        if T == 1:
+            return recurrent_decay(q, k, v, log_alpha, scale, initial_state, output_final_state=True)
+        return chunk_decay(q, k, v, log_alpha, scale, initial_state, output_final_state=True,
+                           chunk_size=self.chunk_size)
+
+
+def elu_p1(x: torch.Tensor) -> torch.Tensor:
+    """ELU(x) + 1 (Katharopoulos et al. 2020; fla's ``elu_p1``)."""
+    return F.elu(x) + 1
+
+
+class HadamardFeatureMap(nn.Module):
+    """φ(x) = layer1(x) ⊙ layer2(x), both Linear(head_dim, head_dim) with bias (fla's
+    ``HadamardFeatureMap``, the ``elementwise_product`` map)."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.layer1 = nn.Linear(head_dim, head_dim)
+        self.layer2 = nn.Linear(head_dim, head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer1(x) * self.layer2(x)
+
+
+def build_feature_map(name: str, head_dim: int) -> nn.Module:
+    if name == "elementwise_product":
+        return HadamardFeatureMap(head_dim)
+    if name == "elu":
+        return _Function(elu_p1)
+    if name == "relu":
+        return nn.ReLU()
+    if name == "identity":
+        return nn.Identity()
+    raise ValueError(f"feature_map={name!r} is invalid: one of {', '.join(FEATURE_MAPS)}")
+
+
+class _Function(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def whole(value: float, name: str) -> int:
+    """``value`` as an int, or ValueError naming the argument when it is not whole."""
+    if abs(value - round(value)) > 1e-6:
+        raise ValueError(f"hidden_size * {name} = {value} must be a whole number")
+    return round(value)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, T, H_kv, D] -> [B, T, H_kv·groups, D], each key/value head serving ``groups``
+    consecutive query heads (fla's ``repeat(... '(h d) -> (h g) d')``)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+class LinearAttention(DecayMixer):
+    """fla's ``LinearAttention`` layer: S_t = S_{t-1} + φ(k_t) v_tᵀ, o_t = S_tᵀ φ(q_t) / √K.
+
+    key_dim = hidden·expand_k and value_dim = hidden·expand_v split over num_heads (key
+    and value projections over num_kv_heads, shared by groups of heads). ``feature_map``
+    φ: ``elementwise_product`` (learned, fla's default), ``elu`` (ELU + 1), ``relu``,
+    ``identity``. ``norm_q`` / ``norm_k`` divide by the feature sum. ``output_norm``:
+    per-head ``rmsnorm`` or ``identity``. Shapes: x [B, T, hidden] -> [B, T, hidden].
+    """
+
+    kind = "linear_attention"
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 8,
+        expand_k: float = 1.0,
+        expand_v: float = 1.0,
+        num_kv_heads: Optional[int] = None,
+        feature_map: str = "elementwise_product",
+        tie_feature_map_qk: bool = False,
+        output_norm: str = "rmsnorm",
+        norm_q: bool = False,
+        norm_k: bool = False,
+        norm_eps: float = 1e-5,
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        self.set_heads(hidden_size, num_heads, num_kv_heads, expand_k, expand_v)
+        self.norm_q, self.norm_k, self.chunk_size = norm_q, norm_k, chunk_size
+        self.feature_map_q = build_feature_map(feature_map, self.head_k_dim)
+        self.feature_map_k = (
+            self.feature_map_q if tie_feature_map_qk else build_feature_map(feature_map, self.head_k_dim)
+        )
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim // self.groups, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim // self.groups, bias=False)
+        if output_norm == "rmsnorm":
+            self.norm: nn.Module = RMSNorm(self.head_v_dim, eps=norm_eps)
+        elif output_norm == "identity":
+            self.norm = nn.Identity()
+        else:
+            raise ValueError(f"output_norm={output_norm!r} is invalid: 'rmsnorm' or 'identity'")
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[DecayState] = None
+    ) -> tuple[torch.Tensor, DecayState]:
+        """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_k_dim)
+        k = repeat_kv(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
+        v = repeat_kv(self.v_proj(x).view(B, T, self.num_kv_heads, self.head_v_dim), self.groups)
+        q, k = self.feature_map_q(q), self.feature_map_k(k)
+        if self.norm_q:
+            q = q / (q.sum(-1, keepdim=True) + 1e-4)
+        if self.norm_k:
+            k = k / (k.sum(-1, keepdim=True) + 1e-4)
+        k, _ = self.mask_padding(ctx.new_valid if ctx.padded else None, k, None)
+        o, S = self.decay(q, k, v, None, None, None if state is None else state.recurrent)
+        o = self.norm(o).reshape(B, T, self.value_dim)
+        return self.o_proj(o), DecayState(S, (), ctx.valid.shape[1])
+
+
+# ----------------------------------------------------------------------------- configs
+@dataclasses.dataclass(frozen=True)
+class DecayMixerConfig(MixerConfig):
+    """Fields the diagonal-decay mixer configs share. ``num_heads`` null: the model's
+    n_heads; ``chunk_size``: positions per chunk of the training op."""
+
+    num_heads: Optional[int] = None
+    norm_eps: float = 1e-5
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        check(self.num_heads is None or self.num_heads >= 1, "model.mixer.num_heads", self.num_heads,
+              "null (the model's n_heads) or an integer >= 1")
+        check(self.norm_eps > 0, "model.mixer.norm_eps", self.norm_eps, "a number > 0")
+        check(self.chunk_size >= 1, "model.mixer.chunk_size", self.chunk_size, "an integer >= 1, e.g. 64")
+
+    def heads(self, model: "ModelConfig") -> int:
+        return self.num_heads or model.n_heads
+
+
+def check_widths(model: "ModelConfig", heads: int, kv_heads: int, **expands: float) -> None:
+    """ConfigError unless d_model·expand is a whole multiple of ``heads`` for each expand."""
+    check(heads % kv_heads == 0, "model.mixer.num_kv_heads", kv_heads, f"a divisor of num_heads={heads}")
+    for name, expand in expands.items():
+        width = model.d_model * expand
+        if abs(width - round(width)) > 1e-6 or round(width) % heads:
+            raise ConfigError(f"model.mixer.{name}", expand,
+                              f"a factor making d_model·{name} = {width:g} a whole multiple of num_heads={heads}")
+
+
+def check_conv(cfg) -> None:
+    check(cfg.conv_size >= 1, "model.mixer.conv_size", cfg.conv_size, "an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig(DecayMixerConfig):
+    """Linear attention (fla ``LinearAttention``): key/value widths d_model·expand_k /
+    d_model·expand_v; ``num_kv_heads`` null: the model's kv heads."""
+
+    kind: str = "linear_attention"
+    expand_k: float = 1.0
+    expand_v: float = 1.0
+    num_kv_heads: Optional[int] = None
+    feature_map: str = "elementwise_product"
+    tie_feature_map_qk: bool = False
+    output_norm: str = "rmsnorm"
+    norm_q: bool = False
+    norm_k: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
+        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
+        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
+              "null (the model's kv heads) or an integer >= 1")
+        check(self.feature_map in FEATURE_MAPS, "model.mixer.feature_map", self.feature_map,
+              f"one of {', '.join(FEATURE_MAPS)}")
+        check(self.output_norm in ("rmsnorm", "identity"), "model.mixer.output_norm", self.output_norm,
+              "'rmsnorm' or 'identity'")
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        heads = self.heads(model)
+        kv_heads = self.num_kv_heads or (model.kv_heads if heads == model.n_heads else heads)
+        check_widths(model, heads, kv_heads, expand_k=self.expand_k, expand_v=self.expand_v)
+        return LinearAttention(
+            model.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads, feature_map=self.feature_map,
+            tie_feature_map_qk=self.tie_feature_map_qk, output_norm=self.output_norm, norm_q=self.norm_q,
+            norm_k=self.norm_k, norm_eps=self.norm_eps, chunk_size=self.chunk_size,
+        )

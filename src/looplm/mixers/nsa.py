@@ -1,0 +1,246 @@
+"""Native Sparse Attention (NSA; Yuan et al. 2025) as a token mixer: compressed, selected and
+sliding-window branches mixed by per-head sigmoid gates (LT2 Table 1, "Looped NSA").
+
+Parameterised as flash-linear-attention's ``fla.layers.nsa.NativeSparseAttention``:
+``q_proj`` / ``k_proj`` / ``v_proj`` (GQA), ``g_proj`` (d -> 3 gates per query head, in the
+order compressed, selected, window; no bias), rotary q and k, mean-pooled compressed keys
+and values, and ``o_proj``. ``compression="mlp"`` uses the paper's learned φ instead (an MLP
+over the l keys of a block plus an intra-block position embedding, NSA Eq. (7)).
+The math lives in :mod:`looplm.ops.sparse.nsa`.
+
+Left padding: a row's blocks are cut in its own positions (the rotary positions), so a
+padded row computes exactly what the same row computes unpadded; the keys are compacted
+(real tokens first) before the branches run. Decoding keeps every rotated key and value
+(the selected branch may pick any block; the window and the partly filled current
+compression block read the most recent ones) plus the compressed blocks completed so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal, Optional
+
+import torch
+from torch import nn
+
+from looplm.config_base import check
+from looplm.mixers.backend import log_backend
+from looplm.mixers.base import MixerContext
+from looplm.mixers.config import MixerConfig
+from looplm.modules.rotary import apply_rotary
+from looplm.ops.sparse.nsa import compressed_block_count, nsa_attention
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class NSAConfig(MixerConfig):
+    """Native Sparse Attention. Paper values (NSA §4.1, 27B model): l = 32, d = 16, l' = 64,
+    n = 16, w = 512, learned-MLP compression. fla's layer: l = d = l' = 64, n = 16, w = 512,
+    mean compression. The defaults are small sizes with fla's l = d = l' convention.
+
+    block_size: l, tokens per compressed block. block_stride: d, distance between
+    compressed blocks (d <= l, so every token is in one; null: d = l). select_block_size:
+    l' (null: l' = l). select_blocks:
+    n, selected blocks per query and KV group, the initial block and the two local ones
+    included (so n >= 3). window: w, sliding-window length (0: no window branch, fla's
+    convention). compression: "mean" (fla) or "mlp" (the paper's φ). output_gate: LT2's
+    SDPA output gate (§4.4).
+    """
+
+    kind: str = "nsa"
+    output_gate: bool = False
+    block_size: int = 16
+    block_stride: Optional[int] = None
+    select_block_size: Optional[int] = None
+    select_blocks: int = 4
+    window: int = 64
+    compression: Literal["mean", "mlp"] = "mean"
+
+    def __post_init__(self) -> None:
+        check(self.block_size >= 1, "model.mixer.block_size", self.block_size, "an integer >= 1")
+        check(
+            self.block_stride is None or 1 <= self.block_stride <= self.block_size, "model.mixer.block_stride",
+            self.block_stride,
+            f"null or an integer in [1, block_size={self.block_size}] so that every token lies in a compressed block",
+        )
+        check(
+            self.select_block_size is None or self.select_block_size >= 1, "model.mixer.select_block_size",
+            self.select_block_size, "null or an integer >= 1",
+        )
+        check(
+            self.select_blocks >= 3, "model.mixer.select_blocks", self.select_blocks,
+            "an integer >= 3: the initial block and the two local blocks are always selected (NSA §3.3.2)",
+        )
+        check(self.window >= 0, "model.mixer.window", self.window, "an integer >= 0 (0: no sliding-window branch)")
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        return NativeSparseAttention(
+            model.d_model, model.n_heads, model.kv_heads, model.bias,
+            block_size=self.block_size, block_stride=self.stride,
+            select_block_size=self.select_size, select_blocks=self.select_blocks,
+            window=self.window, compression=self.compression, output_gate=self.output_gate,
+        )
+
+    @property
+    def stride(self) -> int:
+        """d: block_stride, or l when unset."""
+        return self.block_size if self.block_stride is None else self.block_stride
+
+    @property
+    def select_size(self) -> int:
+        """l': select_block_size, or l when unset."""
+        return self.block_size if self.select_block_size is None else self.select_block_size
+
+    @property
+    def is_softmax(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class NSAState:
+    """NSA's decoding state after S positions.
+
+    keys, values: [B, H_kv, S, D], rotated, every position in order (padding included;
+    it is never attended to). valid: [B, S], the real positions (to recount a row's complete
+    blocks after ``crop``). k_cmp, v_cmp: [B, H_kv, N, D], the compressed blocks in each
+    row's own positions; row b has ``compressed_block_count(valid[b].sum())`` of them and N is
+    the largest count (later entries of shorter rows are unused). The partly filled block
+    is not stored compressed: its raw keys are the last ones of ``keys``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+    block_size: int
+    block_stride: int
+
+    def _trimmed(self, keys, values, valid, k_cmp, v_cmp) -> "NSAState":
+        counts = compressed_block_count(valid.sum(dim=1), self.block_size, self.block_stride)
+        n = int(counts.max()) if counts.numel() else 0
+        return NSAState(keys, values, valid, k_cmp[:, :, :n], v_cmp[:, :, :n], self.block_size, self.block_stride)
+
+    def crop(self, length: int) -> "NSAState":
+        return self._trimmed(
+            self.keys[:, :, :length], self.values[:, :, :length], self.valid[:, :length], self.k_cmp, self.v_cmp
+        )
+
+    def select(self, index: torch.Tensor) -> "NSAState":
+        return self._trimmed(
+            self.keys[index], self.values[index], self.valid[index], self.k_cmp[index], self.v_cmp[index]
+        )
+
+
+class BlockCompressor(nn.Module):
+    """NSA's learned φ (Eq. (7)): an MLP over the l keys (or values) of a block, each plus
+    its intra-block position embedding; [.., l, D] -> [.., D]. Hidden width D; shared by
+    the KV heads."""
+
+    def __init__(self, block_size: int, head_dim: int):
+        super().__init__()
+        self.position = nn.Parameter(torch.zeros(block_size, head_dim))
+        self.mlp = nn.Sequential(nn.Linear(block_size * head_dim, head_dim), nn.GELU(), nn.Linear(head_dim, head_dim))
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
+        return self.mlp((blocks + self.position).flatten(-2))
+
+
+class NativeSparseAttention(nn.Module):
+    """NSA with GQA: query head h·G + g reads KV head h, and a KV group shares its selected
+    blocks (NSA §3.4). ``gate`` (output gate): W_θ, d -> H·D, as in SoftmaxAttention."""
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, *, block_size: int, block_stride: int,
+        select_block_size: int, select_blocks: int, window: int, compression: str = "mean",
+        output_gate: bool = False,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.block_size, self.block_stride = block_size, block_stride
+        self.select_block_size, self.select_blocks = select_block_size, select_blocks
+        self.window, self.compression = window, compression
+        H, Hkv, D = n_heads, n_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(dim, H * D, bias=bias)
+        self.k_proj = nn.Linear(dim, Hkv * D, bias=bias)
+        self.v_proj = nn.Linear(dim, Hkv * D, bias=bias)
+        self.g_proj = nn.Linear(dim, 3 * H, bias=False)  # fla: (g_cmp, g_slc, g_swa) per head
+        self.k_compress = BlockCompressor(block_size, D) if compression == "mlp" else None
+        self.v_compress = BlockCompressor(block_size, D) if compression == "mlp" else None
+        self.gate = nn.Linear(dim, H * D, bias=bias) if output_gate else None
+        self.o_proj = nn.Linear(H * D, dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"l={self.block_size}, d={self.block_stride}, l'={self.select_block_size}, "
+            f"n={self.select_blocks}, w={self.window}, compression={self.compression}"
+        )
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[NSAState] = None
+    ) -> tuple[torch.Tensor, NSAState]:
+        """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
+        log_backend("nsa", "torch")
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        G = H // Hkv
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        gates = torch.sigmoid(self.g_proj(x)).view(B, T, Hkv, G, 3).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, T, 3]
+        if state is not None:
+            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+        S, past = k.shape[2], ctx.past
+
+        # each row in its own positions: real keys first, key c at position c
+        if ctx.padded:
+            rank = ctx.valid.long().cumsum(dim=1) - 1  # [B, S] position of each real token
+            positions = torch.where(ctx.new_valid, rank[:, past:], torch.full_like(rank[:, past:], -1))
+            order = torch.sort((~ctx.valid).to(torch.uint8), dim=1, stable=True).indices  # [B, S]
+            index = order[:, None, :, None].expand(B, Hkv, S, D)
+            k_pos, v_pos = k.gather(2, index), v.gather(2, index)
+            n_past, n_now = ctx.valid[:, :past].sum(dim=1), ctx.valid.sum(dim=1)
+        else:
+            positions = torch.arange(past, S, device=x.device).expand(B, T)
+            k_pos, v_pos = k, v
+            n_past, n_now = torch.full((B,), past, device=x.device), torch.full((B,), S, device=x.device)
+        k_cmp = self._compress(k_pos, n_past, n_now, self.k_compress, None if state is None else state.k_cmp)
+        v_cmp = self._compress(v_pos, n_past, n_now, self.v_compress, None if state is None else state.v_cmp)
+
+        o, _ = nsa_attention(
+            q.view(B, Hkv, G, T, D), k_pos, v_pos, k_cmp, v_cmp, gates, positions,
+            block_size=self.block_size, stride=self.block_stride, select_size=self.select_block_size,
+            n_select=self.select_blocks, window=self.window, scale=D**-0.5,
+        )
+        y = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
+        new_state = NSAState(k, v, ctx.valid, k_cmp, v_cmp, self.block_size, self.block_stride)
+        return self.o_proj(y), new_state
+
+    def _compress(
+        self, x: torch.Tensor, n_past: torch.Tensor, n_now: torch.Tensor,
+        phi: Optional[BlockCompressor], cached: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Compressed blocks [B, H_kv, N, D] of x [B, H_kv, S, D] (positions in order) for
+        rows with n_now [B] real positions, reusing ``cached`` (blocks complete at n_past)."""
+        l, d = self.block_size, self.block_stride
+        done_before = compressed_block_count(n_past, l, d)  # [B]
+        n_new = int(compressed_block_count(n_now, l, d).max())
+        lo = int(done_before.min()) if cached is not None else 0  # every row has blocks < lo cached
+        if n_new > lo:
+            blocks = x[:, :, lo * d : (n_new - 1) * d + l].unfold(2, l, d).transpose(-1, -2)  # [B, H_kv, n, l, D]
+            fresh = blocks.mean(dim=-2) if phi is None else phi(blocks)  # Eq. (7)
+        else:
+            fresh = x.new_zeros(x.shape[0], x.shape[1], 0, x.shape[3])
+        if cached is None:
+            return fresh
+        n_old = cached.shape[2]  # <= n_new: a row's count never shrinks
+        j = torch.arange(lo, n_old, device=x.device)
+        keep = (j[None, :] < done_before[:, None])[:, None, :, None]  # [B, 1, n_old - lo, 1]
+        middle = torch.where(keep, cached[:, :, lo:n_old], fresh[:, :, : n_old - lo])
+        return torch.cat([cached[:, :, :lo], middle, fresh[:, :, n_old - lo :]], dim=2)

@@ -1,0 +1,153 @@
+"""RetNet's multi-scale retention (Sun et al. 2023): linear attention with a fixed decay
+per head,
+
+    S_t = γ_h S_{t-1} + k_t v_tᵀ,   γ_h = 1 - 2^(-5-h),   o_t = S_tᵀ q_t / √K     (LT2 Table 1)
+
+The layer is flash-linear-attention's ``fla.layers.MultiScaleRetention`` (parameter names
+included): q/k/v projections (optional short convolutions), rotary embeddings on q and
+k, the retention op, a per-head RMSNorm of o gated by SiLU(g_proj(x)) (fla's fused
+``g_norm_swish_gate``; a plain ``g_norm`` without the output gate) and o_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from looplm.config_base import check
+from looplm.mixers.base import MixerContext
+from looplm.mixers.linear_attention import (
+    DecayMixer, DecayMixerConfig, DecayState, GatedRMSNorm, check_conv, check_widths, positions, repeat_kv,
+)
+from looplm.modules.norm import RMSNorm
+from looplm.modules.rotary import Rotary, apply_rotary
+from looplm.modules.short_conv import ShortConvolution
+
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
+
+def retention_log_decay(num_heads: int) -> torch.Tensor:
+    """log γ_h = log(1 - 2^(-5-h)) for h = 0 .. H-1 (RetNet §2.2; fla ``chunk_retention``)."""
+    return torch.log(1 - 2.0 ** (-5.0 - torch.arange(num_heads, dtype=torch.float64))).float()
+
+
+class MultiScaleRetention(DecayMixer):
+    """fla's ``MultiScaleRetention`` layer.
+
+    key_dim = hidden·expand_k, value_dim = hidden·expand_v (fla's default 2) over num_heads;
+    k and v over num_kv_heads (grouped). ``use_short_conv``: SiLU short convolutions on
+    q, k, v. ``use_output_gate``: o ← RMSNorm(o)·SiLU(g_proj(x)). Rotary over the whole
+    head_k_dim with base ``rope_theta`` (fla: 10000), at the positions of real tokens.
+    Shapes: x [B, T, hidden] -> [B, T, hidden]; state S [B, H, head_k_dim, head_v_dim].
+    """
+
+    kind = "retnet"
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 8,
+        expand_k: float = 1.0,
+        expand_v: float = 2.0,
+        num_kv_heads: Optional[int] = None,
+        use_short_conv: bool = False,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        use_output_gate: bool = True,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        self.set_heads(hidden_size, num_heads, num_kv_heads, expand_k, expand_v)
+        if self.head_k_dim % 2:
+            raise ValueError(f"head_k_dim={self.head_k_dim} must be even for rotary embeddings")
+        self.use_short_conv, self.use_output_gate, self.chunk_size = use_short_conv, use_output_gate, chunk_size
+        kv_key_dim, kv_value_dim = self.key_dim // self.groups, self.value_dim // self.groups
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, kv_key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, kv_value_dim, bias=False)
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.k_conv1d = ShortConvolution(kv_key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.v_conv1d = ShortConvolution(kv_value_dim, conv_size, bias=conv_bias, activation="silu")
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        if use_output_gate:
+            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        else:
+            self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+        self.rotary = Rotary(self.head_k_dim, rope_theta)
+        self.register_buffer("log_gamma", retention_log_decay(num_heads), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[DecayState] = None
+    ) -> tuple[torch.Tensor, DecayState]:
+        """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
+        B, T, _ = x.shape
+        H, Hkv = self.num_heads, self.num_kv_heads
+        valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        conv = state.conv if state is not None else (None, None, None)
+        new_conv: tuple[torch.Tensor, ...] = ()
+        if self.use_short_conv:
+            q, conv_q = self.q_conv1d(q, conv[0], valid)
+            k, conv_k = self.k_conv1d(k, conv[1], valid)
+            v, conv_v = self.v_conv1d(v, conv[2], valid)
+            new_conv = (conv_q, conv_k, conv_v)
+        cos, sin = self.rotary(positions(ctx), q.dtype)  # [B, T, head_k_dim]
+        q = apply_rotary(q.view(B, T, H, self.head_k_dim).transpose(1, 2), cos, sin).transpose(1, 2)
+        k = apply_rotary(k.view(B, T, Hkv, self.head_k_dim).transpose(1, 2), cos, sin).transpose(1, 2)
+        k = repeat_kv(k, self.groups)
+        v = repeat_kv(v.view(B, T, Hkv, self.head_v_dim), self.groups)
+        log_alpha = self.log_gamma.float().expand(B, T, H)  # γ_h, the same at every position
+        k, log_alpha = self.mask_padding(valid, k, log_alpha)
+        o, S = self.decay(q, k, v, log_alpha, None, None if state is None else state.recurrent)
+        if self.use_output_gate:
+            o = self.g_norm_swish_gate(o, self.g_proj(x).view(B, T, H, self.head_v_dim))
+        else:
+            o = self.g_norm(o)
+        return self.o_proj(o.reshape(B, T, self.value_dim)), DecayState(S, new_conv, ctx.valid.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class RetNetConfig(DecayMixerConfig):
+    """RetNet (fla ``MultiScaleRetention``): key/value widths d_model·expand_k /
+    d_model·expand_v (default 1 and 2); ``num_kv_heads`` null: the model's kv heads; rotary
+    base from the model's ``rope_theta``."""
+
+    kind: str = "retnet"
+    expand_k: float = 1.0
+    expand_v: float = 2.0
+    num_kv_heads: Optional[int] = None
+    use_short_conv: bool = False
+    conv_size: int = 4
+    conv_bias: bool = False
+    use_output_gate: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
+        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
+        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
+              "null (the model's kv heads) or an integer >= 1")
+        check_conv(self)
+
+    def build(self, model: "ModelConfig") -> nn.Module:
+        heads = self.heads(model)
+        kv_heads = self.num_kv_heads or (model.kv_heads if heads == model.n_heads else heads)
+        check_widths(model, heads, kv_heads, expand_k=self.expand_k, expand_v=self.expand_v)
+        head_k_dim = round(model.d_model * self.expand_k) // heads
+        check(head_k_dim % 2 == 0, "model.mixer.expand_k", self.expand_k,
+              f"a factor giving an even head_k_dim for rotary embeddings (got {head_k_dim})")
+        return MultiScaleRetention(
+            model.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads,
+            use_short_conv=self.use_short_conv, conv_size=self.conv_size, conv_bias=self.conv_bias,
+            use_output_gate=self.use_output_gate, norm_eps=self.norm_eps, rope_theta=model.rope_theta,
+            chunk_size=self.chunk_size,
+        )

@@ -1,0 +1,27 @@
+"""Functional sparse attention (plain PyTorch references): NSA (``nsa``) and DSA (``dsa``).
+
+The mixers in ``looplm.mixers.nsa`` / ``looplm.mixers.dsa`` own the projections and the
+decoding state; these functions take already projected, rotated tensors.
+"""
+
+from looplm.ops.sparse.common import grouped_attention, masked_softmax, topk_mask
+from looplm.ops.sparse.dsa import index_kl_loss, index_scores, select_keys
+from looplm.ops.sparse.nsa import (
+    compressed_block_count,
+    nsa_attention,
+    select_blocks,
+    selection_overlap,
+)
+
+__all__ = [
+    "compressed_block_count",
+    "grouped_attention",
+    "index_kl_loss",
+    "index_scores",
+    "masked_softmax",
+    "nsa_attention",
+    "select_blocks",
+    "select_keys",
+    "selection_overlap",
+    "topk_mask",
+]

@@ -1,0 +1,321 @@
+"""Sparse-attention mixers (NSA, DSA): causality, cache and padding equivalence alone and in
+loops, agreement with flash-linear-attention's naive references, hand-made selections, and
+the DSA indexer's training loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplm import LoopCache, LoopLM
+from looplm.config_base import ConfigError
+from looplm.mixers import MixerContext
+from looplm.mixers.attention import SoftmaxAttention
+from looplm.mixers.dsa import DeepSeekSparseAttention, DSAConfig
+from looplm.mixers.nsa import NativeSparseAttention, NSAConfig
+from looplm.model_config import ModelConfig
+from looplm.modules.rotary import Rotary, apply_rotary
+from looplm.ops.sparse import index_kl_loss, nsa_attention, select_blocks, topk_mask
+from tests.conftest import random_ids, tiny_config
+
+NSA_MEAN = {"kind": "nsa", "block_size": 2, "select_blocks": 4, "window": 3}
+NSA_MLP = {"kind": "nsa", "block_size": 4, "block_stride": 2, "select_block_size": 3, "select_blocks": 4,
+           "window": 2, "compression": "mlp", "output_gate": True}
+DSA = {"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8}
+MIXERS = {"nsa-mean": NSA_MEAN, "nsa-mlp": NSA_MLP, "dsa": DSA}
+SETTINGS = [("mesh", "1+1R3+1", 4), ("anchor", "1+1R3+1", 2), ("base", "2", 4)]  # topology, layout, kv heads
+GRID = [(f"{m}-{topo}-{layout}", MIXERS[m], topo, layout, kv) for m in MIXERS for topo, layout, kv in SETTINGS]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _model(mixer, topology="mesh", layout="1+1R3+1", kv=4) -> LoopLM:
+    return LoopLM(tiny_config(topology, layout=layout, mixer=mixer, n_kv_heads=kv)).eval()
+
+
+def _context(batch: int, length: int, rotary_dim: int, dtype=torch.float32) -> MixerContext:
+    positions = torch.arange(length).expand(batch, length)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    return MixerContext(rope=Rotary(rotary_dim, 10000.0)(positions, dtype), valid=valid, past=0, padded=False)
+
+
+# ---------------------------------------------------------------- invariants in a model
+@pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])
+def test_strict_causality(name, mixer, topology, layout, kv):
+    model = _model(mixer, topology, layout, kv)
+    x = random_ids(2, 17)
+    base = model(x).logits
+    for j in (0, 5, 9, 16):
+        y = x.clone()
+        y[:, j] = (y[:, j] + 7) % 61
+        changed = model(y).logits
+        torch.testing.assert_close(changed[:, :j], base[:, :j], atol=0, rtol=0)
+        assert (changed[:, j] - base[:, j]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])
+def test_cache_equivalence_token_by_token_and_chunked(name, mixer, topology, layout, kv):
+    model = _model(mixer, topology, layout, kv)
+    x = random_ids(3, 14)
+    full = model(x).logits
+    for splits in ([6, *range(7, 15)], [1, 5, 9, 10, 14]):  # prefill + tokens; chunks against a cache
+        cache, start, pieces = LoopCache(), 0, []
+        for end in splits:
+            pieces.append(model(x[:, start:end], cache=cache).logits)
+            start = end
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])
+def test_left_padded_rows_equal_unpadded_rows_in_prefill_and_decoding(name, mixer, topology, layout, kv):
+    """Rows with 0, 3 and 6 padding positions: blocks complete at different steps per row."""
+    model = _model(mixer, topology, layout, kv)
+    rows = [random_ids(1, 14 - p, seed=p + 1)[0] for p in (0, 3, 6)]
+    batch = torch.stack([F.pad(r, (14 - len(r), 0)) for r in rows])
+    mask = torch.stack([F.pad(torch.ones_like(r), (14 - len(r), 0)) for r in rows])
+    more = random_ids(3, 5, seed=9)
+    out = model(batch, attention_mask=mask).logits
+    cache = LoopCache()
+    model(batch[:, :4], attention_mask=mask[:, :4], cache=cache)  # row 2 is all padding so far
+    model(batch[:, 4:10], attention_mask=mask[:, 4:10], cache=cache)
+    steps = [model(batch[:, 10:14], attention_mask=mask[:, 10:14], cache=cache).logits]
+    steps += [model(more[:, i : i + 1], cache=cache).logits for i in range(5)]
+    decoded = torch.cat(steps, dim=1)  # positions 10 .. 18
+    for b, row in enumerate(rows):
+        alone = model(torch.cat([row, more[b]])[None]).logits[0]
+        n = len(row)
+        torch.testing.assert_close(out[b, 14 - n :], alone[:n], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(decoded[b], alone[n - 4 :], atol=2e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("mixer", [NSA_MLP, DSA], ids=["nsa", "dsa"])
+def test_cache_crop_and_select_batch(mixer):
+    model = _model(mixer, "anchor", kv=2)
+    x = random_ids(3, 15)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    full = model(x, attention_mask=mask).logits
+    cache = LoopCache()
+    model(x[:, :12], attention_mask=mask[:, :12], cache=cache)
+    cache.crop(9)
+    for i in (9, 10):
+        torch.testing.assert_close(model(x[:, i : i + 1], cache=cache).logits[:, 0], full[:, i], atol=2e-5, rtol=1e-5)
+    cache.select_batch(torch.tensor([2, 1]))
+    torch.testing.assert_close(model(x[[2, 1], 11:12], cache=cache).logits[:, 0], full[[2, 1], 11], atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- NSA
+def _nsa_layer(kv=2, **kwargs) -> NativeSparseAttention:
+    options = dict(block_size=4, block_stride=4, select_block_size=4, select_blocks=5, window=3, compression="mean")
+    options.update(kwargs)
+    return NativeSparseAttention(32, 4, kv, bias=False, **options)
+
+
+def test_nsa_matches_fla_naive_reference():
+    """l = d = l', mean compression: fla's compression, top-k and selection references (its
+    window branch needs flash-attn, so the window reference is a masked SDPA here)."""
+    naive = pytest.importorskip("fla.ops.nsa.naive")
+    B, T, H, Hkv, D, BS = 2, 37, 4, 2, 8, 4
+    layer = _nsa_layer()
+    layer.o_proj = torch.nn.Identity()
+    x = torch.randn(B, T, 32)
+    ctx = _context(B, T, D)
+    out, _ = layer(x, ctx)
+
+    q = apply_rotary(layer.q_proj(x).view(B, T, H, D).transpose(1, 2), *ctx.rope).transpose(1, 2)  # [B, T, H, D]
+    k = apply_rotary(layer.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), *ctx.rope).transpose(1, 2)
+    v = layer.v_proj(x).view(B, T, Hkv, D)
+    g_cmp, g_slc, g_swa = torch.sigmoid(layer.g_proj(x)).view(B, T, H, 3).unbind(-1)
+    pad = -T % BS  # fla mean-pools the last, partial block over its own length
+    k_cmp = torch.cat([k, k[:, -1:].expand(B, pad, Hkv, D)], 1).view(B, -1, BS, Hkv, D).mean(2)
+    v_cmp = torch.cat([v, v[:, -1:].expand(B, pad, Hkv, D)], 1).view(B, -1, BS, Hkv, D).mean(2)
+    k_cmp[:, -1], v_cmp[:, -1] = k[:, T - T % BS :].mean(1), v[:, T - T % BS :].mean(1)
+    scale = D**-0.5
+    o_cmp, _ = naive.naive_nsa_compression(q, k_cmp, v_cmp, BS, scale)
+    indices = naive.naive_nsa_topk(q, k_cmp, 5, BS, scale)  # [B, T, H_kv, 5]
+    o_slc = naive.naive_nsa_selection(q, k, v, indices, BS, scale)
+    i = torch.arange(T)
+    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3)
+    kr, vr = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    o_swa = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), attn_mask=window)
+    reference = g_cmp[..., None] * o_cmp + g_slc[..., None] * o_slc + g_swa[..., None] * o_swa.transpose(1, 2)
+    torch.testing.assert_close(out, reference.reshape(B, T, H * D), atol=1e-5, rtol=1e-5)
+
+
+def test_nsa_selects_initial_local_and_most_important_visible_blocks():
+    # 6 selection blocks of l' = 2; query positions 0, 5, 11 and a padding query (-1)
+    importance = torch.tensor([0.0, 0.1, 0.5, 0.2, 0.9, 0.3]).expand(1, 1, 4, 6)
+    positions = torch.tensor([[0, 5, 11, -1]])
+    chosen = select_blocks(importance, positions, select_size=2, n_select=4)[0, 0]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],  # t=0: only block 0 exists
+        [1, 1, 1, 0, 0, 0],  # t=5: own block 2, previous 1, initial 0; 3+ not yet started
+        [1, 0, 1, 0, 1, 1],  # t=11: initial 0, local 5 and 4, then the most important: 2 (0.5)
+        [0, 0, 0, 0, 0, 0],  # padding query
+    ], dtype=torch.bool)
+    torch.testing.assert_close(chosen, expected)
+
+
+def test_nsa_selection_follows_compressed_scores_on_a_constructed_input():
+    """Keys of block 3 point along the query, all others against it: block 3 is chosen
+    for queries far enough to see it, and the output there equals attention over
+    blocks {0, 3, own, previous}."""
+    D, T = 4, 24
+    direction = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    k = -direction.repeat(T, 1) + 0.01 * torch.randn(T, D)
+    k[6:8] = 3 * direction  # block 3 of l = 2
+    v = torch.randn(T, D)
+    q = 2 * direction.repeat(T, 1)
+    k_cmp, v_cmp = k.view(-1, 2, D).mean(1), v.view(-1, 2, D).mean(1)
+    gates = torch.tensor([0.0, 1.0, 0.0]).expand(1, 1, 1, T, 3)
+    o, selected = nsa_attention(
+        q[None, None, None], k[None, None], v[None, None], k_cmp[None, None], v_cmp[None, None], gates,
+        torch.arange(T)[None], block_size=2, stride=2, select_size=2, n_select=4, window=0, scale=1.0,
+    )
+    for t in range(14, T):
+        own = t // 2
+        assert selected[0, 0, t].nonzero().flatten().tolist() == sorted({0, 3, own - 1, own})
+        keys = torch.tensor([i for i in range(t + 1) if i // 2 in {0, 3, own - 1, own}])
+        p = torch.softmax(k[keys] @ q[t], dim=0)
+        torch.testing.assert_close(o[0, 0, 0, t], p @ v[keys])
+
+
+def test_nsa_compressed_block_is_invisible_until_complete():
+    """Compressed branch only, l = 4, d = 2: changing key 9 changes blocks [6, 10) and
+    [8, 12), which query t sees only once j·d + l − 1 <= t, i.e. from t = 9 on."""
+    T, D = 14, 4
+    q, k, v = torch.randn(3, 1, 1, T, D).unbind(0)  # [1, 1, T, D] each
+    gates = torch.tensor([1.0, 0.0, 0.0]).expand(1, 1, 1, T, 3)
+
+    def run(keys):
+        blocks = keys.unfold(2, 4, 2).transpose(-1, -2).mean(-2)  # [1, 1, 6, D]: block j = [2j, 2j + 4)
+        values = v.unfold(2, 4, 2).transpose(-1, -2).mean(-2)
+        o, _ = nsa_attention(q[:, :, None], keys, v, blocks, values, gates, torch.arange(T)[None], block_size=4,
+                             stride=2, select_size=4, n_select=3, window=0, scale=1.0)
+        return o[0, 0, 0]
+
+    base = run(k)
+    changed_keys = k.clone()
+    changed_keys[0, 0, 9] += 1.0
+    changed = run(changed_keys)
+    torch.testing.assert_close(changed[:9], base[:9], atol=0, rtol=0)
+    assert (changed[9] - base[9]).abs().max() > 1e-4
+    torch.testing.assert_close(base[:3], torch.zeros(3, D))  # no block is complete before t = 3
+
+
+def test_nsa_decoding_state_keeps_compressed_blocks_of_the_full_forward():
+    model = _model(NSA_MLP, "base", "2", kv=2)
+    x = random_ids(2, 13)
+    full_cache, cache = LoopCache(), LoopCache()
+    model(x, cache=full_cache)
+    model(x[:, :3], cache=cache)
+    for i in range(3, 13):
+        model(x[:, i : i + 1], cache=cache)
+    full, stepped = full_cache.get("prelude.0", 0), cache.get("prelude.0", 0)
+    assert stepped.k_cmp.shape[2] == (13 - 4) // 2 + 1
+    torch.testing.assert_close(stepped.k_cmp, full.k_cmp, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(stepped.v_cmp, full.v_cmp, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- DSA
+def _dsa_layer(kv=2, top_k=5, output_gate=False) -> DeepSeekSparseAttention:
+    return DeepSeekSparseAttention(32, 4, kv, bias=True, top_k=top_k, index_heads=8, index_head_dim=8,
+                                   output_gate=output_gate)
+
+
+@pytest.mark.parametrize("kv,gate", [(4, False), (2, True)])
+def test_dsa_with_top_k_at_least_the_length_is_dense_softmax_attention(kv, gate):
+    dsa = _dsa_layer(kv, top_k=11, output_gate=gate).eval()
+    dense = SoftmaxAttention(32, 4, kv, bias=True, output_gate=gate)
+    dense.load_state_dict({k: v for k, v in dsa.state_dict().items() if not k.startswith("indexer.")})
+    x = torch.randn(2, 11, 32)
+    ctx = _context(2, 11, 8)
+    torch.testing.assert_close(dsa(x, ctx)[0], dense(x, ctx)[0], atol=1e-6, rtol=1e-5)
+
+
+def test_dsa_matches_fla_naive_reference():
+    naive = pytest.importorskip("fla.ops.dsa.naive")
+    B, T, H, Hkv, D = 2, 23, 4, 2, 8
+    layer = _dsa_layer().eval()
+    with torch.no_grad():
+        layer.indexer.w_proj.weight.abs_()  # positive weights: ties of the ReLU scores stay rare
+    layer.o_proj = torch.nn.Identity()
+    x = torch.randn(B, T, 32)
+    ctx = _context(B, T, D)
+    out, _ = layer(x, ctx)
+    q, k, v = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = apply_rotary(q.view(B, T, H, D).transpose(1, 2), *ctx.rope).transpose(1, 2)
+    k = apply_rotary(k.view(B, T, Hkv, D).transpose(1, 2), *ctx.rope).transpose(1, 2)
+    q_idx, k_idx, w_idx = layer.indexer(x, ctx.rope)
+    reference = naive.naive_dsa(q, k, v.view(B, T, Hkv, D), q_idx, k_idx, w_idx, topk=5)
+    torch.testing.assert_close(out, reference.reshape(B, T, H * D), atol=1e-5, rtol=1e-5)
+
+
+def test_topk_ties_go_to_the_later_position_and_skip_masked_entries():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, float("-inf"), 1.0]])
+    torch.testing.assert_close(topk_mask(scores, 3), torch.tensor([[False, True, False, True, False, True]]))
+    assert topk_mask(scores, 6).sum() == 5
+
+
+def test_dsa_index_loss_is_finite_and_trains_only_the_indexer():
+    model = LoopLM(tiny_config("mesh", layout="1+1R2+1", mixer=DSA)).train()
+    x = random_ids(2, 12)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    out = model(x, random_ids(2, 12, seed=1), attention_mask=mask)
+    index_loss = out.aux_losses["dsa_index"]  # summed over 4 DSA calls (prelude, core x 2, coda)
+    assert torch.isfinite(index_loss) and index_loss >= 0
+    torch.testing.assert_close(out.loss, out.lm_loss + index_loss)
+    index_loss.backward()
+    for name, p in model.named_parameters():  # the indexers only: their input is detached, their target too
+        has_grad = p.grad is not None and p.grad.abs().sum() > 0
+        assert has_grad == (".indexer." in name), name
+    assert model.eval()(x).aux_losses == {}  # no indexer loss outside training
+
+
+def test_dsa_training_path_equals_inference_path():
+    layer = _dsa_layer(top_k=4)
+    x = torch.randn(2, 13, 32)
+    ctx = _context(2, 13, 8)
+    trained, _ = layer.train()(x, ctx)
+    assert "dsa_index" in ctx.losses
+    ctx.losses.clear()
+    inferred, _ = layer.eval()(x, ctx)
+    torch.testing.assert_close(trained, inferred, atol=1e-5, rtol=1e-5)
+    assert ctx.losses == {}
+
+
+def test_dsa_index_loss_is_zero_when_the_indexer_matches_attention():
+    attention = torch.softmax(torch.randn(1, 2, 3, 4), -1)
+    target = attention.sum(1) / 2
+    selected = torch.ones(1, 3, 4, dtype=torch.bool)
+    loss = index_kl_loss(target.log(), attention, selected, torch.ones(1, 3, dtype=torch.bool))
+    torch.testing.assert_close(loss, torch.tensor(0.0), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- configs
+@pytest.mark.parametrize(
+    "mixer,field",
+    [({"kind": "nsa", "select_blocks": 2}, "select_blocks"),
+     ({"kind": "nsa", "block_size": 4, "block_stride": 5}, "block_stride"),
+     ({"kind": "nsa", "compression": "max"}, "compression"), ({"kind": "nsa", "window": -1}, "window"),
+     ({"kind": "dsa", "top_k": 0}, "top_k"), ({"kind": "dsa", "topk": 3}, "topk")],
+)
+def test_sparse_config_errors_name_the_field(mixer, field):
+    with pytest.raises(ConfigError, match=f"model.mixer.{field}"):
+        ModelConfig.from_dict({"mixer": mixer}, prefix="model")
+
+
+def test_sparse_configs_round_trip_and_build():
+    for mixer in (NSA_MLP, DSA):
+        cfg = ModelConfig.from_dict({"mixer": mixer, "d_model": 32, "n_heads": 4}, prefix="model")
+        assert cfg.mixer.to_dict() == {**type(cfg.mixer)().to_dict(), **mixer}
+        assert cfg.mixer.is_softmax
+    assert isinstance(NSAConfig(block_size=8).build(tiny_config()), NativeSparseAttention)
+    with pytest.raises(ConfigError, match="model.mixer.index_head_dim"):
+        DSAConfig(index_head_dim=4).build(tiny_config())  # rotary dim 8
