@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from looplm import LoopLM
-from looplm.train import CheckpointError, TrainConfig, build_optimizer, load_checkpoint, save_checkpoint
+from looplm.train import CheckpointError, build_optimizer, load_checkpoint, save_checkpoint
 from looplm.train import checkpoint as ckpt_module
 from tests.train.helpers import run_config
 

@@ -25,7 +25,7 @@ from looplm.config_base import ConfigError, check
 from looplm.mixers.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
-from looplm.modules.norm import RMSNorm
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.short_conv import ShortConvolution
 from looplm.ops.delta import chunk_delta_rule, recurrent_delta_rule
 
@@ -56,27 +56,6 @@ class DeltaRuleState:
     def select(self, index: torch.Tensor) -> "DeltaRuleState":
         conv = None if self.conv is None else tuple(c[index] for c in self.conv)
         return DeltaRuleState(self.recurrent[index], conv, self.length)
-
-
-class GatedRMSNorm(nn.Module):
-    """y = x / rms(x) · w · act(g) over the last dim, in float32 (fla's ``FusedRMSNormGated``;
-    act: ``swish`` (SiLU) or ``sigmoid``)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "swish"):
-        super().__init__()
-        if activation not in ("swish", "sigmoid"):
-            raise ValueError(f"activation={activation!r} is invalid: 'swish' or 'sigmoid'")
-        self.eps, self.activation = eps, activation
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"
-
-    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        gate = F.silu(g.float()) if self.activation == "swish" else torch.sigmoid(g.float())
-        return (y * gate).to(x.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -190,14 +169,18 @@ def fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step: bool) -> tuple
     initial_state [B, H, K, V] float32 or None. Returns (o [B, T, H, V], S_T float32)."""
     kwargs = dict(beta=beta.to(q.dtype), initial_state=initial_state, output_final_state=True)
     if log_alpha is None:
-        from fla.ops.delta_rule import chunk_delta_rule as chunk, fused_recurrent_delta_rule as recurrent
+        from fla.ops.delta_rule import chunk_delta_rule as chunk
+        from fla.ops.delta_rule import fused_recurrent_delta_rule as recurrent
     elif log_alpha.dim() == 3:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+        from fla.ops.gated_delta_rule import (
+            fused_recurrent_gated_delta_rule as recurrent,
+        )
 
         kwargs["g"] = log_alpha
     else:
-        from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
+        from fla.ops.kda import chunk_kda as chunk
+        from fla.ops.kda import fused_recurrent_kda as recurrent
 
         kwargs["g"] = log_alpha
     o, S = (recurrent if step else chunk)(q=q, k=k, v=v, **kwargs)

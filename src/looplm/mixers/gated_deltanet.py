@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config_base import ConfigError, check
-from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, GatedRMSNorm, whole_number
-from looplm.modules.norm import RMSNorm
+from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, whole_number
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
 
 if TYPE_CHECKING:
     from looplm.model_config import ModelConfig

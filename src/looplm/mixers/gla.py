@@ -20,9 +20,14 @@ from torch import nn
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear_attention import (
-    DecayMixer, DecayMixerConfig, DecayState, GatedRMSNorm, check_conv, check_widths, repeat_kv,
+    DecayMixer,
+    DecayMixerConfig,
+    DecayState,
+    check_conv,
+    check_widths,
+    repeat_kv,
 )
-from looplm.modules.norm import RMSNorm
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.short_conv import ShortConvolution
 
 if TYPE_CHECKING:

@@ -20,7 +20,12 @@ from torch import nn
 
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState, check_conv
+from looplm.mixers.linear_attention import (
+    DecayMixer,
+    DecayMixerConfig,
+    DecayState,
+    check_conv,
+)
 from looplm.modules.norm import RMSNorm
 from looplm.modules.short_conv import ShortConvolution
 

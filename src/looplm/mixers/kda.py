@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config_base import check
-from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, GatedRMSNorm, whole_number
+from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, whole_number
 from looplm.mixers.gated_deltanet import head_shape, init_dt_bias
+from looplm.modules.norm import GatedRMSNorm
 
 if TYPE_CHECKING:
     from looplm.model_config import ModelConfig

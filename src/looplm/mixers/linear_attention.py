@@ -63,34 +63,6 @@ class DecayState:
         return DecayState(self.recurrent[index], tuple(c[index] for c in self.conv), self.length)
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm with a SiLU gate, in float32, weight initialised to ones.
-
-    ``norm_before_gate`` (fla's ``FusedRMSNormGated``, RetNet/GLA): y = rms(x)·w·silu(g);
-    otherwise (fla's ``RMSNormGated``, Mamba2): y = rms(x·silu(g))·w. ``group_size``: the
-    RMS is taken over groups of that many channels (Mamba2's n_groups); None: all.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5, norm_before_gate: bool = True, group_size: Optional[int] = None):
-        super().__init__()
-        self.eps, self.norm_before_gate, self.group_size = eps, norm_before_gate, group_size
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, norm_before_gate={self.norm_before_gate}"
-
-    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """x, g: [..., dim] -> [..., dim] in x's dtype."""
-        x32, gate = x.float(), F.silu(g.float())
-        if not self.norm_before_gate:
-            x32 = x32 * gate
-        groups = x32.unflatten(-1, (-1, self.group_size or x32.shape[-1]))  # [..., G, dim / G]
-        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
-        if self.norm_before_gate:
-            y = y * gate
-        return y.to(x.dtype)
-
-
 def positions(ctx: MixerContext) -> torch.Tensor:
     """Position ids [B, T] of the new tokens, counting real tokens only (left padding gets
     0), as the model computes them for its rotary tables."""

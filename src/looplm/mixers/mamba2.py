@@ -23,7 +23,13 @@ from torch import nn
 
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState, GatedRMSNorm, repeat_kv
+from looplm.mixers.linear_attention import (
+    DecayMixer,
+    DecayMixerConfig,
+    DecayState,
+    repeat_kv,
+)
+from looplm.modules.norm import GatedRMSNorm
 from looplm.modules.short_conv import ShortConvolution
 
 if TYPE_CHECKING:

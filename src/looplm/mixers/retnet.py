@@ -20,9 +20,15 @@ from torch import nn
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear_attention import (
-    DecayMixer, DecayMixerConfig, DecayState, GatedRMSNorm, check_conv, check_widths, positions, repeat_kv,
+    DecayMixer,
+    DecayMixerConfig,
+    DecayState,
+    check_conv,
+    check_widths,
+    positions,
+    repeat_kv,
 )
-from looplm.modules.norm import RMSNorm
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.rotary import Rotary, apply_rotary
 from looplm.modules.short_conv import ShortConvolution
 
