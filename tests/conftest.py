@@ -40,6 +40,15 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
             {"kind": "attention"}, {"kind": "sliding_window", "window": 4}, {"kind": "sliding_window", "window": 2}])),
         ("depth-hybrid-bookend", tiny_config("mesh", mixer={"kind": "sliding_window", "window": 3},
                                              hybrid={"mixer": {"kind": "attention"}, "ratio": "1:1", "placement": "bookend"})),
+        ("hybrid-full-gdn-gated", tiny_config("gated_residual", layout="5R2", mixer={"kind": "gated_deltanet"},
+                                              hybrid={"mixer": {"kind": "attention"}, "ratio": "4:1"})),
+        ("hybrid-gdn-dsa-mesh", tiny_config("mesh", mixer={"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8},
+                                            hybrid={"mixer": {"kind": "gated_deltanet"}, "ratio": "1:1"})),
+        ("mamba2-anchor", tiny_config("anchor", mixer={"kind": "mamba2"})),
+        ("kda-static", tiny_config("static_combination", mixer={"kind": "kda"})),
+        ("nsa-residual", tiny_config("residual", mixer={"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3})),
+        ("loop-level-kinds", tiny_config("anchor", layout="1R3", loop_mixers=[
+            {"kind": "attention"}, {"kind": "gated_deltanet"}, {"kind": "sliding_window", "window": 3}])),
     ]
     return grid
 

@@ -60,7 +60,16 @@ def test_chunked_prefill_equivalence(name, cfg):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+MIXER_SPECS = [
+    {"kind": "attention"}, {"kind": "attention", "output_gate": True}, {"kind": "sliding_window", "window": 3},
+    {"kind": "linear_attention"}, {"kind": "retnet"}, {"kind": "gla"}, {"kind": "hgrn2"}, {"kind": "mamba2"},
+    {"kind": "deltanet"}, {"kind": "gated_deltanet"}, {"kind": "kda"},
+    {"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3},
+    {"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8},
+]
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     topology=st.sampled_from([*TOPOLOGY_KINDS, "additive"]),
     prelude=st.integers(0, 2),
@@ -72,12 +81,14 @@ def test_chunked_prefill_equivalence(name, cfg):
     swiglu=st.booleans(),
     length=st.integers(2, 11),
     split=st.integers(1, 10),
+    mixer=st.sampled_from(MIXER_SPECS),
 )
-def test_invariants_over_config_space(topology, prelude, core, iterations, coda, share_core, parallel, swiglu, length, split):
+def test_invariants_over_config_space(topology, prelude, core, iterations, coda, share_core, parallel, swiglu,
+                                      length, split, mixer):
     layout = f"{prelude}+{core}R{iterations}+{coda}"
     cfg = tiny_config(
         topology, layout=layout, share_core=share_core, parallel_residual=parallel,
-        mlp="swiglu" if swiglu else "gelu", norm="rmsnorm" if swiglu else "layernorm",
+        mlp="swiglu" if swiglu else "gelu", norm="rmsnorm" if swiglu else "layernorm", mixer=mixer,
     )
     model = _model(cfg)
     x = random_ids(2, length, seed=length)
