@@ -43,7 +43,9 @@ class ModelOutput:
     present whether or not targets are given.
     states: [h^(0), ..., h^(T)] (each [B, T, d]) when ``output_states``; the per-iteration
     hidden states of the loop. record: per-iteration topology values (e.g. MeSH router
-    weights ``write`` / ``read``, each a list over t = -1 .. T-1 of [B, T, B_slots])."""
+    weights ``write`` / ``read``, each a list over t = -1 .. T-1 of [B, T, B_slots]).
+    attentions: with ``output_attentions``, softmax probabilities [B, H, T, S] keyed by
+    (block, iteration), e.g. ("core.1", 0); blocks are named prelude.j, core.j, coda.j."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
@@ -51,6 +53,7 @@ class ModelOutput:
     aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     states: Optional[list[torch.Tensor]] = None
     record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
 
 
 class LoopLM(nn.Module):
@@ -87,16 +90,20 @@ class LoopLM(nn.Module):
         cache: Optional[LoopCache] = None,
         iterations: Optional[int] = None,
         output_states: bool = False,
+        output_attentions: bool = False,
     ) -> ModelOutput:
         """input_ids, targets: [B, T] (targets already shifted; -100 is ignored).
         attention_mask: [B, T], 1 for real tokens and 0 for (left) padding of the *new*
         tokens; earlier positions' validity lives in ``cache``. iterations: loop count
-        T at inference (test-time compute scaling), where the topology allows it."""
+        T at inference (test-time compute scaling), where the topology allows it.
+        output_attentions: return the softmax mixers' probabilities per (block, iteration)."""
         n_iter = self._check_iterations(iterations, cache)
         h_emb = self.embed(input_ids)
         if self.cfg.embed_scale:
             h_emb = h_emb * math.sqrt(self.cfg.d_model)
         ctx = self._context(input_ids, attention_mask, cache, h_emb.dtype)
+        if output_attentions:
+            ctx.attentions = {}
 
         h = self._run(self.prelude, "prelude", 0, h_emb, ctx, cache)
         states, record = None, {}
@@ -120,12 +127,14 @@ class LoopLM(nn.Module):
             )
             loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
         return ModelOutput(
-            logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses, states=states, record=record
+            logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses, states=states, record=record,
+            attentions=ctx.attentions,
         )
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
         for j, block in enumerate(blocks):
             key = f"{name}.{j}"
+            ctx.location = (key, t)
             h, state = block(h, ctx, cache.get(key, t) if cache is not None else None, iteration=t)
             if cache is not None:
                 cache.set(key, t, state)

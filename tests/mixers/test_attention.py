@@ -89,3 +89,23 @@ def test_output_gate_is_sigmoid_of_the_input_elementwise():
 def test_mixer_config_errors(mixer, fragment):
     with pytest.raises(ConfigError, match=fragment):
         ModelConfig.from_dict({"mixer": mixer}, prefix="model")
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "attention"}, {"kind": "sliding_window", "window": 3}])
+def test_recorded_attention_probabilities_reproduce_the_output(mixer):
+    model = LoopLM(tiny_config("mesh", layout="1+1R2+1", mixer=mixer)).eval()
+    x = random_ids(2, 7)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    plain = model(x, attention_mask=mask)
+    probed = model(x, attention_mask=mask, output_attentions=True)
+    torch.testing.assert_close(probed.logits, plain.logits, atol=1e-5, rtol=1e-5)
+    assert sorted(probed.attentions) == [("coda.0", 0), ("core.0", 0), ("core.0", 1), ("prelude.0", 0)]
+    probs = probed.attentions[("core.0", 1)]
+    assert probs.shape == (2, 4, 7, 7)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 7))
+    assert probs[1].triu(1).abs().max() == 0  # causal
+    assert probs[0, :, 2:, :2].abs().max() == 0  # real queries never look at padding
+    if "window" in mixer:
+        assert probs[1].tril(-3).abs().max() == 0
+    assert plain.attentions is None

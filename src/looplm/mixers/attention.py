@@ -72,6 +72,17 @@ class SoftmaxAttention(nn.Module):
         view.window = window
         return view
 
+    @staticmethod
+    def _explicit(q, keys, values, mask, ctx: MixerContext) -> torch.Tensor:
+        """softmax(q kᵀ / √D + mask) v with the probabilities recorded; equals SDPA."""
+        T, S = q.shape[2], keys.shape[2]
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, T, S]
+        probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        ctx.record_attention(probs)
+        return torch.matmul(probs, values)
+
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[KVState] = None
     ) -> tuple[torch.Tensor, KVState]:
@@ -93,8 +104,10 @@ class SoftmaxAttention(nn.Module):
         keys, values = k, v
         if Hkv != H:
             keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-        # mask None: the T queries are the last T of the keys and need only causality
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
+        if ctx.attentions is not None:  # probes want the probabilities: compute them explicitly
+            y = self._explicit(q, keys, values, mask, ctx)
+        else:  # mask None: the T queries are the last T of the keys and need only causality
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate

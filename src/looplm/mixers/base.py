@@ -33,7 +33,9 @@ class MixerContext:
     padding) key positions, the cache's earlier ones first. past: cached positions
     S - T. padded: whether any of the S positions is padding. losses: auxiliary training
     losses mixers add during this forward (e.g. DSA's indexer loss), summed per name over
-    every block and iteration; the model adds them to its loss.
+    every block and iteration; the model adds them to its loss. attentions: when a dict,
+    softmax mixers store their attention probabilities under ``location``, the
+    (block, iteration) the model is running.
     """
 
     rope: tuple[torch.Tensor, torch.Tensor]
@@ -41,7 +43,15 @@ class MixerContext:
     past: int
     padded: bool
     losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
+    location: tuple[str, int] = ("", 0)
     _masks: dict = dataclasses.field(default_factory=dict)
+
+    def record_attention(self, probs: torch.Tensor) -> None:
+        """Keep softmax probabilities [B, H, T, S] of the running (block, iteration) when the
+        caller asked for them (``attentions`` is a dict); probes read them from the output."""
+        if self.attentions is not None:
+            self.attentions[self.location] = probs.detach()
 
     def add_loss(self, name: str, value: torch.Tensor) -> None:
         """Add an already weighted auxiliary loss under ``name``."""
