@@ -63,6 +63,8 @@ def test_train_eval_generate_resume_through_the_cli(tmp_path, capsys):
     assert json.loads((run / "summary.json").read_text())["steps"] == 5
     capsys.readouterr()
 
+    assert main(["eval", str(run), "data.seq_len=16", "--json", "--batches", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 2 * 8 * 16  # overrides parsed as YAML
     assert main(["eval", str(run), "--json", "--batches", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["checkpoint"].endswith("step_0000005") and result["val_ppl"] > 1
@@ -86,3 +88,19 @@ def test_generate_from_save_pretrained_directory(tmp_path, capsys):
         assert __import__("torch").equal(a, b)
     assert main(["generate", str(tmp_path / "pretrained"), "--prompt", "ab", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("ab")
+
+
+def test_flops_command_prints_breakdown_and_matches(capsys):
+    import json as _json
+
+    from looplm.cli import main as _main
+
+    assert _main(["flops", "tiny-mesh", "--seq-len", "64", "--convention", "mesh", "--json"]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["convention"] == "mesh" and out["seq_len"] == 64
+    assert sum(out["components"].values()) == out["forward_flops"]
+    assert _main(["flops", "tiny-dense", "--seq-len", "64", "--match-flops", "tiny-dense"]) == 0
+    text = capsys.readouterr().out
+    assert "layouts matching the flops of tiny-dense" in text
+    assert _main(["info", "tiny-mesh"]) == 0
+    assert "FLOPs/token" in capsys.readouterr().out

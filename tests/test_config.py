@@ -30,7 +30,7 @@ def test_unrolled_depth():
     [
         (["model.layout=4+8Q2+4"], "model.layout", "P+CRT+Q"),
         (["model.layout=4+8R0+4"], "model.layout", "T must be >= 1"),
-        (["model.layout=2+4x{1/2,1}+2"], "model.layout", "multi-resolution"),
+        (["model.layout=2+4x{1/2,1}+2", "model.resolution.shifts=[0,0]"], "model.resolution.shifts[0]", "not causal"),
         (["model.layout=2+4x{2,1}+2"], "model.layout", "(0, 1]"),
         (["model.topology.kind=meshy"], "model.topology.kind", "one of base"),
         (["model.topology.kind=mesh", "model.topology.buffer_slots=1"], "model.topology.buffer_slots", ">= 2"),

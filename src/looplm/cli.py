@@ -1,9 +1,10 @@
-"""The ``looplm`` command line: train, eval, generate, info, presets.
+"""The ``looplm`` command line: train, eval, generate, info, probe, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--json]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ...
-    looplm info CONFIG [key=value ...] [--json]
+    looplm info CONFIG_OR_RUN [key=value ...] [--json]
+    looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR]
     looplm presets
 
 CONFIG is a YAML path or a preset name (``looplm presets`` lists them); ``key=value``
@@ -13,6 +14,7 @@ overrides dotted fields, e.g. ``model.topology.kind=anchor train.max_steps=100``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -74,13 +76,69 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from looplm.config import load_config
-    from looplm.info import describe, format_description
+    from looplm.info import describe_source, format_description
 
     source, overrides = _split_config_and_overrides(args.items)
-    info = describe(load_config(source, overrides).model)
+    info = describe_source(source, overrides)  # a config, or a run/checkpoint (with its grown structure)
     sys.stdout.write((json.dumps(info, indent=2) if args.json else format_description(info)) + "\n")
     return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from looplm.probes import PROBES, ProbeError, run_probes
+
+    if args.list:
+        for probe in PROBES.values():
+            sys.stdout.write(f"{probe.name:<24} {probe.source}\n")
+        return 0
+    try:
+        if args.run is None:
+            raise ProbeError("RUN_OR_CHECKPOINT is required (or --list)")
+        results = run_probes(
+            args.run, args.probe or ["all"], data=args.data, samples=args.samples, batch_size=args.batch_size,
+            out_dir=args.out, figures=not args.no_figures,
+        )
+        if not results:
+            raise ProbeError("no probe applies to this model")
+    except (ProbeError, ImportError) as err:  # ImportError: matplotlib missing, the message says what to do
+        log.error("error: %s", err)
+        return 2
+    return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from looplm.accounting import count_flops, match_layouts
+    from looplm.accounting.report import format_flops, format_matches
+    from looplm.config import load_config
+
+    source, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(source, overrides).model
+    seq_len = args.seq_len or cfg.max_seq_len
+    report = count_flops(cfg, seq_len, batch=args.batch, convention=args.convention)
+    result = report.to_dict()
+    target_name = args.match_flops or args.match_params
+    matches = None
+    if target_name is not None:
+        target = load_config(target_name).model if not _is_number(target_name) else float(target_name)
+        by = "flops" if args.match_flops else "params"
+        matches = match_layouts(cfg, target, by=by, seq_len=seq_len, convention=args.convention)
+        result["matches"] = {"by": by, "target": target_name,
+                             "layouts": [dataclasses.asdict(m) for m in matches]}
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        sys.stdout.write(format_flops(report) + "\n")
+        if matches is not None:
+            sys.stdout.write(format_matches(matches, result["matches"]["by"], target_name) + "\n")
+    return 0
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -126,6 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("probe", help="analysis probes (MeSH, SpiralFormer, SGT, LT2, logit lens) on a run")
+    p.add_argument("run", nargs="?", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--probe", action="append", metavar="NAME", help="probe name, repeatable; default: all (--list)")
+    p.add_argument("--data", nargs="*", default=[], metavar="key=value",
+                   help="data fields to override (data. prefix optional; a bare PATH sets the source)")
+    p.add_argument("--samples", type=int, default=64, help="held-out sequences to probe (default 64)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN/probes)")
+    p.add_argument("--no-figures", action="store_true", help="write the JSON numbers only (no matplotlib needed)")
+    p.add_argument("--list", action="store_true", help="list the probes and the figures they reproduce")
+    p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("flops", help="FLOPs per sequence and per token, per component, under a convention")
+    p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default model.max_seq_len)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--convention", default="default",
+                   help="default, mesh, spiralformer, sgt, lt2 or torch (docs/accounting.md)")
+    match = p.add_mutually_exclusive_group()
+    match.add_argument("--match-flops", metavar="TARGET",
+                       help="layouts of this block with the FLOPs of TARGET (a preset/YAML or a number)")
+    match.add_argument("--match-params", metavar="TARGET",
+                       help="layouts of this block with the parameters of TARGET (a preset/YAML or a number)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_presets)

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from looplm.config import RunConfig
+from looplm.config import RunConfig, parse_overrides
 from looplm.config_base import set_dotted
 from looplm.data import data_tokenizer, validation_batches
 from looplm.model import LoopLM
@@ -70,10 +70,9 @@ def evaluate_run(
     (``data.key=value`` overrides select other data)."""
     run = load_run(path)
     data = run.config.data.to_dict()
-    for item in overrides:
-        key, _, value = item.partition("=")
+    for key, value in parse_overrides(overrides):  # values parsed as YAML, as for training
         if not key.startswith("data."):
-            raise ValueError(f"override {item!r}: only data.* fields can be changed for evaluation")
+            raise ValueError(f"override {key}={value!r}: only data.* fields can be changed for evaluation")
         set_dotted({"data": data}, key, value)
     if batches is not None:
         data["val_batches"] = batches

@@ -30,6 +30,7 @@ from looplm.model_config import ModelConfig
 from looplm.modules.block import Block
 from looplm.modules.norm import build_norm
 from looplm.modules.rotary import Rotary
+from looplm.resolution import MultiResolution, build_resolution
 from looplm.topology import Topology, build_topology
 
 IGNORE_INDEX = -100
@@ -72,6 +73,7 @@ class LoopLM(nn.Module):
             nn.ModuleList(Block(cfg, plan[("core", j)]) for j in range(layout.core)) for _ in range(stacks)
         )
         self.topology: Optional[Topology] = build_topology(cfg) if layout.is_looped else None
+        self.resolution: Optional[MultiResolution] = build_resolution(cfg)  # None: every iteration at full resolution
         self.coda = nn.ModuleList(Block(cfg, plan[("coda", j)]) for j in range(layout.coda))
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -111,8 +113,7 @@ class LoopLM(nn.Module):
             state = self.topology.start(h_emb, h)
             trace = [state.h]
             for t in range(n_iter):
-                stack = self.core[0 if self.cfg.share_core else t]
-                update = self._run(stack, "core", t, state.h, ctx, cache)  # f_core(h^(t))
+                update = self._core(t, state.h, ctx, cache)  # ũ^(t) = f_core(h^(t)) at resolution r_t
                 state = self.topology.step(state, update, t)
                 trace.append(state.h)
             h, record = self.topology.finish(state), state.record
@@ -140,6 +141,17 @@ class LoopLM(nn.Module):
                 cache.set(key, t, state)
         return h
 
+    def _core(self, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
+        """The core's update at iteration t: f_core(h^(t)) at full resolution, else
+        S↓ -> f_core on the chunk latents -> S↑ -> causal right shift (spiralformer Alg. 1-2;
+        the core runs only on the chunks completed by the new positions)."""
+        stack = self.core[0 if self.cfg.share_core else t]
+        if self.resolution is None or self.resolution.identity(t):
+            return self._run(stack, "core", t, h, ctx, cache)
+        step = self.resolution.down(t, h, ctx, self.rotary, cache)  # Eq. (8): z [B, L_t, d]
+        z_hat = self._run(stack, "core", t, step.z, step.ctx, cache) if step.z.shape[1] else step.z  # Eq. (9)
+        return self.resolution.up(t, step, z_hat, cache)  # Eq. (10), (22)
+
     def _check_iterations(self, iterations: Optional[int], cache: Optional[LoopCache]) -> int:
         trained = self.cfg.iterations
         n_iter = trained if iterations is None else iterations
@@ -158,6 +170,10 @@ class LoopLM(nn.Module):
                     iterations,
                     f"{trained}: topology {self.cfg.topology.kind!r} has per-iteration parameters for "
                     f"the {trained} trained iterations only",
+                )
+            if self.resolution is not None:
+                raise ConfigError(
+                    "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"
                 )
         if cache is not None:
             if cache.iterations is None:

@@ -9,7 +9,9 @@ from typing import Literal, Optional, Union
 from looplm.config_base import Config, check
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
+from looplm.growth.config import HeadLoopConfig
 from looplm.mixers.pattern import HybridConfig
+from looplm.resolution.config import ResolutionConfig
 
 #: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
 SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
@@ -90,6 +92,7 @@ class ModelConfig(Config):
     layout: Union[str, int] = "2+4R2+2"
     share_core: bool = True
     topology: TopologyConfig = TopologyConfig()
+    resolution: ResolutionConfig = ResolutionConfig()
     mixer: MixerConfig = AttentionConfig()
     hybrid: Optional[HybridConfig] = None
     loop_mixers: Optional[tuple[MixerConfig, ...]] = None
@@ -106,9 +109,11 @@ class ModelConfig(Config):
     embed_scale: bool = False
     init_std: float = 0.02
     depth_scaled_init: bool = True
+    head_loop: Optional[HeadLoopConfig] = None  # SGT head looping grown in training (looplm.growth)
 
     def __post_init__(self) -> None:
-        for name, kind in (("topology", TopologyConfig), ("mixer", MixerConfig), ("hybrid", HybridConfig)):
+        for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
+                           ("hybrid", HybridConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if self.loop_mixers is not None:
@@ -142,12 +147,7 @@ class ModelConfig(Config):
         check(self.mlp_hidden is None or self.mlp_hidden >= 1, "model.mlp_hidden", self.mlp_hidden, "null or an integer >= 1")
         check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
         check(self.init_std > 0, "model.init_std", self.init_std, "a number > 0")
-        check(
-            all(r == 1 for r in layout.resolutions),
-            "model.layout",
-            self.layout,
-            "full resolution (1) in every iteration; multi-resolution schedules are not implemented yet",
-        )
+        self.resolution.validate(layout.resolutions, self.layout)  # per-iteration ω_t, s_t against T
         if self.loop_mixers is not None:
             check(
                 layout.is_looped and len(self.loop_mixers) == layout.iterations,
@@ -166,7 +166,15 @@ class ModelConfig(Config):
             self.hybrid.mixer.validate(self, "model.hybrid.mixer")
         for t, spec in enumerate(self.loop_mixers or ()):
             spec.validate(self, f"model.loop_mixers[{t}]")
+        if self.head_loop is not None:
+            object.__setattr__(self, "head_loop", HeadLoopConfig.checked(self.head_loop, self))
         if not layout.is_looped:
+            check(
+                self.resolution == ResolutionConfig(),
+                "model.resolution",
+                self.resolution.to_dict(),
+                f"the defaults for the dense layout {self.layout!r}: resolutions act on a loop such as 4+8x{{1/2,1}}+4",
+            )
             check(
                 self.topology.kind == "base",
                 "model.topology.kind",
@@ -182,6 +190,21 @@ class ModelConfig(Config):
     @property
     def iterations(self) -> int:
         return self.loop.iterations
+
+    @property
+    def resolution_schedule(self):
+        """Per iteration (g_t, ω_t, s_t) with defaults resolved (``looplm.resolution.schedule``)."""
+        from looplm.resolution.schedule import iteration_resolutions
+
+        return iteration_resolutions(self.loop.resolutions, self.resolution.offsets, self.resolution.shifts)
+
+    def core_lengths(self, length: int) -> list[int]:
+        """L_t: positions the looped core processes at each iteration of a length-``length``
+        training forward (= length at full resolution, the complete chunks otherwise); the
+        core's token passes per iteration are L_t times its block count."""
+        from looplm.resolution.schedule import core_lengths
+
+        return core_lengths(self.resolution_schedule, length)
 
     @property
     def head_dim(self) -> int:

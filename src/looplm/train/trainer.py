@@ -52,6 +52,7 @@ from torch import nn
 
 from looplm.config_base import ConfigError
 from looplm.data import data_tokenizer, train_stream, validation_batches
+from looplm.growth.training import Growth
 from looplm.model import LoopLM
 from looplm.tasks import task_evaluator
 from looplm.train.checkpoint import (
@@ -115,6 +116,8 @@ class Trainer:
                 "data.seq_len", run_cfg.data.seq_len, f"at most model.max_seq_len={run_cfg.model.max_seq_len}"
             )
         self.model = LoopLM(run_cfg.model).to(self.device)
+        # SGT (model.head_loop): entropy measured in training forwards, growth decided per step
+        self.growth = Growth(self.model, self.device) if run_cfg.model.head_loop is not None else None
         self.optimizer = build_optimizer(self.model, tc)
         self.stream = train_stream(run_cfg.data, self.tokenizer, tc.batch_size, self.rank, self.world_size)
         # Task sources (data.source=task:NAME): task metrics at each evaluation, curriculum included.
@@ -194,6 +197,8 @@ class Trainer:
         self.bad_steps, self.skipped_steps = int(s["bad_steps"]), int(s["skipped_steps"])
         self.best_val_loss, self.last_train_loss = s["best_val_loss"], s["last_train_loss"]
         self.last_val_loss, self.train_time_s = s["last_val_loss"], float(s["train_time_s"])
+        if self.growth is not None:
+            self.growth.load_state_dict(s["growth"], self.step)
         set_rng_state(s["rng"])
         self.resumed_from = self.last_checkpoint = ckpt.path
         self.last_saved_step = ckpt.step
@@ -222,6 +227,7 @@ class Trainer:
             "last_val_loss": self.last_val_loss,
             "train_time_s": self.train_time_s,
             "world_size": self.world_size,
+            **({"growth": self.growth.state_dict()} if self.growth is not None else {}),
         }
 
     # ------------------------------------------------------------------ the loop
@@ -248,6 +254,8 @@ class Trainer:
                     session_tokens, session_time = session_tokens + self.tokens_per_step, session_time + elapsed
                     window_tokens, window_time = window_tokens + self.tokens_per_step, window_time + elapsed
                     bar.update(1)
+                    if self.growth is not None:
+                        self._grow()
                     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                         self._on_bad_step(loss, grad_norm)
                     else:
@@ -277,6 +285,10 @@ class Trainer:
         if self.rank == 0:
             _write_json(self.out_dir / "summary.json", summary)
             logger.info("run summary\n%s", format_summary(summary))
+            if summary["model_flops_per_token"] is not None:
+                mfu = summary["mfu"]
+                logger.info("model FLOPs/token %.4g (training, default convention)%s", summary["model_flops_per_token"],
+                            "" if mfu is None else f", MFU {100 * mfu:.1f}%")
             if sample is not None:
                 logger.info("sample (%d tokens, temperature %g):\n%s", tc.sample_tokens, tc.sample_temperature, sample)
         return summary
@@ -310,6 +322,14 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value
+
+    def _grow(self) -> None:
+        """SGT: this step's entropies into the EMA, a decision when due, every event logged."""
+        for event in self.growth.after_step(self.step, self.distributed):
+            self.metrics.log("growth", self.step, **{k: v for k, v in event.items() if k != "step"})
+            if event["action"] != "hold":
+                logger.info("growth at step %d: %s %s (depth %s, heads %s)", self.step, event["action"],
+                            event["block"], event["depth"], event["heads"])
 
     def _on_bad_step(self, loss: float, grad_norm: float) -> None:
         self.bad_steps += 1
@@ -437,6 +457,7 @@ class Trainer:
             "val_ppl": None if self.last_val_loss is None else perplexity(self.last_val_loss),
             "best_val_loss": self.best_val_loss,
             "tokens_per_s": tokens_per_s,
+            **self._model_flops(tokens_per_s),
             "wall_time_s": wall_time_s,
             "train_time_s": self.train_time_s,
             "device": str(self.device),
@@ -448,6 +469,21 @@ class Trainer:
             "task": None if self.task_eval is None else self.task_eval.last,  # last task_eval record (n_max, ...)
             "config": cfg.to_dict(),
         }
+
+
+    def _model_flops(self, tokens_per_s: Optional[float]) -> dict[str, Any]:
+        """Training FLOPs per token over the unrolled computation (looplm.accounting,
+        ``default`` convention) and MFU against the device's peak (None where unknown)."""
+        from looplm.accounting import count_flops, device_peak_flops, mfu
+
+        try:
+            per_token = count_flops(self.cfg.model, self.cfg.data.seq_len).training_per_token
+        except Exception as err:  # a mechanism without a FLOP rule yet: report none, never fail the run
+            logger.warning("model FLOPs not counted: %s", err)
+            return {"model_flops_per_token": None, "mfu": None}
+        peak = device_peak_flops(self.device, self.autocast_dtype or torch.float32)
+        return {"model_flops_per_token": per_token,
+                "mfu": None if tokens_per_s is None else mfu(per_token, tokens_per_s, peak, self.world_size)}
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,0 +1,222 @@
+"""Token mixers side by side: training cost and decode cost against softmax attention.
+
+For every mixer kind (or those given with --kinds), in one run:
+
+* forward + backward time and peak memory of one mixer layer at sequence lengths
+  512 ... 8192 (B 1, d_model = heads · head_dim), each measured in a fresh subprocess so
+  its peak resident memory (ru_maxrss above the process's baseline) is its own;
+* decode time per token against a cache filled to context lengths 512 ... 8192 (it stays
+  flat for the linear mixers, grows with context for attention);
+* Gated DeltaNet's chunkwise op against flash-linear-attention's CPU reference
+  ``naive_chunk_gated_delta_rule`` (issue 7's speed target: ours >= 1.5x faster).
+
+Writes a markdown table (``--out``, default benchmarks/results/mixers-<device>.md) with
+the exact command line and machine at the top. On a GPU with flash-linear-attention
+installed, the layers run fla's kernels (``--device cuda``); ``--compare-backends`` then
+also times the PyTorch path.
+
+    python benchmarks/mixers.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
+
+
+def _layer(kind: str, heads: int, head_dim: int, device: str):
+    from looplm.mixers import MixerConfig
+    from looplm.model_config import ModelConfig
+
+    spec = MixerConfig.from_dict({"kind": kind} if kind != "sliding_window" else {"kind": kind, "window": 512})
+    model_cfg = ModelConfig(d_model=heads * head_dim, n_heads=heads, layout="1", max_seq_len=1 << 20, bias=False)
+    return spec.build(model_cfg).to(device), model_cfg
+
+
+def _context(model_cfg, batch: int, length: int, past: int, device: str):
+    from looplm.mixers import MixerContext
+    from looplm.modules.rotary import Rotary
+
+    positions = torch.arange(past, past + length, device=device).expand(batch, length)
+    rope = Rotary(model_cfg.rotary_dim, model_cfg.rope_theta).to(device)(positions, torch.float32)
+    valid = torch.ones(batch, past + length, dtype=torch.bool, device=device)
+    return MixerContext(rope=rope, valid=valid, past=past, padded=False)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: str, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_train(kind: str, length: int, heads: int, head_dim: int, device: str, repeats: int) -> dict:
+    """Forward + backward seconds and peak memory (MiB) of one layer at one length."""
+    torch.manual_seed(0)
+    layer, cfg = _layer(kind, heads, head_dim, device)
+    ctx = _context(cfg, 1, length, 0, device)
+    x = torch.randn(1, length, cfg.d_model, device=device, requires_grad=True)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        out, _ = layer(x, ctx, None)
+        out.sum().backward()
+
+    seconds = _time(step, device, repeats)
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024  # KiB on Linux
+    return {"seconds": seconds, "peak_mib": peak}
+
+
+@torch.no_grad()
+def measure_decode(kind: str, context: int, heads: int, head_dim: int, device: str, repeats: int) -> dict:
+    """Seconds per decoded token with a cache holding ``context`` positions."""
+    torch.manual_seed(0)
+    layer, cfg = _layer(kind, heads, head_dim, device)
+    x = torch.randn(1, context, cfg.d_model, device=device)
+    _, state = layer(x, _context(cfg, 1, context, 0, device), None)
+    token = torch.randn(1, 1, cfg.d_model, device=device)
+    ctx = _context(cfg, 1, 1, context, device)
+    return {"seconds": _time(lambda: layer(token, ctx, state), device, repeats)}
+
+
+def measure_gdn_reference(length: int, heads: int, head_dim: int, repeats: int) -> dict:
+    """Our chunkwise GDN op vs fla's naive_chunk_gated_delta_rule, forward + backward."""
+    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+
+    from looplm.ops.delta.chunk import chunk_delta_rule
+
+    torch.manual_seed(0)
+    shape = (1, length, heads, head_dim)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    k_n = torch.nn.functional.normalize(k.detach(), dim=-1).requires_grad_(True)
+    beta = torch.rand(1, length, heads).requires_grad_(True)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, length, heads)).requires_grad_(True)
+
+    def ours():
+        o, _ = chunk_delta_rule(q, k_n, v, beta, g)
+        o.sum().backward()
+
+    def theirs():
+        o, _ = naive_chunk_gated_delta_rule(q, k_n, v, g, beta)
+        o.sum().backward()
+
+    return {"ours": _time(ours, "cpu", repeats), "fla_naive_chunk": _time(theirs, "cpu", repeats)}
+
+
+def _child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    job = json.loads(args.child)
+    fn = {"train": measure_train, "decode": measure_decode}[job.pop("what")]
+    try:
+        result = fn(**job)
+    except Exception as err:  # report, keep the table going
+        result = {"error": f"{type(err).__name__}: {err}"[:200]}
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+def _run_child(args: argparse.Namespace, **job) -> dict:
+    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", json.dumps(job)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1][:200] if done.stderr.strip() else "failed"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cell(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    if "error" in result:
+        return "error"
+    return fmt.format(result[key] * scale)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="*", default=None, help="mixer kinds (default: all registered)")
+    parser.add_argument("--lengths", nargs="*", type=int, default=list(DEFAULT_LENGTHS))
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    from looplm.mixers.registry import MIXER_CONFIGS
+
+    kinds = args.kinds or list(MIXER_CONFIGS)
+    common = dict(heads=args.heads, head_dim=args.head_dim, device=args.device, repeats=args.repeats)
+    lines = [
+        "# Token mixers: training and decoding cost",
+        "",
+        f"Command: `python benchmarks/mixers.py {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {platform.machine()}, {platform.processor() or 'unknown CPU'}, torch {torch.__version__}, "
+        f"{args.threads} threads, device {args.device}; B=1, {args.heads} heads x {args.head_dim} dims "
+        f"(d_model {args.heads * args.head_dim}); median of {args.repeats} runs.",
+        "",
+        "## Forward + backward, one layer: milliseconds (peak MiB)",
+        "",
+        "| mixer | " + " | ".join(f"T={n}" for n in args.lengths) + " | vs attention at T=" + str(args.lengths[-1]) + " |",
+        "| --- | " + " | ".join("---" for _ in args.lengths) + " | --- |",
+    ]
+    train = {k: [_run_child(args, what="train", kind=k, length=n, **common) for n in args.lengths] for k in kinds}
+    ref = train.get("attention", [{}])[-1]
+    for kind in kinds:
+        cells = [f"{_cell(r, 'seconds', 1e3)} ({_cell(r, 'peak_mib', fmt='{:.0f}')})" for r in train[kind]]
+        last = train[kind][-1]
+        ratio = f"{last['seconds'] / ref['seconds']:.2f}x" if "seconds" in last and "seconds" in ref else "-"
+        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "## Decode: milliseconds per token at context length", "",
+              "| mixer | " + " | ".join(f"S={n}" for n in args.lengths) + " |",
+              "| --- | " + " | ".join("---" for _ in args.lengths) + " |"]
+    for kind in kinds:
+        cells = [_cell(_run_child(args, what="decode", kind=kind, context=n, **common), "seconds", 1e3, "{:.2f}")
+                 for n in args.lengths]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    if args.device == "cpu":
+        try:
+            torch.set_num_threads(args.threads)
+            lines += ["", "## Gated DeltaNet op vs flash-linear-attention's CPU reference (forward + backward, ms)", "",
+                      "| T | looplm chunk | fla naive_chunk_gated_delta_rule | speed-up |", "| --- | --- | --- | --- |"]
+            for n in args.lengths:
+                r = measure_gdn_reference(n, args.heads, args.head_dim, args.repeats)
+                lines.append(f"| {n} | {r['ours'] * 1e3:.1f} | {r['fla_naive_chunk'] * 1e3:.1f} | "
+                             f"{r['fla_naive_chunk'] / r['ours']:.2f}x |")
+        except ImportError as err:
+            lines += ["", f"(GDN reference comparison skipped: {err})"]
+    out = Path(args.out or Path(__file__).parent / "results" / f"mixers-{args.device.split(':')[0]}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    sys.stdout.write("\n".join(lines) + f"\n\nwritten to {out}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Parameter counts of a LoopLM: measured from the built modules, and an analytic formula
+to cross-check them (docs/accounting.md)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from looplm.model_config import ModelConfig
+
+#: Top-level module name -> component name in the counts; other top-level modules keep their name.
+COMPONENTS = {
+    "embed": "embedding",
+    "prelude": "prelude",
+    "core": "core",
+    "coda": "coda",
+    "topology": "topology",
+    "norm": "final_norm",
+    "head": "head",
+}
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Stored parameters of ``model`` (a :class:`~looplm.model.LoopLM`).
+
+    Returns ``total``; ``non_embedding`` (total minus the embedding and the LM head; a
+    tied embedding/head matrix is subtracted once); and one entry per component:
+    ``embedding, prelude, core, coda, topology, final_norm, head`` (and any other
+    top-level module under its own name: resolution scorers, halting heads), which sum to
+    ``total``. With tied embeddings the shared matrix is counted under ``embedding`` and
+    ``head`` is 0. A looped core is counted once however many times it runs (stored, not
+    unrolled, parameters; see the FLOP counter for the compute the loop spends).
+    """
+    counts = {name: 0 for name in COMPONENTS.values()}
+    for name, param in model.named_parameters():  # yields a tied tensor once, under its first name
+        top = name.split(".", 1)[0]
+        component = COMPONENTS.get(top, top)
+        counts[component] = counts.get(component, 0) + param.numel()
+    total = sum(counts.values())
+    return {"total": total, "non_embedding": total - counts["embedding"] - counts["head"], **counts}
+
+
+def _norm(cfg: ModelConfig) -> int:
+    return 2 * cfg.d_model if cfg.norm == "layernorm" else cfg.d_model  # LayerNorm has a bias
+
+
+def _ffn(cfg: ModelConfig) -> int:
+    d, F, b = cfg.d_model, cfg.ffn_hidden, cfg.bias
+    if cfg.mlp == "gelu":
+        return 2 * d * F + (F + d) * b
+    return 3 * d * F + (2 * F + d) * b
+
+
+def mixer_parameters(spec, cfg: ModelConfig) -> int:
+    """Parameters of one mixer layer. Softmax attention (full / windowed, optionally with
+    the output gate) by formula; other kinds from their layer built on the meta device."""
+    from looplm.mixers.config import AttentionConfig
+
+    d, H, Hkv, D, b = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.bias
+    if isinstance(spec, AttentionConfig):
+        qkv = d * (H + 2 * Hkv) * D + (H + 2 * Hkv) * D * b
+        out = H * D * d + d * b
+        gate = (d * H * D + H * D * b) if spec.output_gate else 0
+        return qkv + out + gate
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in spec.build(cfg).parameters())
+
+
+def _topology(cfg: ModelConfig) -> int:
+    kind, d, T = cfg.topology.kind, cfg.d_model, cfg.iterations
+    if kind == "gated_residual":
+        return T * d
+    if kind == "static_combination":
+        return 4 * T
+    if kind == "dynamic_combination":
+        return T * (4 * d + 4)
+    if kind == "mesh":
+        return (T + 1) * 2 * (d * cfg.buffer_slots + cfg.buffer_slots)  # MeSH Appendix E.4 (+ router biases)
+    return 0
+
+
+def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+    """The counts of :func:`parameter_counts` from the config alone:
+
+    embedding V·d; head V·d (0 when tied); final norm; per block two norms, the FFN and
+    the mixer layer(s) (one per parameter group of its mixer schedule); the core once per
+    stack (one stack when shared, T otherwise); topology parameters (MeSH:
+    (T + 1)·2·(d·B + B), Appendix E.4)."""
+    from looplm.mixers.pattern import block_mixers
+
+    layout, d, V = cfg.loop, cfg.d_model, cfg.vocab_size
+
+    def block(specs) -> int:
+        groups = {}
+        for spec in specs:
+            groups.setdefault(spec.parameter_group(), spec)
+        return 2 * _norm(cfg) + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values())
+
+    plan = block_mixers(cfg)
+    prelude = sum(block(plan[("prelude", j)]) for j in range(layout.prelude))
+    stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
+    core = stacks * sum(block(plan[("core", j)]) for j in range(layout.core if layout.is_looped else 0))
+    coda = sum(block(plan[("coda", j)]) for j in range(layout.coda))
+    topology = _topology(cfg) if layout.is_looped else 0
+    counts = {
+        "embedding": V * d,
+        "prelude": prelude,
+        "core": core,
+        "coda": coda,
+        "topology": topology,
+        "final_norm": _norm(cfg),
+        "head": 0 if cfg.tie_embeddings else V * d,
+    }
+    total = sum(counts.values())
+    return {"total": total, "non_embedding": total - counts["embedding"] - counts["head"], **counts}

@@ -1,0 +1,33 @@
+"""Readable tables of FLOP reports and layout matches (``looplm flops``)."""
+
+from __future__ import annotations
+
+from looplm.accounting.flops import FlopReport
+from looplm.accounting.matching import LayoutMatch
+
+
+def _g(x: float) -> str:
+    return f"{x:.4e}"
+
+
+def format_flops(report: FlopReport) -> str:
+    c = report.convention
+    lines = [
+        f"convention       {c.name}: {c.description}",
+        f"input            [{report.batch}, {report.seq_len}]",
+        f"forward          {_g(report.forward)} FLOPs  ({_g(report.forward_per_token)} per token)",
+        f"training         {_g(report.training)} FLOPs  ({_g(report.training_per_token)} per token, "
+        f"{c.training_multiplier:g} x forward)",
+        "components (forward)",
+    ]
+    for name, flops in report.components.items():
+        share = 100 * flops / report.forward if report.forward else 0.0
+        lines.append(f"  {name:<14} {_g(flops):>12}  {share:6.2f}%")
+    return "\n".join(lines)
+
+
+def format_matches(matches: list[LayoutMatch], by: str, target: str) -> str:
+    lines = [f"layouts matching the {by} of {target}"]
+    for m in matches:
+        lines.append(f"  {m.layout:<14} {_g(m.flops):>12} FLOPs  {m.params:>15,} params  ratio {m.ratio:.4f}")
+    return "\n".join(lines)

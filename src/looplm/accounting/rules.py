@@ -1,0 +1,225 @@
+"""FLOP rules for looplm's modules, registered by type (see :mod:`looplm.accounting.flops`).
+
+A mixer's rule is its projections (the children, each applied once per position) plus its
+core: the score/value products of softmax attention, or the linear mixers' state
+recurrence. A new module type adds a rule here (or beside its module) with
+:func:`register_flop_rule`; the counter is unchanged.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from looplm.accounting.flops import Call, Cost, _BlockCall, causal_pairs, children_cost, module_cost, register_flop_rule
+from looplm.mixers.attention import SoftmaxAttention
+from looplm.mixers.deltanet import DeltaRuleMixer
+from looplm.mixers.dsa import DeepSeekSparseAttention
+from looplm.mixers.hgrn2 import HGRN2Attention
+from looplm.mixers.linear_attention import DecayMixer, HadamardFeatureMap
+from looplm.mixers.mamba2 import Mamba2
+from looplm.mixers.nsa import BlockCompressor, NativeSparseAttention
+from looplm.modules.block import Block
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
+from looplm.topology.additive import AdditiveTopology
+from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
+from looplm.topology.gated import GatedResidualTopology
+from looplm.topology.mesh import MeshTopology
+
+
+# ------------------------------------------------------------------ norms, block
+
+
+@register_flop_rule(RMSNorm)
+def _rmsnorm(m: RMSNorm, call: Call) -> Cost:
+    return Cost(norm=call.rows * m.weight.shape[0] * 4)  # square, mean, scale, weight
+
+
+@register_flop_rule(GatedRMSNorm)
+def _gated_rmsnorm(m: GatedRMSNorm, call: Call) -> Cost:
+    return Cost(norm=call.rows * m.weight.shape[0] * 5)  # RMSNorm + gate multiply
+
+
+@register_flop_rule(_BlockCall)
+def _block_call(m: _BlockCall, call: Call) -> Cost:
+    return block_cost(m.block, call, m.iteration)
+
+
+def block_cost(block: Block, call: Call, iteration: int = 0) -> Cost:
+    """norm -> mixer (this iteration's view) -> residual -> norm -> FFN -> residual."""
+    mixer = block.per_iteration[iteration if len(block.per_iteration) > 1 else 0]
+    d = block.attn_norm.weight.shape[0]
+    cost = module_cost(block.attn_norm, call) + module_cost(mixer, call)
+    cost = cost + module_cost(block.ffn_norm, call) + module_cost(block.ffn, call)
+    return cost + Cost(residual=2 * call.rows * d)
+
+
+@register_flop_rule(Block)
+def _block(m: Block, call: Call) -> Cost:
+    return block_cost(m, call, max(call.iteration, 0))
+
+
+# ------------------------------------------------------------------ softmax attention
+
+
+@register_flop_rule(SoftmaxAttention)
+def _softmax_attention(m: SoftmaxAttention, call: Call) -> Cost:
+    """Projections (and the output gate's multiply) plus q·kᵀ and p·v over the pairs."""
+    cost = children_cost(m, call)
+    per_pair = m.n_heads * 2 * m.head_dim  # scores and values, every query head
+    full = call.batch * call.tokens * call.keys
+    causal = call.batch * causal_pairs(call.tokens, call.keys, m.window)
+    cost = cost + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
+    return cost  # the output gate's sigmoid and multiply are elementwise, left out like activations
+
+
+# ------------------------------------------------------------------ linear mixers
+
+
+def _recurrence(call: Call, heads: int, dk: int, dv: int, chunk: int, delta: bool) -> Cost:
+    """Core of a linear mixer, per head and position.
+
+    Recurrence: S_t = α_t S_{t-1} + k_t v_tᵀ (dk·dv MACs) and o_t = S_tᵀ q_t (dk·dv); the
+    delta rule adds the prediction S_{t-1}ᵀ k_t (dk·dv).
+    Chunkwise (what trains, chunk C): intra-chunk q kᵀ (C·dk) and scores·v (C·dv) over
+    the full C × C block, the inter-chunk read q S (dk·dv) and the state update kᵀ v
+    (dk·dv); the delta rule (WY form) adds k kᵀ (C·dk), applying the C × C transform
+    to k and v (C·(dk + dv)) and w S (dk·dv)."""
+    C = min(chunk, call.tokens)
+    n = call.rows * heads
+    if delta:
+        recurrent = 3 * dk * dv
+        chunked = C * dk + C * (dk + dv) + C * (dk + dv) + 3 * dk * dv
+    else:
+        recurrent = 2 * dk * dv
+        chunked = C * (dk + dv) + 2 * dk * dv
+    return Cost(mixer_chunk=n * chunked, mixer_recurrent=n * recurrent)
+
+
+@register_flop_rule(HadamardFeatureMap)
+def _hadamard_map(m: HadamardFeatureMap, call: Call) -> Cost:
+    raise AssertionError("counted by the LinearAttention rule (applied per head)")
+
+
+def _mixer_children(m: nn.Module, call: Call, heads: int, head_width: int) -> Cost:
+    """Children once per position, except what runs per head: feature maps and output
+    norms whose width is one head's (``head_width``)."""
+    cost = Cost()
+    per_head = Call(call.batch, call.tokens * heads, call.keys * heads, width=call.width)
+    for child in m.children():
+        if isinstance(child, HadamardFeatureMap):
+            cost = cost + children_cost(child, per_head)
+        elif isinstance(child, (RMSNorm, GatedRMSNorm)) and child.weight.shape[0] == head_width and heads > 1:
+            cost = cost + module_cost(child, per_head)
+        else:
+            cost = cost + module_cost(child, call)
+    return cost
+
+
+@register_flop_rule(DecayMixer)
+def _decay_mixer(m: DecayMixer, call: Call) -> Cost:
+    cost = _mixer_children(m, call, m.num_heads, m.head_v_dim)
+    return cost + _recurrence(call, m.num_heads, m.head_k_dim, m.head_v_dim, m.chunk_size, delta=False)
+
+
+@register_flop_rule(HGRN2Attention)
+def _hgrn2(m: HGRN2Attention, call: Call) -> Cost:
+    return _mixer_children(m, call, m.num_heads, m.head_i_dim) + _recurrence(call, m.num_heads, m.head_f_dim, m.head_i_dim, m.chunk_size, False)
+
+
+@register_flop_rule(Mamba2)
+def _mamba2(m: Mamba2, call: Call) -> Cost:
+    return children_cost(m, call) + _recurrence(call, m.num_heads, m.ssm_state_size, m.head_dim, m.chunk_size, False)
+
+
+@register_flop_rule(DeltaRuleMixer)
+def _delta_mixer(m: DeltaRuleMixer, call: Call) -> Cost:
+    return _mixer_children(m, call, m.num_heads, m.head_v_dim) + _recurrence(call, m.num_heads, m.head_k_dim, m.head_v_dim, m.chunk_size, True)
+
+
+# ------------------------------------------------------------------ sparse attention
+
+
+@register_flop_rule(BlockCompressor)
+def _compressor(m: BlockCompressor, call: Call) -> Cost:
+    raise AssertionError("counted by the NativeSparseAttention rule (applied per block)")
+
+
+@register_flop_rule(NativeSparseAttention)
+def _nsa(m: NativeSparseAttention, call: Call) -> Cost:
+    """Projections; φ on each compressed block of keys and values; the three branches'
+    score/value products over the keys each query sees (the sparse kernel's count):
+    compressed blocks, ``select_blocks`` blocks of ``select_block_size``, the window."""
+    cost = Cost()
+    for name, child in m.named_children():
+        if not isinstance(child, BlockCompressor):
+            cost = cost + module_cost(child, call)
+    l, d = m.block_size, m.block_stride
+    blocks = max(0, (call.keys - l) // d + 1)
+    if m.k_compress is not None:
+        per_block = children_cost(m.k_compress.mlp, Call(call.batch * m.n_kv_heads, blocks, blocks))
+        cost = cost + per_block.scale(2)  # keys and values
+    compressed = sum(max(0, (i + 1 - l) // d + 1) for i in range(call.keys - call.tokens, call.keys))
+    selected = sum(min(i + 1, m.select_blocks * m.select_block_size) for i in range(call.keys - call.tokens, call.keys))
+    window = causal_pairs(call.tokens, call.keys, m.window) if m.window else 0
+    per_pair = m.n_heads * 2 * m.head_dim
+    pairs = call.batch * (compressed + selected + window)
+    return cost + Cost(attn_full=pairs * per_pair, attn_causal=pairs * per_pair)
+
+
+@register_flop_rule(DeepSeekSparseAttention)
+def _dsa(m: DeepSeekSparseAttention, call: Call) -> Cost:
+    """Projections and the indexer's projections; the indexer's scores over every causal
+    key (H^I·d^I MACs per pair, plus the head weights); attention over the top-k keys."""
+    cost = children_cost(m, call)
+    idx = m.indexer
+    causal = call.batch * causal_pairs(call.tokens, call.keys)
+    full = call.batch * call.tokens * call.keys
+    index_per_pair = idx.heads * (idx.head_dim + 1)
+    cost = cost + Cost(attn_full=full * index_per_pair, attn_causal=causal * index_per_pair)
+    kept = call.batch * sum(min(i + 1, m.top_k) for i in range(call.keys - call.tokens, call.keys))
+    per_pair = m.n_heads * 2 * m.head_dim
+    return cost + Cost(attn_full=kept * per_pair, attn_causal=kept * per_pair)
+
+
+# ------------------------------------------------------------------ topologies
+
+
+@register_flop_rule(AdditiveTopology)
+def _additive(m: AdditiveTopology, call: Call) -> Cost:
+    if call.phase == "start":
+        return Cost()
+    return Cost(state=len(m.supplements) * call.rows * call.width)  # one addition per supplement
+
+
+@register_flop_rule(GatedResidualTopology)
+def _gated(m: GatedResidualTopology, call: Call) -> Cost:
+    if call.phase == "start":
+        return Cost()
+    return Cost(state=2 * call.rows * m.rho.shape[1])  # ρ ⊙ h, + f(h)
+
+
+@register_flop_rule(StaticCombinationTopology)
+def _static(m: StaticCombinationTopology, call: Call) -> Cost:
+    if call.phase == "start":
+        return Cost()
+    return Cost(state=7 * call.rows * call.width)  # four scalings, three additions
+
+
+@register_flop_rule(DynamicCombinationTopology)
+def _dynamic(m: DynamicCombinationTopology, call: Call) -> Cost:
+    if call.phase == "start":
+        return Cost()
+    d = m.coefficients[0].in_features
+    return module_cost(m.coefficients[0], call) + Cost(state=7 * call.rows * d)
+
+
+@register_flop_rule(MeshTopology)
+def _mesh(m: MeshTopology, call: Call) -> Cost:
+    """One write-read per call (t = -1 at the start, then each iteration; MeSH Alg. 2):
+    write and read routers (Linear d -> B each), the write m_b += w_b ⊙ h (a multiply and
+    an add per slot and channel) and the read Σ_b w_b ⊙ m_b (a contraction over slots).
+    MeSH Eq. (8) totals 6·d·B per position at one FLOP per operation."""
+    d, B = m.write[0].in_features, m.slots
+    routers = module_cost(m.write[0], call) + module_cost(m.read[0], call)
+    return routers + Cost(state=2 * call.rows * d * B, read_mac=call.rows * d * B)
+

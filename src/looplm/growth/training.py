@@ -1,0 +1,67 @@
+"""The trainer side of SGT: measure, average, decide, apply (Algorithm 1's outer loop).
+
+After every optimiser step t the trainer calls :meth:`Growth.after_step`: the step's mean
+last-query entropies (all micro-batches, all data-parallel ranks, so every rank decides
+alike) update the EMA; at a decision step the growth operator updates Θ_t; the grown
+structure for the next forwards (loop depths, fading head weights) is written into the
+blocks. Nothing here touches a parameter, so the optimiser state stays valid.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from looplm.growth.entropy import EntropyMeter
+from looplm.growth.schedule import GrowthSchedule
+from looplm.growth.structure import block_names
+
+
+class Growth:
+    """Growth of ``model`` (a LoopLM with ``model.head_loop`` set)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        cfg = model.cfg.head_loop
+        self.blocks = model.blocks()
+        self.names = block_names(model)
+        eligible = [l for l, b in enumerate(self.blocks) if b.loop is not None and l not in cfg.exclude]
+        self.schedule = GrowthSchedule(cfg, model.cfg.n_heads, eligible)
+        self.meter: Optional[EntropyMeter] = EntropyMeter(self.blocks, eligible, model.cfg.n_heads, device)
+
+    def after_step(self, step: int, distributed: bool = False) -> list[dict]:
+        """Account step ``step`` (already completed) and return its growth events, each with
+        the block's name, ready for metrics.jsonl."""
+        events: list[dict] = []
+        if self.meter is not None:
+            self.schedule.observe(self.meter.read(distributed))
+            events = self.schedule.advance(step)
+            if self.schedule.frozen:
+                self.meter.detach()
+                self.meter = None
+        else:
+            events = self.schedule.advance(step)  # fade-outs still finish
+        self.apply(step)
+        for event in events:
+            event["block"] = None if event.get("layer") is None else self.names[event["layer"]]
+        return events
+
+    def apply(self, step: int) -> None:
+        """Write Θ after step ``step`` into the blocks' loops."""
+        structure = self.schedule.structure(step)
+        for layer, block in enumerate(self.blocks):
+            if block.loop is not None:
+                depth, weights = structure.get(layer, (0, None))
+                block.loop.set(depth, weights)
+
+    def state_dict(self) -> dict:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Restore the schedule saved at step ``step`` and the structure it implies."""
+        self.schedule.load_state_dict(state)
+        if self.schedule.frozen and self.meter is not None:
+            self.meter.detach()
+            self.meter = None
+        self.apply(step)

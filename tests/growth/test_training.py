@@ -1,0 +1,49 @@
+"""Growth inside the trainer: decisions logged to metrics.jsonl, structure and schedule in
+every checkpoint, a run resumed mid-growth continues exactly, ``looplm info`` shows it."""
+
+from __future__ import annotations
+
+import torch
+
+from looplm.info import describe_source, format_description
+from looplm.train import Trainer
+from looplm.train.metrics import read_metrics
+from tests.train.helpers import assert_same_weights, checkpoint_weights, run_config
+
+HEAD_LOOP = {"kind": "heads", "heads": 2, "max_depth": 2, "layers": 2, "start": 2, "interval": 2}
+KW = dict(model={"layout": "4", "head_loop": HEAD_LOOP}, max_steps=8, save_every=3)
+
+
+def _events(path, name):
+    return [{k: v for k, v in e.items() if k != "time"} for e in read_metrics(path / "metrics.jsonl")
+            if e["event"] == name]
+
+
+def test_growth_resumed_mid_growth_continues_exactly(tmp_path):
+    whole = Trainer(run_config(tmp_path / "whole", **KW), progress=False)
+    whole.fit()
+    growth = _events(tmp_path / "whole", "growth")
+    acts = [(e["step"], e["action"], e["block"]) for e in growth if e["action"] != "hold"]
+    assert acts[0] == (2, "activate", "prelude.3") and (4, "drop", "prelude.3") in acts  # deepest first
+    assert ("freeze" in {a for _, a, _ in acts}) and whole.growth.schedule.frozen
+    assert all(0 not in e["candidates"] for e in growth if e["action"] != "drop")  # layer 0 excluded
+    assert whole.growth.meter is None  # frozen: no more measurement hooks
+
+    Trainer(run_config(tmp_path / "split", **KW), progress=False).fit(stop_after=3)  # mid-fade at step 3
+    saved = torch.load(tmp_path / "split" / "checkpoints" / "step_0000003" / "trainer.pt", weights_only=True)
+    assert saved["growth"]["active"] == [3] and not saved["growth"]["frozen"]
+    resumed = Trainer(run_config(tmp_path / "split", **KW), resume=True, progress=False)
+    assert sorted(resumed.model.blocks()[3].loop.weights) == [0.5, 0.5, 1.0, 1.0]  # mid-fade
+    resumed.fit()
+
+    def losses(path):
+        return [(e["step"], e["loss"]) for e in _events(path, "train")]
+
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")  # bit-exact
+    assert _events(tmp_path / "split", "growth") == growth
+    assert_same_weights(checkpoint_weights(tmp_path / "whole", 8), checkpoint_weights(tmp_path / "split", 8))
+    assert resumed.growth.state_dict() == whole.growth.state_dict()
+
+    info = describe_source(str(tmp_path / "whole"))
+    assert set(info["grown"]) == {a[2] for a in acts if a[1] == "activate"}
+    assert "depth 2" in format_description(info)

@@ -1,0 +1,69 @@
+"""model.resolution and fractional layouts are validated at config load."""
+
+from __future__ import annotations
+
+import pytest
+
+from looplm.config import load_config
+from looplm.config_base import ConfigError
+from looplm.model_config import ModelConfig
+from looplm.resolution import IterationResolution
+
+C2F = "4+8x{1/8,1/4,1/2,1}+4"
+
+
+def test_defaults_follow_section_2_4():
+    cfg = ModelConfig(layout=C2F)
+    assert cfg.resolution_schedule == tuple(IterationResolution(g, g // 2, g - 1) for g in (8, 4, 2, 1))
+    assert cfg.core_lengths(4096) == [512, 1024, 2048, 4096]
+
+
+@pytest.mark.parametrize("shifts,bad", [([6, 3, 1, 0], 0), ([7, 2, 1, 0], 1), ([7, 3, 0, 0], 2)])
+def test_non_causal_shift_is_refused(shifts, bad):
+    with pytest.raises(ConfigError, match="not causal") as err:
+        ModelConfig.from_dict({"layout": C2F, "resolution": {"shifts": shifts}}, prefix="model")
+    assert err.value.field == f"model.resolution.shifts[{bad}]"
+
+
+@pytest.mark.parametrize("resolution,field", [
+    ({"shifts": [7, 3, 1]}, "model.resolution.shifts"),
+    ({"offsets": [0, 0, 0]}, "model.resolution.offsets"),
+    ({"offsets": [8, 0, 0, 0]}, "model.resolution.offsets[0]"),
+    ({"offsets": [0, 0, 0, 1]}, "model.resolution.offsets[3]"),
+    ({"offsets": [-1, 0, 0, 0]}, "model.resolution.offsets"),
+    ({"down": "max"}, "model.resolution.down"),
+    ({"up": "learned"}, "model.resolution.up"),
+    ({"gain": 2}, "model.resolution.gain"),
+])
+def test_bad_fields_name_the_field(resolution, field):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_dict({"layout": C2F, "resolution": resolution}, prefix="model")
+    assert err.value.field == field
+
+
+def test_dense_layout_takes_no_resolution():
+    with pytest.raises(ConfigError, match="model.resolution"):
+        ModelConfig(layout="12", resolution={"down": "mean"})
+
+
+def test_table_2_ablations_and_round_trip():
+    for variant in ({"offsets": [0, 0, 0, 0]}, {"shifts": [8, 4, 2, 1]}, {"down": "mean"}, {"up": "uniform"},
+                    {"down": "mean", "up": "uniform"}):
+        cfg = ModelConfig.from_dict({"layout": C2F, "topology": {"kind": "anchor"}, "resolution": variant}, prefix="model")
+        assert ModelConfig.from_dict(cfg.to_dict(), prefix="model") == cfg
+    f2c = ModelConfig(layout="4+8x{1,1/2,1/4,1/8}+4")
+    assert [it.chunk for it in f2c.resolution_schedule] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("scale,b,l", [
+    ("160m", "2+4x{1/8,1/4,1/2,1}+2", "4+4x{1/16,1/8,1/4,1/2}+4"),
+    ("410m", "4+8x{1/8,1/4,1/2,1}+4", "8+8x{1/16,1/8,1/4,1/2}+8"),
+    ("1b", "3+5x{1/8,1/4,1/2,1}+3", "5+6x{1/16,1/8,1/4,1/2}+5"),
+    ("1.4b", "4+8x{1/8,1/4,1/2,1}+4", "8+8x{1/16,1/8,1/4,1/2}+8"),
+])
+def test_table_1_presets(scale, b, l):
+    for variant, layout in (("b", b), ("l", l)):
+        cfg = load_config(f"spiralformer-{variant}-{scale}").model
+        assert cfg.layout == layout and cfg.topology.kind == "mesh"
+        assert (cfg.resolution.down, cfg.resolution.up) == ("aggregate", "router")
+    assert load_config("spiralformer-b-410m-anchor").model.topology.kind == "anchor"
