@@ -33,13 +33,15 @@ from pathlib import Path
 import torch
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
+#: Options a kind needs at this width (DSA's indexer must cover the rotary head dims).
+BENCH_OPTIONS = {"sliding_window": {"window": 512}, "dsa": {"index_head_dim": 64, "top_k": 512}}
 
 
 def _layer(kind: str, heads: int, head_dim: int, device: str):
     from looplm.mixers import MixerConfig
     from looplm.model_config import ModelConfig
 
-    spec = MixerConfig.from_dict({"kind": kind} if kind != "sliding_window" else {"kind": kind, "window": 512})
+    spec = MixerConfig.from_dict({"kind": kind, **BENCH_OPTIONS.get(kind, {})})
     model_cfg = ModelConfig(d_model=heads * head_dim, n_heads=heads, layout="1", max_seq_len=1 << 20, bias=False)
     return spec.build(model_cfg).to(device), model_cfg
 
