@@ -49,8 +49,26 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("nsa-residual", tiny_config("residual", mixer={"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3})),
         ("loop-level-kinds", tiny_config("anchor", layout="1R3", loop_mixers=[
             {"kind": "attention"}, {"kind": "gated_deltanet"}, {"kind": "sliding_window", "window": 3}])),
+        ("spiral-mesh", tiny_config("mesh", layout="1+1x{1/4,1/2,1}+1")),
+        ("spiral-mean-uniform", tiny_config("anchor", layout="1+1x{1/2,1}+1", resolution={"down": "mean", "up": "uniform"})),
+        ("sgt-heads-grown", tiny_config("anchor", head_loop={"kind": "heads", "heads": 2})),
+        ("sgt-block-grown", tiny_config("base", layout="3", head_loop={"kind": "block"})),
     ]
     return grid
+
+
+#: grown structure per ``all_configs`` entry: {block index: (K_l, head weights)}, written by ``grow``
+GROWN = {
+    "sgt-heads-grown": {1: (2, [1.0, 0.0, 0.5, 1.0]), 3: (1, [0.0, 1.0, 0.0, 0.0])},
+    "sgt-block-grown": {1: (1, None)},
+}
+
+
+def grow(name: str, model) -> None:
+    """Set the grown SGT structure of ``all_configs`` entry ``name`` (no-op for others)."""
+    blocks = model.blocks()
+    for layer, (depth, weights) in GROWN.get(name, {}).items():
+        blocks[layer].loop.set(depth, weights)
 
 
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:

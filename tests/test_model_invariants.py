@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from looplm import LoopCache, LoopLM
-from tests.conftest import TOPOLOGY_KINDS, all_configs, random_ids, tiny_config
+from tests.conftest import TOPOLOGY_KINDS, all_configs, grow, random_ids, tiny_config
 
 GRID = all_configs()
 
@@ -18,13 +18,15 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _model(cfg) -> LoopLM:
-    return LoopLM(cfg).eval()
+def _model(cfg, name: str = "") -> LoopLM:
+    model = LoopLM(cfg).eval()
+    grow(name, model)  # the SGT entries of the grid carry a grown head-loop structure
+    return model
 
 
 @pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
 def test_strict_causality(name, cfg):
-    model = _model(cfg)
+    model = _model(cfg, name)
     x = random_ids(2, 15)
     base = model(x).logits
     for j in (0, 6, 14):
@@ -38,7 +40,7 @@ def test_strict_causality(name, cfg):
 @pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
 @pytest.mark.parametrize("prefill", [1, 6])
 def test_cache_equivalence(name, cfg, prefill):
-    model = _model(cfg)
+    model = _model(cfg, name)
     x = random_ids(3, 13)
     full = model(x).logits
     cache = LoopCache()
@@ -52,7 +54,7 @@ def test_cache_equivalence(name, cfg, prefill):
 @pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
 def test_chunked_prefill_equivalence(name, cfg):
     """Several tokens at a time against a non-empty cache (explicit offset mask)."""
-    model = _model(cfg)
+    model = _model(cfg, name)
     x = random_ids(2, 12)
     full = model(x).logits
     cache = LoopCache()

@@ -29,7 +29,10 @@ class Convention:
     forward (backward ≈ 2 × forward). linear_form: the linear mixers' core counted as the
     chunkwise algorithm that runs in training (``chunk``) or as the token recurrence
     (``recurrent``). read_flops_per_mac: FLOPs per MAC of the MeSH buffer read (a
-    contraction over slots; 0: flops_per_mac; MeSH's Eq. 8 counts its multiply and add, 2)."""
+    contraction over slots; 0: flops_per_mac; MeSH's Eq. 8 counts its multiply and add, 2).
+    embedding: the embedding lookup counted as a one-hot matmul (V·d MACs per token) whose
+    training cost is its forward plus the weight gradient, 2 × forward, not
+    ``training_multiplier`` × (no input gradient; what SGT's Table 1-2 totals imply)."""
 
     name: str
     flops_per_mac: int = 2
@@ -42,6 +45,7 @@ class Convention:
     training_multiplier: float = 3.0
     linear_form: Literal["chunk", "recurrent"] = "chunk"
     read_flops_per_mac: int = 0
+    embedding: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -65,8 +69,9 @@ CONVENTIONS: dict[str, Convention] = {
                    "LayerNorm 5/element, bias and topology elementwise ops counted"),
         Convention("spiralformer", attention="full",
                    description="SpiralFormer Table 1: 2 FLOPs/MAC, full T×T score/value products, head counted"),
-        Convention("sgt", attention="full",
-                   description="SGT Tables 1-2: training FLOPs = 3 × forward, 2 FLOPs/MAC, full attention"),
+        Convention("sgt", attention="full", embedding=True,
+                   description="SGT Tables 1-2: training FLOPs = 3 × forward, 2 FLOPs/MAC, full attention, "
+                   "embedding as a one-hot matmul (forward + weight gradient)"),
         Convention("lt2", attention="full",
                    description="LT2 Appendix: per-layer FLOPs × layers × T (unrolled), 2 FLOPs/MAC"),
         Convention("torch", attention="full", state=False,

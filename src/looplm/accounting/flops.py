@@ -35,7 +35,7 @@ class Cost:
     may see. mixer_chunk / mixer_recurrent: MACs of a linear mixer's core in its chunkwise
     form / as the token recurrence. read_mac: MACs of the MeSH buffer read. norm: norm
     FLOPs. bias: bias additions. residual: the block's residual additions. state: the
-    topology's elementwise ops."""
+    topology's elementwise ops. embed: the embedding lookup as one-hot MACs (V·d per token)."""
 
     mac: float = 0
     attn_full: float = 0
@@ -47,6 +47,7 @@ class Cost:
     bias: float = 0
     residual: float = 0
     state: float = 0
+    embed: float = 0
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
@@ -65,6 +66,7 @@ class Cost:
             + (self.bias if c.bias else 0)
             + (self.residual if c.residual else 0)
             + (self.state if c.state else 0)
+            + (c.flops_per_mac * self.embed if c.embedding else 0)
         )
 
 
@@ -126,9 +128,14 @@ def _linear(m: nn.Linear, call: Call) -> Cost:
     return Cost(mac=call.rows * m.in_features * m.out_features, bias=call.rows * m.out_features if m.bias is not None else 0)
 
 
-@register_flop_rule(nn.Embedding, nn.Dropout, nn.Identity)
+@register_flop_rule(nn.Embedding)
+def _embedding(m: nn.Embedding, call: Call) -> Cost:
+    return Cost(embed=call.rows * m.num_embeddings * m.embedding_dim)  # a lookup; as a one-hot matmul, V·d MACs
+
+
+@register_flop_rule(nn.Dropout, nn.Identity)
 def _free(m: nn.Module, call: Call) -> Cost:
-    return Cost()  # a lookup / nothing
+    return Cost()  # nothing
 
 
 @register_flop_rule(nn.LayerNorm)
@@ -175,9 +182,13 @@ class Step:
 
 def execution_plan(model: nn.Module, seq_len: int, batch: int = 1) -> list[Step]:
     """The module calls of one full forward of ``model`` (a LoopLM) on [batch, seq_len],
-    in order, loops unrolled. Iteration t of the core runs on ``resolution_t · seq_len``
-    positions (``model.cfg.loop.resolutions``; 1 for every implemented schedule)."""
+    in order, loops unrolled. A multi-resolution iteration t (``model.resolution``,
+    spiralformer.txt Alg. 1) adds S↓ on the tokens of its L_t complete chunks, runs the
+    core on L_t positions (:func:`~looplm.resolution.core_lengths`) and adds S↑ with the
+    causal shift on all T positions; the topology step runs at full resolution. A block's
+    grown loop (SGT) is read from the block by its rule (:func:`rules.block_cost`)."""
     from looplm.modules.block import Block  # noqa: F401  (rules registered below)
+    from looplm.resolution.schedule import core_lengths
 
     cfg = model.cfg
     layout = cfg.loop
@@ -186,19 +197,38 @@ def execution_plan(model: nn.Module, seq_len: int, batch: int = 1) -> list[Step]
     for j, block in enumerate(model.prelude):
         plan.append(Step("prelude", f"prelude.{j}", _BlockCall(block, 0), full))
     if model.topology is not None:
+        resolution = getattr(model, "resolution", None)
+        lengths = core_lengths(resolution.schedule, seq_len) if resolution is not None else [seq_len] * layout.iterations
         plan.append(Step("topology", "topology.start", model.topology, dataclasses.replace(full, phase="start")))
         for t in range(layout.iterations):
-            n = max(1, int(-(-seq_len * layout.resolutions[t] // 1)))  # ⌈r_t · T⌉ positions
+            n = lengths[t]  # L_t positions: T at full resolution, the complete chunks otherwise
             call = Call(batch, n, n, iteration=t, width=cfg.d_model)
+            scaled = resolution is not None and not resolution.identity(t)
+            if scaled:
+                g = resolution.schedule[t].chunk
+                down = Call(batch, n * g, n * g, phase="down", iteration=t, width=cfg.d_model)
+                plan.append(Step("resolution", f"resolution.down.{t}", _ResolutionCall(resolution, t), down))
             stack = model.core[0 if cfg.share_core else t]
             for j, block in enumerate(stack):
                 plan.append(Step("core", f"core.{j}", _BlockCall(block, t), call))
+            if scaled:
+                up = dataclasses.replace(full, phase="up", iteration=t)
+                plan.append(Step("resolution", f"resolution.up.{t}", _ResolutionCall(resolution, t), up))
             plan.append(Step("topology", f"topology.step.{t}", model.topology, dataclasses.replace(full, iteration=t)))
     for j, block in enumerate(model.coda):
         plan.append(Step("coda", f"coda.{j}", _BlockCall(block, 0), full))
     plan.append(Step("final_norm", "norm", model.norm, full))
     plan.append(Step("head", "head", model.head, full))
     return plan
+
+
+class _ResolutionCall(nn.Module):
+    """Iteration t's S↓ (``phase="down"``: on the n·g_t tokens of its n complete chunks)
+    or S↑ and the causal shift (``phase="up"``: on every position)."""
+
+    def __init__(self, resolution: nn.Module, iteration: int):
+        super().__init__()
+        self.resolution, self.iteration = resolution, iteration
 
 
 class _BlockCall(nn.Module):
@@ -231,7 +261,10 @@ class FlopReport:
 
     @property
     def training(self) -> float:
-        return self.convention.training_multiplier * self.forward
+        """multiplier × forward; an embedding counted as a matmul (``convention.embedding``)
+        costs 2 × its forward instead (forward and weight gradient, no input gradient)."""
+        embedding = self.components.get("embedding", 0)
+        return self.convention.training_multiplier * (self.forward - embedding) + 2 * embedding
 
     @property
     def forward_per_token(self) -> float:

@@ -80,13 +80,33 @@ def _topology(cfg: ModelConfig) -> int:
     return 0
 
 
+def _resolution(cfg: ModelConfig) -> int:
+    """Per multi-resolution iteration with g_t > 1 (spiralformer.txt §2.3): the scorer A^(t)
+    (d -> 1, Eq. 17) for ``aggregate`` and the router B^(t) (d -> g_t, Eq. 21) for ``router``,
+    each with its bias. Full-resolution iterations own none (not even with a shift)."""
+    from looplm.resolution.schedule import iteration_resolutions
+
+    if not cfg.loop.is_looped:
+        return 0
+    d, res = cfg.d_model, cfg.resolution
+    total = 0
+    for it in iteration_resolutions(cfg.loop.resolutions, res.offsets, res.shifts):
+        if it.identity or it.chunk == 1:
+            continue
+        total += (d + 1) if res.down == "aggregate" else 0
+        total += (d * it.chunk + it.chunk) if res.up == "router" else 0
+    return total
+
+
 def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     """The counts of :func:`parameter_counts` from the config alone:
 
     embedding V·d; head V·d (0 when tied); final norm; per block two norms, the FFN and
     the mixer layer(s) (one per parameter group of its mixer schedule); the core once per
     stack (one stack when shared, T otherwise); topology parameters (MeSH:
-    (T + 1)·2·(d·B + B), Appendix E.4)."""
+    (T + 1)·2·(d·B + B), Appendix E.4); ``resolution`` (only when it holds parameters):
+    SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1. SGT's
+    grown loop adds no parameters (its structure is extra state)."""
     from looplm.mixers.pattern import block_mixers
 
     layout, d, V = cfg.loop, cfg.d_model, cfg.vocab_size
@@ -112,5 +132,8 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
         "final_norm": _norm(cfg),
         "head": 0 if cfg.tie_embeddings else V * d,
     }
+    resolution = _resolution(cfg)
+    if resolution:
+        counts["resolution"] = resolution
     total = sum(counts.values())
     return {"total": total, "non_embedding": total - counts["embedding"] - counts["head"], **counts}

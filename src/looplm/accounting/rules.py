@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from looplm.accounting.flops import Call, Cost, _BlockCall, causal_pairs, children_cost, module_cost, register_flop_rule
+from looplm.accounting.flops import Call, Cost, _BlockCall, _ResolutionCall, causal_pairs, children_cost, module_cost, register_flop_rule
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.mixers.deltanet import DeltaRuleMixer
 from looplm.mixers.dsa import DeepSeekSparseAttention
@@ -20,6 +20,8 @@ from looplm.mixers.mamba2 import Mamba2
 from looplm.mixers.nsa import BlockCompressor, NativeSparseAttention
 from looplm.modules.block import Block
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
+from looplm.resolution.downscale import MeanPool, SelfAggregation
+from looplm.resolution.upscale import AllocationRouter, UniformBroadcast
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
 from looplm.topology.gated import GatedResidualTopology
@@ -45,17 +47,80 @@ def _block_call(m: _BlockCall, call: Call) -> Cost:
 
 
 def block_cost(block: Block, call: Call, iteration: int = 0) -> Cost:
-    """norm -> mixer (this iteration's view) -> residual -> norm -> FFN -> residual."""
+    """norm -> mixer (this iteration's view) -> residual -> norm -> FFN -> residual, plus the
+    block's grown loop (SGT, read from ``block.loop``: depth K_l and the heads S with w_i > 0):
+    Block Loop re-applies the whole block K_l times; a head loop adds K_l passes of
+    norm -> S's slice of the attention -> residual (Eq. 6) before the FFN."""
     mixer = block.per_iteration[iteration if len(block.per_iteration) > 1 else 0]
     d = block.attn_norm.weight.shape[0]
-    cost = module_cost(block.attn_norm, call) + module_cost(mixer, call)
-    cost = cost + module_cost(block.ffn_norm, call) + module_cost(block.ffn, call)
-    return cost + Cost(residual=2 * call.rows * d)
+    attention = module_cost(block.attn_norm, call) + module_cost(mixer, call) + Cost(residual=call.rows * d)
+    ffn = module_cost(block.ffn_norm, call) + module_cost(block.ffn, call) + Cost(residual=call.rows * d)
+    loop = block.loop
+    depth = loop.depth if loop is not None and isinstance(mixer, SoftmaxAttention) else 0
+    if depth == 0:
+        return attention + ffn
+    if loop.kind == "block":  # Block Loop: 1 + K_l applications of the whole block
+        return (attention + ffn).scale(1 + depth)
+    passes = module_cost(block.attn_norm, call) + head_pass_cost(mixer, call, len(loop.heads)) + Cost(residual=call.rows * d)
+    return attention + passes.scale(depth) + ffn
+
+
+def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int) -> Cost:
+    """One SGT head pass over ``heads`` = |S| query heads (``forward_heads``, Eq. 6): the
+    rows of ``qkv`` for S and the kv heads S reads (all |S| of them under MHA; with GQA at
+    most min(|S|, H_kv), counted as that bound), the gate's rows, the score/value products
+    of |S| heads and S's columns of ``o_proj`` (no output bias)."""
+    d, D = m.o_proj.out_features, m.head_dim
+    kv = min(heads, m.n_kv_heads)
+    rows = (heads + 2 * kv) * D + (heads * D if m.gate is not None else 0)
+    cost = Cost(mac=call.rows * d * rows + call.rows * heads * D * d,
+                bias=call.rows * rows if m.qkv.bias is not None else 0)
+    per_pair = heads * 2 * D
+    full = call.batch * call.tokens * call.keys
+    causal = call.batch * causal_pairs(call.tokens, call.keys, m.window)
+    return cost + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
 
 
 @register_flop_rule(Block)
 def _block(m: Block, call: Call) -> Cost:
     return block_cost(m, call, max(call.iteration, 0))
+
+
+# ------------------------------------------------------------------ multi-resolution (SpiralFormer)
+
+
+@register_flop_rule(_ResolutionCall)
+def _resolution_call(m: _ResolutionCall, call: Call) -> Cost:
+    """S↓ of iteration t on the tokens of its complete chunks; S↑ on every position plus
+    the causal shift's mask multiply (Eq. 22)."""
+    key = str(m.iteration)
+    if call.phase == "down":
+        return module_cost(m.resolution.down_ops[key], call)
+    return module_cost(m.resolution.up_ops[key], call) + Cost(state=call.rows * call.width)
+
+
+@register_flop_rule(MeanPool)
+def _mean_pool(m: MeanPool, call: Call) -> Cost:
+    return Cost(state=call.rows * call.width)  # Eq. (16): one add (and the 1/g scale) per token and channel
+
+
+@register_flop_rule(SelfAggregation)
+def _self_aggregation(m: SelfAggregation, call: Call) -> Cost:
+    """Eq. (17-18): the scorer A^(t) (d -> 1) on every token, softmax over the chunk (left
+    out like activations), then Σ_i α_i h_i: d MACs per token."""
+    return module_cost(m.scorer, call) + Cost(mac=call.rows * call.width)
+
+
+@register_flop_rule(UniformBroadcast)
+def _uniform(m: UniformBroadcast, call: Call) -> Cost:
+    return Cost(state=call.rows * call.width)  # Eq. (20): (λ/g) ẑ
+
+
+@register_flop_rule(AllocationRouter)
+def _router(m: AllocationRouter, call: Call) -> Cost:
+    """Eq. (21): the router B^(t) (d -> g) as the model runs it, on the gathered latent of
+    every position (T rows, not one per chunk), then λ·β·ẑ (two multiplies)."""
+    return module_cost(m.router, call) + Cost(state=2 * call.rows * call.width)
 
 
 # ------------------------------------------------------------------ softmax attention
