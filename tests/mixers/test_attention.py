@@ -8,7 +8,7 @@ import torch
 from looplm import LoopCache, LoopLM
 from looplm.config_base import ConfigError
 from looplm.mixers import MixerContext
-from looplm.mixers.attention import SoftmaxAttention
+from looplm.mixers.attention import SoftmaxAttention, blocked_window_attention
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary
 from tests.conftest import random_ids, tiny_config
@@ -109,3 +109,46 @@ def test_recorded_attention_probabilities_reproduce_the_output(mixer):
     if "window" in mixer:
         assert probs[1].tril(-3).abs().max() == 0
     assert plain.attentions is None
+
+
+@pytest.mark.parametrize("length,window", [(1, 3), (7, 3), (300, 3), (257, 128), (301, 130), (513, 512),
+                                           (200, 1000)])
+def test_blocked_window_attention_equals_the_masked_full_attention(length, window):
+    """The O(T·w) training path against SDPA with the full T × T band mask, forward and
+    backward, on odd lengths and windows smaller and larger than T."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, length, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window))
+    got = blocked_window_attention(q, k, v, window)
+    torch.testing.assert_close(got, expected)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("window", [5, 200])
+def test_sliding_window_layer_blocked_path_equals_the_masked_path(window):
+    """A windowed layer over T > block positions takes the blocked path; with attention
+    probabilities requested it takes the explicit masked one. Same outputs and gradients
+    (grouped-query heads and the output gate included)."""
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(32, 4, 2, bias=True, window=window, output_gate=True).double()
+    length = 301
+    x = torch.randn(2, length, 32, dtype=torch.float64)
+    positions = torch.arange(length).expand(2, length)
+
+    def run(attentions):
+        ctx = MixerContext(rope=Rotary(8, 10000.0)(positions, x.dtype), valid=torch.ones(2, length, dtype=torch.bool),
+                           past=0, padded=False, attentions=attentions)
+        y, state = layer(x, ctx)
+        grads = torch.autograd.grad(y.square().sum(), list(layer.parameters()))
+        return y, state, grads
+
+    blocked, masked = run(None), run({})
+    tol = dict(atol=1e-5, rtol=1e-4)  # the explicit path takes its softmax in float32
+    torch.testing.assert_close(blocked[0], masked[0], **tol)
+    torch.testing.assert_close(blocked[1].keys, masked[1].keys)
+    assert blocked[1].start == masked[1].start == length - (window - 1)
+    for a, b in zip(blocked[2], masked[2]):
+        torch.testing.assert_close(a, b, **tol)

@@ -16,7 +16,7 @@ from looplm.mixers.dsa import DeepSeekSparseAttention, DSAConfig
 from looplm.mixers.nsa import NativeSparseAttention, NSAConfig
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary, apply_rotary
-from looplm.ops.sparse import index_kl_loss, nsa_attention, select_blocks, topk_mask
+from looplm.ops.sparse import index_kl_loss, naive_nsa_attention, nsa_attention, select_blocks, topk_mask
 from tests.conftest import random_ids, tiny_config
 
 NSA_MEAN = {"kind": "nsa", "block_size": 2, "select_blocks": 4, "window": 3}
@@ -319,3 +319,35 @@ def test_sparse_configs_round_trip_and_build():
     assert isinstance(NSAConfig(block_size=8).build(tiny_config()), NativeSparseAttention)
     with pytest.raises(ConfigError, match="model.mixer.index_head_dim"):
         DSAConfig(index_head_dim=4).build(tiny_config())  # rotary dim 8
+
+
+@pytest.mark.parametrize(
+    "T,S,G,block,stride,select,n,window,padded",
+    [(37, 37, 2, 4, 4, 4, 5, 3, False), (301, 301, 2, 8, 4, 16, 4, 64, True), (5, 300, 3, 16, 16, 16, 4, 130, False),
+     (260, 260, 1, 16, 8, 32, 3, 0, True), (1, 50, 2, 4, 4, 4, 3, 7, True), (400, 400, 1, 16, 16, 16, 3, 200, False)],
+)
+def test_nsa_attention_equals_the_dense_reference(T, S, G, block, stride, select, n, window, padded):
+    """The gathered selected branch and the blocked window branch against the dense masked
+    reference, forward and backward: odd lengths, decoding-like T < S, padding queries,
+    no window and windows larger than the query block."""
+    torch.manual_seed(0)
+    B, Hkv, D = 2, 2, 8
+    q = torch.randn(B, Hkv, G, T, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    N = max((S - block) // stride + 1, 0)
+    k_cmp, v_cmp = (torch.randn(B, Hkv, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    gates = torch.rand(B, Hkv, G, T, 3, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(S - T, S).expand(B, T).clone()
+    if padded:  # row 0 left-padded by 7: its first queries are padding (-1)
+        positions[0] = (positions[0] - 7).clamp(min=-1)
+    args = (q, k, v, k_cmp, v_cmp, gates, positions)
+    options = dict(block_size=block, stride=stride, select_size=select, n_select=n, window=window, scale=D**-0.5)
+    o, selected = nsa_attention(*args, **options)
+    o_ref, selected_ref = naive_nsa_attention(*args, **options)
+    assert torch.equal(selected, selected_ref)
+    tol = dict(atol=1e-6, rtol=1e-6)  # both take their softmax in float32
+    torch.testing.assert_close(o, o_ref, **tol)
+    grad = torch.randn_like(o)
+    inputs = (q, k, v, k_cmp, v_cmp, gates)
+    for a, b in zip(torch.autograd.grad(o, inputs, grad), torch.autograd.grad(o_ref, inputs, grad)):
+        torch.testing.assert_close(a, b, **tol)

@@ -42,6 +42,43 @@ class KVState:
         return KVState(self.keys[index], self.values[index], self.start)
 
 
+#: Smallest query block of :func:`blocked_window_attention`: tiny windows still get
+#: blocks large enough for SDPA to be efficient (cost 2·T·block instead of T·w).
+MIN_WINDOW_BLOCK = 128
+
+
+def blocked_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal sliding-window attention, each query over its last ``window`` keys (itself
+    included), in O(T·w) time and memory instead of a T × T mask.
+
+    The queries are cut into blocks of W = max(window, MIN_WINDOW_BLOCK) positions (the
+    last one padded); as W >= window, block n needs only the keys of blocks n - 1 and n,
+    so each block is one SDPA call over 2W keys with one [W, 2W] band mask (block 0's
+    missing predecessor is masked out too). Equal to the masked full attention.
+    q, k, v: [B, H, T, D] (k, v already repeated to H heads) -> [B, H, T, D]."""
+    B, H, T, D = q.shape
+    W = max(window, MIN_WINDOW_BLOCK)
+    N = -(-T // W)  # number of query blocks
+    pad = N * W - T  # padded keys lie after every real query: causality masks them
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B, H, N, W, D]
+        return F.pad(x, (0, 0, 0, pad)).view(B, H, N, W, D)
+
+    def with_previous(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, W, D] -> [B, H, N, 2W, D]
+        return torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :-1], x], dim=3)
+
+    qb, kb, vb = blocks(q), with_previous(blocks(k)), with_previous(blocks(v))
+    i = torch.arange(W, device=q.device)[:, None]  # query offset in its block
+    j = torch.arange(2 * W, device=q.device)[None, :] - W  # key offset from the block's start
+    band = (j <= i) & (j > i - window)  # [W, 2W]
+    first = band & (j >= 0)  # block 0 has no previous block
+    mask = torch.stack([first] + [band] * (N - 1))[:, None]  # [N, 1, W, 2W]
+    # [B, H, N, W, D] -> [B·N, H, W, D]: SDPA's fast kernels want 4-d inputs
+    qb, kb, vb = (x.transpose(1, 2).reshape(B * N, H, x.shape[3], D) for x in (qb, kb, vb))
+    y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.repeat(B, 1, 1, 1))
+    return y.view(B, N, H, W, D).transpose(1, 2).reshape(B, H, N * W, D)[:, :, :T]
+
+
 class SoftmaxAttention(nn.Module):
     """Multi-head (optionally grouped-query) causal attention with rotary embeddings.
 
@@ -145,6 +182,9 @@ class SoftmaxAttention(nn.Module):
             keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         if ctx.attentions is not None:  # probes want the probabilities: compute them explicitly
             y = self._explicit(q, keys, values, mask, ctx)
+        elif (self.window is not None and state is None and ctx.past == 0 and not ctx.padded
+              and T > max(self.window, MIN_WINDOW_BLOCK)):  # training / prefill: O(T·w), not T × T
+            y = blocked_window_attention(q, keys, values, self.window)
         else:  # mask None: the T queries are the last T of the keys and need only causality
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]

@@ -99,10 +99,14 @@ def chunk_decay(
         carry = prefix[..., -1, :].exp()[..., None]  # [B, H, N, K, 1]
 
     kv = k_out.transpose(-1, -2) @ v  # each chunk's addition to the state: [B, H, N, K, V]
+    # unbind once, not kv[:, :, n] per step: each indexing's backward would materialise a
+    # zero [B, H, N, K, V] gradient, O(N²·K·V) over the loop (quadratic in T)
+    adds = kv.unbind(2)
+    decays = [None] * N if carry is None else carry.unbind(2)
     entering = []
     for n in range(N):  # hand the state over from chunk to chunk
         entering.append(state)
-        state = (state if carry is None else state * carry[:, :, n]) + kv[:, :, n]
+        state = (state if decays[n] is None else state * decays[n]) + adds[n]
     o = o + q_in @ torch.stack(entering, dim=2)  # inter: [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(out_dtype), (state if output_final_state else None)

@@ -8,6 +8,7 @@ from looplm.ops.sparse.common import grouped_attention, masked_softmax, topk_mas
 from looplm.ops.sparse.dsa import index_kl_loss, index_scores, select_keys
 from looplm.ops.sparse.nsa import (
     compressed_block_count,
+    naive_nsa_attention,
     nsa_attention,
     select_blocks,
     selection_overlap,
@@ -19,6 +20,7 @@ __all__ = [
     "index_kl_loss",
     "index_scores",
     "masked_softmax",
+    "naive_nsa_attention",
     "nsa_attention",
     "select_blocks",
     "select_keys",

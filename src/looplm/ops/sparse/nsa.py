@@ -20,9 +20,14 @@ Positions here are *compacted*: key index c has position c, so a left-padded row
 handled by moving its real keys to the front before calling (``positions`` = −1 marks a
 padding query, whose output is 0).
 
-Cost: this reference scores every query against every key once (shared by the selected
-and window branches) and every compressed block: O(T·S·D) time and O(T·S) memory per head,
-like dense attention; the masks make it exact, not fast. Decoding (T = 1) is O(S·D).
+Cost (T queries, S keys, N = S/d compressed blocks, n·l' selected keys, window w, per
+head): the compressed branch and the block selection are dense over the N compressed
+blocks, O(T·N·D) time and O(T·N) memory (N = S/16 at the defaults: still quadratic in T,
+16× smaller than attention). The selected branch gathers each query's n·l' keys and values,
+O(T·n·l'·D) time and memory; the window branch scores blocks of queries against the key
+span they reach, O(T·(128 + w)·D). :func:`naive_nsa_attention` is the dense reference the
+fast form is tested against (every query against every key, O(T·S) memory). Decoding
+(T = 1) is O((N + n·l' + w)·D).
 """
 
 from __future__ import annotations
@@ -86,6 +91,118 @@ def nsa_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The three gated NSA branches for T queries over S compacted keys.
+
+    q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h, as fla's GQA); k, v:
+    [B, H_kv, S, D], key c at position c; k_cmp, v_cmp: [B, H_kv, N, D], compressed block
+    j (entries of blocks not yet complete for a row are never read); gates: [B, H_kv, G, T, 3]
+    (σ already applied: compressed, selected, window); positions: [B, T] of the queries,
+    −1 for padding. window 0 drops the window branch (fla's convention).
+
+    Returns (o [B, H_kv, G, T, D], selected blocks bool [B, H_kv, T, ⌈S / l'⌉]).
+    Equal to :func:`naive_nsa_attention` to rounding, without its T × S tensors.
+    """
+    S, N = k.shape[2], k_cmp.shape[2]
+    device = q.device
+    pos = positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
+
+    # compressed branch: block j visible once j·d + l − 1 ≤ t
+    last = torch.arange(N, device=device) * stride + block_size - 1
+    o_cmp, p_cmp = grouped_attention(q, k_cmp, v_cmp, last <= pos, scale)
+
+    # selection: importance of each l'-block from the compressed scores, shared in a KV group
+    n_sel = -(-S // select_size)
+    overlap = selection_overlap(N, n_sel, block_size, stride, select_size, device)
+    importance = p_cmp.detach().sum(dim=2) @ overlap  # Eq. (9)-(10): [B, H_kv, T, N_sel]
+    selected = select_blocks(importance, positions, select_size, n_select)
+
+    o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * _selected_branch(q, k, v, selected, positions, select_size, scale)
+    if window > 0:
+        o = o + gates[..., 2:3] * _window_branch(q, k, v, positions, window, scale)
+    return o, selected
+
+
+def _selected_branch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor,
+    select_size: int, scale: float,
+) -> torch.Tensor:
+    """Attention of each query over the keys ≤ t of its selected blocks, gathered: O(T·n·l')
+    scores and O(T·n·l'·D) gathered keys and values instead of T × S scores.
+    q [B, H_kv, G, T, D]; k, v [B, H_kv, S, D]; selected [B, H_kv, T, N_sel] -> [B, H_kv, G, T, D]."""
+    B, Hkv, G, T, D = q.shape
+    S, n_sel, L = k.shape[2], selected.shape[-1], select_size
+    n = min(int(selected.sum(-1).max()) if selected.numel() else 0, n_sel)  # most blocks any query takes
+    if n == 0 or S == 0:
+        return torch.zeros_like(q)
+    picked, index = torch.topk(selected.to(torch.uint8), n, dim=-1)  # [B, H_kv, T, n]; picked 0: a filler
+    pad = n_sel * L - S
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S, D] -> [B, H_kv, T, n·l', D]
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(B, Hkv, n_sel, L * D)
+        return x.gather(2, index.reshape(B, Hkv, T * n, 1).expand(-1, -1, -1, L * D)).view(B, Hkv, T, n * L, D)
+
+    key = (index[..., None] * L + torch.arange(L, device=q.device)).view(B, Hkv, T, n * L)  # positions
+    allowed = (picked.bool()[..., None].expand(-1, -1, -1, -1, L).reshape(B, Hkv, T, n * L)
+               & (key <= positions[:, None, :, None]))[:, :, :, None]  # [B, H_kv, T, 1, n·l']
+    qt = q.permute(0, 1, 3, 2, 4)  # [B, H_kv, T, G, D]
+    scores = torch.matmul(qt, gather(k).transpose(-1, -2)) * scale  # [B, H_kv, T, G, n·l']
+    o = torch.matmul(masked_softmax(scores, allowed).to(v.dtype), gather(v))  # [B, H_kv, T, G, D]
+    return o.permute(0, 1, 3, 2, 4)
+
+
+def _window_branch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int, scale: float,
+    block: int = 128,
+) -> torch.Tensor:
+    """Attention of each query over its last ``window`` keys, by blocks of Q queries: each
+    block scores one span of L keys, the longest span any block's positions reach
+    (Q + w − 1 when positions are consecutive), so O(T·(Q + w)) instead of T × S. The
+    spans are gathered in one op (slicing per block would make autograd fill a full-size
+    gradient per block). q [B, H_kv, G, T, D]; k, v [B, H_kv, S, D]; positions [B, T]
+    -> [B, H_kv, G, T, D]."""
+    B, Hkv, G, T, D = q.shape
+    S = k.shape[2]
+    if T == 0 or S == 0:
+        return torch.zeros_like(q)
+    Q = max(block, window)
+    n_blocks = -(-T // Q)
+    pad = n_blocks * Q - T
+    pos = torch.nn.functional.pad(positions, (0, pad), value=-1).view(B, n_blocks, Q)
+    hi = pos.amax(dim=(0, 2)) + 1  # [n_blocks] one past the last key a query of the block reads
+    first = torch.where(pos >= 0, pos, pos.new_full((), S)).amin(dim=(0, 2))
+    lo = torch.minimum((first - window + 1).clamp(min=0), hi.clamp(min=0))  # [n_blocks]
+    L = max(int((hi - lo).max()), 1)
+    key = lo[:, None] + torch.arange(L, device=q.device)  # [n_blocks, L] key positions (≥ S: padding)
+
+    def spans(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S, D] -> [B, H_kv, 1, n_blocks, L, D]
+        x = torch.nn.functional.pad(x, (0, 0, 0, L))
+        return x.index_select(2, key.reshape(-1)).view(B, Hkv, 1, n_blocks, L, D)
+
+    qb = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(B, Hkv, G, n_blocks, Q, D)
+    p = pos[:, None, None, :, :, None]  # [B, 1, 1, n_blocks, Q, 1]
+    allowed = (key[:, None, :] <= p) & (key[:, None, :] > p - window)  # [B, 1, 1, n_blocks, Q, L]
+    scores = torch.matmul(qb, spans(k).transpose(-1, -2)) * scale  # [B, H_kv, G, n_blocks, Q, L]
+    o = torch.matmul(masked_softmax(scores, allowed).to(v.dtype), spans(v))
+    return o.view(B, Hkv, G, n_blocks * Q, D)[:, :, :, :T]
+
+
+def naive_nsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    gates: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block_size: int,
+    stride: int,
+    select_size: int,
+    n_select: int,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense reference of :func:`nsa_attention` (same arguments and results): every query
+    scored against every key, the branches cut out by masks. O(T·S) time and memory.
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h, as fla's GQA); k, v:
     [B, H_kv, S, D], key c at position c; k_cmp, v_cmp: [B, H_kv, N, D], compressed block
