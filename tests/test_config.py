@@ -75,3 +75,11 @@ def test_unknown_preset_lists_the_presets():
 def test_model_config_from_dict_refuses_wrong_nested_type():
     with pytest.raises(ConfigError, match="model.topology"):
         ModelConfig.from_dict({"topology": "mesh"}, prefix="model")
+
+
+def test_a_folder_named_like_a_preset_does_not_hide_the_preset(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-mesh").mkdir()  # e.g. a run directory
+    assert load_config("tiny-mesh").model.topology.kind == "mesh"
+    with pytest.raises(ConfigError, match="existing YAML file"):
+        load_config(str(tmp_path / "missing.yaml"))

@@ -51,7 +51,7 @@ def read_config_source(source: Optional[str], _seen: tuple[str, ...] = ()) -> di
     if source is None:
         source = "default"
     path = Path(source)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a preset is not a config
         if not path.is_file():
             raise ConfigError("CONFIG", source, "an existing YAML file or a preset name: " + ", ".join(preset_names()))
         text = path.read_text()
