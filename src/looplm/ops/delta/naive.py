@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from looplm.ops.common import accumulation_dtype, check_recurrent_inputs
+
 
 def check_inputs(
     q: torch.Tensor,
@@ -25,25 +27,15 @@ def check_inputs(
     log_alpha: Optional[torch.Tensor],
     initial_state: Optional[torch.Tensor],
 ) -> None:
-    """Raise ValueError unless the shapes are those documented on the ops."""
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}, got {tuple(beta.shape)}")
-    if log_alpha is not None and log_alpha.shape not in ((B, T, H), (B, T, H, K)):
-        raise ValueError(f"log_alpha must be None, [B, T, H] or [B, T, H, K], got {tuple(log_alpha.shape)}")
-    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
-        raise ValueError(
-            f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}"
-        )
+    """The shared recurrent-op contract plus beta [B, T, H]; raise ValueError otherwise."""
+    check_recurrent_inputs(q, k, v, log_alpha, initial_state)
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
 
 
 def compute_dtype(v: torch.Tensor) -> torch.dtype:
     """float32, or float64 when the inputs are float64 (gradient checks)."""
-    return torch.promote_types(v.dtype, torch.float32)
+    return accumulation_dtype(v.dtype)
 
 
 def naive_recurrent_delta_rule(
