@@ -9,6 +9,11 @@ from hypothesis import strategies as st
 
 from looplm import LoopCache, LoopLM
 from tests.conftest import TOPOLOGY_KINDS, all_configs, grow, random_ids, tiny_config
+from tests.invariants import (
+    assert_decodes_like_full_forward,
+    assert_strictly_causal,
+    prefill_then_tokens,
+)
 
 GRID = all_configs()
 
@@ -26,40 +31,19 @@ def _model(cfg, name: str = "") -> LoopLM:
 
 @pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
 def test_strict_causality(name, cfg):
-    model = _model(cfg, name)
-    x = random_ids(2, 15)
-    base = model(x).logits
-    for j in (0, 6, 14):
-        y = x.clone()
-        y[:, j] = (y[:, j] + 7) % cfg.vocab_size
-        changed = model(y).logits
-        torch.testing.assert_close(changed[:, :j], base[:, :j], atol=1e-6, rtol=0)
-        assert (changed[:, j] - base[:, j]).abs().max() > 1e-6, "token j must influence its own logits"
+    assert_strictly_causal(_model(cfg, name), random_ids(2, 15), (0, 6, 14), shift=7, vocab=cfg.vocab_size)
 
 
 @pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
 @pytest.mark.parametrize("prefill", [1, 6])
 def test_cache_equivalence(name, cfg, prefill):
-    model = _model(cfg, name)
-    x = random_ids(3, 13)
-    full = model(x).logits
-    cache = LoopCache()
-    pieces = [model(x[:, :prefill], cache=cache).logits]
-    for i in range(prefill, x.shape[1]):
-        pieces.append(model(x[:, i : i + 1], cache=cache).logits)
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
-    assert cache.get_seq_length() == x.shape[1]
+    assert_decodes_like_full_forward(_model(cfg, name), random_ids(3, 13), [prefill_then_tokens(prefill, 13)], atol=2e-5)
 
 
 @pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
 def test_chunked_prefill_equivalence(name, cfg):
     """Several tokens at a time against a non-empty cache (explicit offset mask)."""
-    model = _model(cfg, name)
-    x = random_ids(2, 12)
-    full = model(x).logits
-    cache = LoopCache()
-    pieces = [model(x[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 9), (9, 12)]]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
+    assert_decodes_like_full_forward(_model(cfg, name), random_ids(2, 12), [[5, 9, 12]], atol=2e-5)
 
 
 MIXER_SPECS = [

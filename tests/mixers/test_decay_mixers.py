@@ -25,6 +25,11 @@ from looplm.mixers.retnet import MultiScaleRetention
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary
 from tests.conftest import random_ids, tiny_config
+from tests.invariants import (
+    assert_decodes_like_full_forward,
+    assert_strictly_causal,
+    prefill_then_tokens,
+)
 
 KINDS = ["linear_attention", "retnet", "gla", "hgrn2", "mamba2"]
 MIXERS = {  # every kind at its fla defaults, and a variant with the options (short convs, GQA, groups, ...)
@@ -74,30 +79,13 @@ def _model(mixer, topology="base", layout="2") -> LoopLM:
 
 @pytest.mark.parametrize("name,mixer,topology,layout", GRID, ids=IDS)
 def test_strict_causality(name, mixer, topology, layout):
-    model = _model(mixer, topology, layout)
-    x = random_ids(2, 15)
-    base = model(x).logits
-    for j in (0, 7, 14):
-        y = x.clone()
-        y[:, j] = (y[:, j] + 5) % 61
-        changed = model(y).logits
-        torch.testing.assert_close(changed[:, :j], base[:, :j], atol=1e-6, rtol=0)
-        assert (changed[:, j] - base[:, j]).abs().max() > 1e-6
+    assert_strictly_causal(_model(mixer, topology, layout), random_ids(2, 15), (0, 7, 14), shift=5)
 
 
 @pytest.mark.parametrize("name,mixer,topology,layout", GRID, ids=IDS)
 def test_cache_equivalence_per_token_and_chunked(name, mixer, topology, layout):
-    model = _model(mixer, topology, layout)
-    x = random_ids(3, 13)
-    full = model(x).logits
-    for prefill in (1, 6):
-        cache = LoopCache()
-        pieces = [model(x[:, :prefill], cache=cache).logits]
-        pieces += [model(x[:, i : i + 1], cache=cache).logits for i in range(prefill, 13)]
-        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=5e-5, rtol=1e-5)
-    cache = LoopCache()
-    pieces = [model(x[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 9), (9, 13)]]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=5e-5, rtol=1e-5)
+    splits = [prefill_then_tokens(1, 13), prefill_then_tokens(6, 13), [5, 9, 13]]
+    assert_decodes_like_full_forward(_model(mixer, topology, layout), random_ids(3, 13), splits, atol=5e-5)
 
 
 @pytest.mark.parametrize("name", list(MIXERS))

@@ -16,8 +16,19 @@ from looplm.mixers.dsa import DeepSeekSparseAttention, DSAConfig
 from looplm.mixers.nsa import NativeSparseAttention, NSAConfig
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary, apply_rotary
-from looplm.ops.sparse import index_kl_loss, naive_nsa_attention, nsa_attention, select_blocks, topk_mask
+from looplm.ops.sparse import (
+    index_kl_loss,
+    naive_nsa_attention,
+    nsa_attention,
+    select_blocks,
+    topk_mask,
+)
 from tests.conftest import random_ids, tiny_config
+from tests.invariants import (
+    assert_decodes_like_full_forward,
+    assert_strictly_causal,
+    prefill_then_tokens,
+)
 
 NSA_MEAN = {"kind": "nsa", "block_size": 2, "select_blocks": 4, "window": 3}
 NSA_MLP = {"kind": "nsa", "block_size": 4, "block_stride": 2, "select_block_size": 3, "select_blocks": 4,
@@ -46,28 +57,13 @@ def _context(batch: int, length: int, rotary_dim: int, dtype=torch.float32) -> M
 # ---------------------------------------------------------------- invariants in a model
 @pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])
 def test_strict_causality(name, mixer, topology, layout, kv):
-    model = _model(mixer, topology, layout, kv)
-    x = random_ids(2, 17)
-    base = model(x).logits
-    for j in (0, 5, 9, 16):
-        y = x.clone()
-        y[:, j] = (y[:, j] + 7) % 61
-        changed = model(y).logits
-        torch.testing.assert_close(changed[:, :j], base[:, :j], atol=0, rtol=0)
-        assert (changed[:, j] - base[:, j]).abs().max() > 1e-6
+    assert_strictly_causal(_model(mixer, topology, layout, kv), random_ids(2, 17), (0, 5, 9, 16), shift=7, atol=0)
 
 
 @pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])
 def test_cache_equivalence_token_by_token_and_chunked(name, mixer, topology, layout, kv):
-    model = _model(mixer, topology, layout, kv)
-    x = random_ids(3, 14)
-    full = model(x).logits
-    for splits in ([6, *range(7, 15)], [1, 5, 9, 10, 14]):  # prefill + tokens; chunks against a cache
-        cache, start, pieces = LoopCache(), 0, []
-        for end in splits:
-            pieces.append(model(x[:, start:end], cache=cache).logits)
-            start = end
-        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
+    splits = [prefill_then_tokens(6, 14), [1, 5, 9, 10, 14]]  # prefill + tokens; chunks against a cache
+    assert_decodes_like_full_forward(_model(mixer, topology, layout, kv), random_ids(3, 14), splits, atol=2e-5)
 
 
 @pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])

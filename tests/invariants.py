@@ -1,0 +1,40 @@
+"""The two model-level invariant checks (DESIGN.md 1-2), shared by every test grid."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from looplm import LoopCache
+
+
+def assert_strictly_causal(model, x: torch.Tensor, positions: Sequence[int], *, shift: int, vocab: int = 61,
+                           atol: float = 1e-6) -> None:
+    """Changing token j leaves the logits before j unchanged and changes those at j."""
+    base = model(x).logits
+    for j in positions:
+        y = x.clone()
+        y[:, j] = (y[:, j] + shift) % vocab
+        changed = model(y).logits
+        torch.testing.assert_close(changed[:, :j], base[:, :j], atol=atol, rtol=0)
+        assert (changed[:, j] - base[:, j]).abs().max() > 1e-6, "token j must influence its own logits"
+
+
+def assert_decodes_like_full_forward(model, x: torch.Tensor, splits: Sequence[Sequence[int]], *,
+                                     atol: float, rtol: float = 1e-5) -> None:
+    """For each list of end points, feeding x piece by piece against one cache gives the
+    logits of one full forward (prefill + token-by-token, chunked prefill)."""
+    full = model(x).logits
+    for ends in splits:
+        cache, start, pieces = LoopCache(), 0, []
+        for end in ends:
+            pieces.append(model(x[:, start:end], cache=cache).logits)
+            start = end
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=atol, rtol=rtol)
+        assert cache.get_seq_length() == x.shape[1]
+
+
+def prefill_then_tokens(prefill: int, length: int) -> list[int]:
+    """End points of a prefill of ``prefill`` tokens followed by one token at a time."""
+    return [prefill, *range(prefill + 1, length + 1)]
