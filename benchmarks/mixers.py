@@ -13,14 +13,17 @@ For every mixer kind (or those given with --kinds), in one run:
 Writes a markdown table (``--out``, default benchmarks/results/mixers-<device>.md) with
 the exact command line and machine at the top. On a GPU with flash-linear-attention
 installed, the layers run fla's kernels (``--device cuda``); ``--compare-backends`` then
-also times the PyTorch path.
+also times the PyTorch path of every mixer that has an fla kernel (rows marked
+``[torch]``). On CUDA, jobs run in-process (peak memory is torch's allocator peak).
 
     python benchmarks/mixers.py --threads 2
+    python benchmarks/mixers.py --device cuda --dtype bfloat16 --compare-backends --batch 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import resource
@@ -35,6 +38,24 @@ import torch
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 #: Options a kind needs at this width (DSA's indexer must cover the rotary head dims).
 BENCH_OPTIONS = {"sliding_window": {"window": 512}, "dsa": {"index_head_dim": 64, "top_k": 512}}
+
+
+#: mixers with a flash-linear-attention kernel (looplm.mixers.backend.use_fla)
+FLA_KINDS = ("linear_attention", "retnet", "gla", "hgrn2", "mamba2", "deltanet", "gated_deltanet", "kda")
+
+
+@contextlib.contextmanager
+def _backend(name: str):
+    """``torch``: the PyTorch path even where fla's kernels would run; ``auto``: the default."""
+    import looplm.mixers.backend as backend
+
+    original = backend.fla_installed
+    if name == "torch":
+        backend.fla_installed = lambda: False
+    try:
+        yield
+    finally:
+        backend.fla_installed = original
 
 
 def _layer(kind: str, heads: int, head_dim: int, device: str):
@@ -73,12 +94,14 @@ def _time(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_train(kind: str, length: int, heads: int, head_dim: int, device: str, repeats: int) -> dict:
+def measure_train(kind: str, length: int, heads: int, head_dim: int, device: str, repeats: int,
+                  batch: int = 1, dtype: str = "float32") -> dict:
     """Forward + backward seconds and peak memory (MiB) of one layer at one length."""
     torch.manual_seed(0)
     layer, cfg = _layer(kind, heads, head_dim, device)
-    ctx = _context(cfg, 1, length, 0, device)
-    x = torch.randn(1, length, cfg.d_model, device=device, requires_grad=True)
+    layer = layer.to(getattr(torch, dtype))
+    ctx = _context(cfg, batch, length, 0, device)
+    x = torch.randn(batch, length, cfg.d_model, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -96,14 +119,16 @@ def measure_train(kind: str, length: int, heads: int, head_dim: int, device: str
 
 
 @torch.no_grad()
-def measure_decode(kind: str, context: int, heads: int, head_dim: int, device: str, repeats: int) -> dict:
+def measure_decode(kind: str, context: int, heads: int, head_dim: int, device: str, repeats: int,
+                   batch: int = 1, dtype: str = "float32") -> dict:
     """Seconds per decoded token with a cache holding ``context`` positions."""
     torch.manual_seed(0)
     layer, cfg = _layer(kind, heads, head_dim, device)
-    x = torch.randn(1, context, cfg.d_model, device=device)
-    _, state = layer(x, _context(cfg, 1, context, 0, device), None)
-    token = torch.randn(1, 1, cfg.d_model, device=device)
-    ctx = _context(cfg, 1, 1, context, device)
+    layer = layer.to(getattr(torch, dtype))
+    x = torch.randn(batch, context, cfg.d_model, device=device, dtype=getattr(torch, dtype))
+    _, state = layer(x, _context(cfg, batch, context, 0, device), None)
+    token = torch.randn(batch, 1, cfg.d_model, device=device, dtype=getattr(torch, dtype))
+    ctx = _context(cfg, batch, 1, context, device)
     return {"seconds": _time(lambda: layer(token, ctx, state), device, repeats)}
 
 
@@ -131,23 +156,39 @@ def measure_gdn_reference(length: int, heads: int, head_dim: int, repeats: int) 
     return {"ours": _time(ours, "cpu", repeats), "fla_naive_chunk": _time(theirs, "cpu", repeats)}
 
 
-def _child(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    job = json.loads(args.child)
+def _measure(job: dict) -> dict:
     fn = {"train": measure_train, "decode": measure_decode}[job.pop("what")]
     try:
-        result = fn(**job)
+        with _backend(job.pop("backend", "auto")):
+            return fn(**job)
     except Exception as err:  # report, keep the table going
-        result = {"error": f"{type(err).__name__}: {err}"[:200]}
-    sys.stdout.write(json.dumps(result) + "\n")
+        return {"error": f"{type(err).__name__}: {err}"[:200]}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    sys.stdout.write(json.dumps(_measure(json.loads(args.child))) + "\n")
 
 
 def _run_child(args: argparse.Namespace, **job) -> dict:
+    if args.device.startswith("cuda"):  # the allocator's peak is per job; no fresh process needed
+        return _measure(job)
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", json.dumps(job)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1][:200] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _row_name(row: tuple[str, str]) -> str:
+    return f"{row[0]} [torch]" if row[1] == "torch" else row[0]
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
 
 
 def _cell(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -165,6 +206,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--compare-backends", action="store_true",
+                        help="also time the PyTorch path of mixers that have fla kernels (rows '[torch]')")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -175,13 +220,18 @@ def main() -> None:
     from looplm.mixers.registry import MIXER_CONFIGS
 
     kinds = args.kinds or list(MIXER_CONFIGS)
-    common = dict(heads=args.heads, head_dim=args.head_dim, device=args.device, repeats=args.repeats)
+    common = dict(heads=args.heads, head_dim=args.head_dim, device=args.device, repeats=args.repeats,
+                  batch=args.batch, dtype=args.dtype)
+    rows = [(k, "auto") for k in kinds]
+    if args.compare_backends:
+        rows += [(k, "torch") for k in kinds if k in FLA_KINDS]
     lines = [
         "# Token mixers: training and decoding cost",
         "",
         f"Command: `python benchmarks/mixers.py {' '.join(sys.argv[1:])}`  ",
         f"Machine: {platform.machine()}, {platform.processor() or 'unknown CPU'}, torch {torch.__version__}, "
-        f"{args.threads} threads, device {args.device}; B=1, {args.heads} heads x {args.head_dim} dims "
+        f"{args.threads} threads, device {_device_name(args.device)}, {args.dtype}; B={args.batch}, "
+        f"{args.heads} heads x {args.head_dim} dims "
         f"(d_model {args.heads * args.head_dim}); median of {args.repeats} runs.",
         "",
         "## Forward + backward, one layer: milliseconds (peak MiB)",
@@ -189,20 +239,21 @@ def main() -> None:
         "| mixer | " + " | ".join(f"T={n}" for n in args.lengths) + " | vs attention at T=" + str(args.lengths[-1]) + " |",
         "| --- | " + " | ".join("---" for _ in args.lengths) + " | --- |",
     ]
-    train = {k: [_run_child(args, what="train", kind=k, length=n, **common) for n in args.lengths] for k in kinds}
-    ref = train.get("attention", [{}])[-1]
-    for kind in kinds:
-        cells = [f"{_cell(r, 'seconds', 1e3)} ({_cell(r, 'peak_mib', fmt='{:.0f}')})" for r in train[kind]]
-        last = train[kind][-1]
+    train = {row: [_run_child(args, what="train", kind=row[0], backend=row[1], length=n, **common)
+                   for n in args.lengths] for row in rows}
+    ref = train.get(("attention", "auto"), [{}])[-1]
+    for row in rows:
+        cells = [f"{_cell(r, 'seconds', 1e3)} ({_cell(r, 'peak_mib', fmt='{:.0f}')})" for r in train[row]]
+        last = train[row][-1]
         ratio = f"{last['seconds'] / ref['seconds']:.2f}x" if "seconds" in last and "seconds" in ref else "-"
-        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {_row_name(row)} | " + " | ".join(cells) + f" | {ratio} |")
     lines += ["", "## Decode: milliseconds per token at context length", "",
               "| mixer | " + " | ".join(f"S={n}" for n in args.lengths) + " |",
               "| --- | " + " | ".join("---" for _ in args.lengths) + " |"]
-    for kind in kinds:
-        cells = [_cell(_run_child(args, what="decode", kind=kind, context=n, **common), "seconds", 1e3, "{:.2f}")
-                 for n in args.lengths]
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    for row in rows:
+        cells = [_cell(_run_child(args, what="decode", kind=row[0], backend=row[1], context=n, **common),
+                       "seconds", 1e3, "{:.2f}") for n in args.lengths]
+        lines.append(f"| {_row_name(row)} | " + " | ".join(cells) + " |")
     if args.device == "cpu":
         try:
             torch.set_num_threads(args.threads)

@@ -152,7 +152,7 @@ class DeltaRuleMixer(nn.Module):
         step for one new position, the chunkwise form otherwise. Returns (o, S_T)."""
         step = q.shape[1] == 1
         # fla's chunk_delta_rule has no float32 kernel; float32 DeltaNet training stays on torch
-        if use_fla(q) and (step or log_alpha is not None or q.dtype != torch.float32):
+        if use_fla(q, gated=log_alpha is not None) and (step or log_alpha is not None or q.dtype != torch.float32):
             log_backend(self.kind, "fla")
             return fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step)
         log_backend(self.kind, "torch")

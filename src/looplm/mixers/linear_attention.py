@@ -125,7 +125,7 @@ class DecayMixer(nn.Module):
         (fla's layers' rule), its chunked kernel otherwise. On PyTorch: the recurrent step
         for one position, the chunkwise form for more."""
         T = q.shape[1]
-        if use_fla(q):
+        if use_fla(q, gated=log_alpha is not None):
             log_backend(self.kind, "fla")
             recurrent = T <= 64 and not torch.is_grad_enabled()
             o, S = fla_decay(q, k, v, log_alpha, scale, initial_state, output_final_state=True, recurrent=recurrent)
