@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from looplm.ladder import RUNGS, rung_model
 from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
 
 TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
@@ -53,8 +54,23 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("spiral-mean-uniform", tiny_config("anchor", layout="1+1x{1/2,1}+1", resolution={"down": "mean", "up": "uniform"})),
         ("sgt-heads-grown", tiny_config("anchor", head_loop={"kind": "heads", "heads": 2})),
         ("sgt-block-grown", tiny_config("base", layout="3", head_loop={"kind": "block"})),
+        ("ut-act-adaptive-anchor", tiny_config("anchor", layout="1+1R3", step_embeddings=True,
+                                               halting={"kind": "act", "ponder_cost": 0.1})),
+        ("ar-trm-adaptive", tiny_config("base", layout="1R2", streams={"kind": "two", "outer": 2, "inner": 1},
+                                        halting={"kind": "qhalt"}, step_embeddings=True)),
+        ("nested-act-prelude-coda", tiny_config("base", layout="1+1R2+1", streams={"kind": "two", "inner": 2},
+                                                halting={"kind": "act"})),
+        ("learned-positions", tiny_config("residual", position="learned")),
     ]
+    grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid
+
+
+def ladder_config(rung: str, budget: int, **overrides) -> ModelConfig:
+    """A tiny model of one compute-placement rung at ``budget`` block passes (nested: H=1, L=2)."""
+    fields = rung_model(rung, budget, outer=1, inner=2)
+    fields.pop("topology")
+    return tiny_config("base", **{**fields, **overrides})
 
 
 #: grown structure per ``all_configs`` entry: {block index: (K_l, head weights)}, written by ``grow``

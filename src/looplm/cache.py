@@ -14,6 +14,14 @@ Multi-resolution iterations (``looplm.resolution``) run the core on chunk latent
 core states (block, t) hold compressed positions (one per completed chunk), and
 ``chunks[t]`` holds the chunk buffer and the finalised latents (Algorithm 2 of
 spiralformer.txt).
+
+Adaptive halting (``looplm.halting``) lets a call stop its loop once all its new positions
+have halted, so later macro steps have no entries for them. The cache then keeps every
+position's last loop state (``loop``, frozen once halted) and ``steps_done`` [S], the
+macro steps whose entries exist per position. ``steps_done`` never increases along the
+sequence, so the positions missing step t are a suffix; the model fills them in from
+their frozen states ("catch-up") before a later position first needs step t. Logits
+equal the full forward's, where halted positions pass through later steps frozen.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 
 from looplm.mixers.base import MixerState
 from looplm.resolution.state import ChunkState
+from looplm.topology.base import LoopState
 
 
 class LoopCache:
@@ -41,12 +50,38 @@ class LoopCache:
         self.padded = False  # whether any position so far is padding
         self.iterations: Optional[int] = None
         self.chunks: dict[int, ChunkState] = {}  # multi-resolution iteration t -> its chunk state
+        self.loop: Optional[LoopState] = None  # adaptive halting: each position's last loop state [B, S, ...]
+        self.steps_done: Optional[torch.Tensor] = None  # [S] long, non-increasing: macro steps cached per position
+        self.block_passes = 0.0  # block evaluations spent on real positions, catch-up included
+        self.positions_seen = 0  # real positions processed (so block_passes / positions_seen per token)
 
     def get(self, block: str, iteration: int) -> Optional[MixerState]:
         return self.states.get((block, iteration))
 
     def set(self, block: str, iteration: int, state: MixerState) -> None:
         self.states[(block, iteration)] = state
+
+    def first_missing(self, t: int) -> int:
+        """First position without entries for macro step t (the sequence length if none)."""
+        if self.steps_done is None:
+            return self.get_seq_length()
+        return int((self.steps_done > t).sum())
+
+    def append_loop(self, state: LoopState, steps: int) -> None:
+        """Keep the new positions' last loop states, which have entries for ``steps`` macro steps."""
+        done = torch.full((state.h.shape[1],), steps, dtype=torch.long, device=state.h.device)
+        if self.loop is None:
+            self.loop, self.steps_done = LoopState(state.h, dict(state.carrier)), done
+            return
+        self.loop = LoopState(
+            h=torch.cat([self.loop.h, state.h], dim=1),
+            carrier={k: torch.cat([self.loop.carrier[k], v], dim=1) for k, v in state.carrier.items()},
+        )
+        self.steps_done = torch.cat([self.steps_done, done])
+
+    def loop_slice(self, start: int, end: int) -> LoopState:
+        """The cached loop states of positions [start, end)."""
+        return LoopState(h=self.loop.h[:, start:end], carrier={k: v[:, start:end] for k, v in self.loop.carrier.items()})
 
     def get_seq_length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
@@ -57,6 +92,8 @@ class LoopCache:
             return
         self.states = {key: state.crop(self._compressed(key, length)) for key, state in self.states.items()}
         self.chunks = {t: chunk.crop(length) for t, chunk in self.chunks.items()}
+        if self.loop is not None:
+            self.loop, self.steps_done = self.loop_slice(0, length), self.steps_done[:length]
         self.valid = self.valid[:, :length]
         self.next_position = self.valid.long().sum(dim=1)
         self.padded = not bool(self.valid.all())
@@ -65,6 +102,8 @@ class LoopCache:
         """Keep (and reorder to) the rows in ``index``, e.g. for beam search or finished rows."""
         self.states = {key: state.select(index) for key, state in self.states.items()}
         self.chunks = {t: chunk.select(index) for t, chunk in self.chunks.items()}
+        if self.loop is not None:
+            self.loop = LoopState(h=self.loop.h[index], carrier={k: v[index] for k, v in self.loop.carrier.items()})
         if self.valid is not None:
             self.valid = self.valid[index]
             self.next_position = self.next_position[index]

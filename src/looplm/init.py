@@ -5,7 +5,7 @@ Linear and embedding weights ~ N(0, init_std²), biases 0, norms 1. With
 use std = init_std / sqrt(2 · N_compute), N_compute being the number of blocks on the
 unrolled computation path (MeSH Appendix B; GPT-2's residual scaling applied to the
 unrolled depth, since a shared block adds to the residual stream once per iteration).
-Topologies initialise their own parameters (zero gates, routers).
+Topologies, streams, halting rules and step embeddings initialise their own parameters.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def init_weights(model: "LoopLM") -> None:
             nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
-    out_std = output_projection_std(std, cfg.loop.unrolled_depth, cfg.depth_scaled_init)
+    out_std = output_projection_std(std, cfg.block_passes, cfg.depth_scaled_init)
     for block in model.blocks():
         for mixer in block.mixer_layers():
             nn.init.normal_(mixer.o_proj.weight, std=out_std)  # every mixer names its W_O o_proj
         nn.init.normal_(block.ffn.down.weight, std=out_std)
-    if model.topology is not None:
-        model.topology.reset_parameters(std)
+    for part in (model.topology, model.streams, model.halting, model.step_embedding):
+        if part is not None:
+            part.reset_parameters(std)

@@ -23,6 +23,7 @@ from torch import nn
 
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
+from looplm.halting import Halting, build_halting
 from looplm.init import init_weights
 from looplm.mixers import MixerContext
 from looplm.mixers.pattern import block_mixers
@@ -30,7 +31,9 @@ from looplm.model_config import ModelConfig
 from looplm.modules.block import Block
 from looplm.modules.norm import build_norm
 from looplm.modules.rotary import Rotary
+from looplm.modules.step import StepEmbedding
 from looplm.resolution import MultiResolution, build_resolution
+from looplm.streams import build_streams, freeze
 from looplm.topology import Topology, build_topology
 
 IGNORE_INDEX = -100
@@ -46,7 +49,11 @@ class ModelOutput:
     hidden states of the loop. record: per-iteration topology values (e.g. MeSH router
     weights ``write`` / ``read``, each a list over t = -1 .. T-1 of [B, T, B_slots]).
     attentions: with ``output_attentions``, softmax probabilities [B, H, T, S] keyed by
-    (block, iteration), e.g. ("core.1", 0); blocks are named prelude.j, core.j, coda.j."""
+    (block, pass), e.g. ("core.1", 0); blocks are named prelude.j, core.j, coda.j; a loop
+    with streams numbers its core passes t·passes + i.
+    Looped models also record ``halt_steps`` [B, T] (macro steps each position ran before
+    halting) and ``block_passes`` [B, T] (the block evaluations that position needed:
+    prelude + core·steps·passes + coda), plus ``act_weights`` / ``q_halt`` per step."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
@@ -65,6 +72,7 @@ class LoopLM(nn.Module):
         self.cfg = cfg
         layout = cfg.loop
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         plan = block_mixers(cfg)  # each block's mixer(s): depth- and loop-level hybrids
         self.prelude = nn.ModuleList(Block(cfg, plan[("prelude", j)]) for j in range(layout.prelude))
         stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
@@ -74,6 +82,9 @@ class LoopLM(nn.Module):
         )
         self.topology: Optional[Topology] = build_topology(cfg) if layout.is_looped else None
         self.resolution: Optional[MultiResolution] = build_resolution(cfg)  # None: every iteration at full resolution
+        self.step_embedding = StepEmbedding(cfg.iterations, cfg.d_model) if cfg.step_embeddings else None
+        self.streams = build_streams(cfg.streams, cfg.d_model) if layout.is_looped else None
+        self.halting: Optional[Halting] = build_halting(cfg.halting, cfg.d_model) if layout.is_looped else None
         self.coda = nn.ModuleList(Block(cfg, plan[("coda", j)]) for j in range(layout.coda))
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -103,21 +114,17 @@ class LoopLM(nn.Module):
         h_emb = self.embed(input_ids)
         if self.cfg.embed_scale:
             h_emb = h_emb * math.sqrt(self.cfg.d_model)
-        ctx = self._context(input_ids, attention_mask, cache, h_emb.dtype)
+        ctx, positions = self._context(input_ids, attention_mask, cache, h_emb.dtype)
+        if self.pos_embed is not None:
+            h_emb = h_emb + self.pos_embed(positions)  # X = Embed(x) + Pos(x)
         if output_attentions:
             ctx.attentions = {}
 
         h = self._run(self.prelude, "prelude", 0, h_emb, ctx, cache)
         states, record = None, {}
         if self.topology is not None:
-            state = self.topology.start(h_emb, h)
-            trace = [state.h]
-            for t in range(n_iter):
-                update = self._core(t, state.h, ctx, cache)  # ũ^(t) = f_core(h^(t)) at resolution r_t
-                state = self.topology.step(state, update, t)
-                trace.append(state.h)
-            h, record = self.topology.finish(state), state.record
-            states = trace if output_states else None
+            h, states, record = self._loop(n_iter, h_emb, h, ctx, cache, targets)
+            states = states if output_states else None
         h = self._run(self.coda, "coda", 0, h, ctx, cache)
         logits = self.head(self.norm(h))
 
@@ -132,22 +139,89 @@ class LoopLM(nn.Module):
             attentions=ctx.attentions,
         )
 
-    def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
+    def _loop(self, n_iter: int, h_emb, h_pre, ctx: MixerContext, cache: Optional[LoopCache], targets):
+        """The recurrence: n_iter macro steps of the streams' body (each ``passes`` core
+        passes, folded in by the topology), the step signal e_t added to every core input,
+        the halting rule observing the solution after each step and freezing halted
+        positions. The loop stops once every position has halted (the frozen states would
+        not change); with a cache, positions that stopped early in earlier calls are caught
+        up (:meth:`_catch_up`) before a new position first needs a later step. Returns
+        (readout, states, record)."""
+        passes, topology = self.streams.passes, self.topology
+        state = self.streams.start(topology, h_emb, h_pre)
+        halt = self.halting.begin(state.h, ctx.new_valid)
+        trace = [state.h]
+        for t in range(n_iter):
+            signal = self.step_embedding.at(t) if self.step_embedding is not None else None
+
+            def core(x, i, t=t, signal=signal):
+                x = x if signal is None else x + signal.to(x.dtype)
+                return self._core(t, x, ctx, cache, slot=t * passes + i)  # ũ = f_core(x) at resolution r_t
+
+            if cache is not None and self.halting.freezes:
+                self._catch_up(t, signal, ctx, cache)
+            new = self.streams.step(topology, state, core, t)
+            state = freeze(state, new, halt.running) if self.halting.freezes else new
+            last = t == n_iter - 1
+            solution = self.streams.finish(topology, state) if last else state.h
+            self.halting.observe(halt, solution, t, last, lambda y: self.head(self.norm(y)), targets)
+            trace.append(state.h)
+            if self.halting.freezes and not last and halt.done:
+                break
+        readout = self.halting.finish(halt)
+        for name, value in halt.losses.items():
+            ctx.add_loss(name, value)
+        record = {**state.record, **halt.record, "halt_steps": [halt.steps]}
+        layout = self.cfg.loop
+        passes_per_token = layout.prelude + layout.coda + layout.core * passes * halt.steps
+        record["block_passes"] = [passes_per_token]
+        if cache is not None:
+            if self.halting.freezes:
+                cache.append_loop(state, t + 1)
+            cache.block_passes += float(passes_per_token[halt.valid].sum())
+            cache.positions_seen += int(halt.valid.sum())
+        return readout.to(h_pre.dtype), trace, record
+
+    def _catch_up(self, t: int, signal, ctx: MixerContext, cache: LoopCache) -> None:
+        """Give the cached positions that stopped before macro step t their entries for it:
+        the step runs on their frozen loop states, outputs discarded (cache.py explains the
+        policy). A no-op unless an earlier call stopped early."""
+        start, end = cache.first_missing(t), ctx.past
+        if start >= end:
+            return
+        valid = ctx.valid[:, :end]
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)[:, start:]
+        sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
+        passes = self.streams.passes
+
+        def core(x, i):
+            x = x if signal is None else x + signal.to(x.dtype)
+            return self._core(t, x, sub, cache, slot=t * passes + i)
+
+        self.streams.step(self.topology, cache.loop_slice(start, end), core, t)
+        cache.steps_done[start:end] = t + 1
+        cache.block_passes += float(self.cfg.loop.core * passes * valid[:, start:].sum())
+
+    def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
+             slot: Optional[int] = None) -> torch.Tensor:
+        """Blocks at iteration t (their per-iteration mixer view); ``slot`` names the pass in
+        the cache and the attention record (default t)."""
+        slot = t if slot is None else slot
         for j, block in enumerate(blocks):
             key = f"{name}.{j}"
-            ctx.location = (key, t)
-            h, state = block(h, ctx, cache.get(key, t) if cache is not None else None, iteration=t)
+            ctx.location = (key, slot)
+            h, state = block(h, ctx, cache.get(key, slot) if cache is not None else None, iteration=t)
             if cache is not None:
-                cache.set(key, t, state)
+                cache.set(key, slot, state)
         return h
 
-    def _core(self, t: int, h, ctx: MixerContext, cache: Optional[LoopCache]) -> torch.Tensor:
+    def _core(self, t: int, h, ctx: MixerContext, cache: Optional[LoopCache], slot: Optional[int] = None) -> torch.Tensor:
         """The core's update at iteration t: f_core(h^(t)) at full resolution, else
         S↓ -> f_core on the chunk latents -> S↑ -> causal right shift (spiralformer Alg. 1-2;
         the core runs only on the chunks completed by the new positions)."""
         stack = self.core[0 if self.cfg.share_core else t]
         if self.resolution is None or self.resolution.identity(t):
-            return self._run(stack, "core", t, h, ctx, cache)
+            return self._run(stack, "core", t, h, ctx, cache, slot)
         step = self.resolution.down(t, h, ctx, self.rotary, cache)  # Eq. (8): z [B, L_t, d]
         z_hat = self._run(stack, "core", t, step.z, step.ctx, cache) if step.z.shape[1] else step.z  # Eq. (9)
         return self.resolution.up(t, step, z_hat, cache)  # Eq. (10), (22)
@@ -175,6 +249,11 @@ class LoopLM(nn.Module):
                 raise ConfigError(
                     "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"
                 )
+            if self.step_embedding is not None and self.step_embedding.enabled and n_iter > trained:
+                raise ConfigError(
+                    "iterations", iterations, f"at most {trained} while step embeddings are on (one e_t per trained "
+                    "step); set model.step_embedding.enabled = False to extrapolate without them"
+                )
         if cache is not None:
             if cache.iterations is None:
                 cache.iterations = n_iter
@@ -184,9 +263,9 @@ class LoopLM(nn.Module):
 
     def _context(
         self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Optional[LoopCache], dtype
-    ) -> MixerContext:
-        """Position ids, rotary tables and key validity, once per forward; updates the cache's
-        bookkeeping (valid positions, next position per row)."""
+    ) -> tuple[MixerContext, torch.Tensor]:
+        """Position ids [B, T], rotary tables and key validity, once per forward; updates the
+        cache's bookkeeping (valid positions, next position per row)."""
         B, T = input_ids.shape
         device = input_ids.device
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -211,7 +290,7 @@ class LoopLM(nn.Module):
         if cache is not None:
             cache.valid, cache.next_position = valid, start + new_valid.long().sum(dim=1)
             cache.padded = padded
-        return MixerContext(rope=self.rotary(positions, dtype), valid=valid, past=past, padded=padded)
+        return MixerContext(rope=self.rotary(positions, dtype), valid=valid, past=past, padded=padded), positions
 
     # ---------------------------------------------------------------- utilities
     @torch.no_grad()

@@ -10,8 +10,10 @@ from looplm.config_base import Config, check
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
 from looplm.growth.config import HeadLoopConfig
+from looplm.halting.config import HaltingConfig
 from looplm.mixers.pattern import HybridConfig
 from looplm.resolution.config import ResolutionConfig
+from looplm.streams.config import StreamsConfig
 
 #: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
 SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
@@ -110,10 +112,14 @@ class ModelConfig(Config):
     init_std: float = 0.02
     depth_scaled_init: bool = True
     head_loop: Optional[HeadLoopConfig] = None  # SGT head looping grown in training (looplm.growth)
+    position: Literal["rotary", "learned"] = "rotary"  # learned: absolute table added to the embeddings
+    step_embeddings: bool = False  # UT: a learned e_t added to the core's input at macro step t
+    streams: StreamsConfig = StreamsConfig()  # single state, or solution/reasoning streams (looplm.streams)
+    halting: HaltingConfig = HaltingConfig()  # none, ACT or Q-halt (looplm.halting)
 
     def __post_init__(self) -> None:
         for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
-                           ("hybrid", HybridConfig)):
+                           ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if self.loop_mixers is not None:
@@ -168,6 +174,7 @@ class ModelConfig(Config):
             spec.validate(self, f"model.loop_mixers[{t}]")
         if self.head_loop is not None:
             object.__setattr__(self, "head_loop", HeadLoopConfig.checked(self.head_loop, self))
+        self._check_loop_axes(layout)
         if not layout.is_looped:
             check(
                 self.resolution == ResolutionConfig(),
@@ -181,6 +188,51 @@ class ModelConfig(Config):
                 self.topology.kind,
                 f"'base' for the dense layout {self.layout!r}: topologies act on a loop such as 4+8R2+4",
             )
+
+    def _check_loop_axes(self, layout: Layout) -> None:
+        """Step embeddings, streams and halting act on a loop, and on what they can freeze."""
+        loop_only = {"step_embeddings": (self.step_embeddings, False), "streams.kind": (self.streams.kind, "single"),
+                     "halting.kind": (self.halting.kind, "none")}
+        if not layout.is_looped:
+            for name, (value, default) in loop_only.items():
+                check(value == default, f"model.{name}", value,
+                      f"{default!r} for the dense layout {self.layout!r}: it acts on a loop such as 1R12")
+            return
+        multires = any(r != 1 for r in layout.resolutions)
+        if self.streams.kind == "two":
+            for name, ok, allowed in (
+                ("topology.kind", self.topology.kind == "base", "'base' (the streams define the update)"),
+                ("share_core", self.share_core, "true (every pass reuses the one core)"),
+                ("layout", not multires, "a full-resolution loop such as 1R6"),
+                ("loop_mixers", self.loop_mixers is None, "null"),
+                ("head_loop", self.head_loop is None, "null"),
+            ):
+                value = getattr(self, name.split(".")[0])
+                value = value.kind if name == "topology.kind" else value
+                check(ok, f"model.{name}", value, f"{allowed} with model.streams.kind=two")
+        if self.halting.kind != "none":
+            kind = self.halting.kind
+            check(self.topology.kind != "mesh", "model.topology.kind", self.topology.kind,
+                  f"not 'mesh' with model.halting.kind={kind} (a halted position cannot freeze the shared buffer)")
+            check(not multires, "model.layout", self.layout, f"a full-resolution loop with model.halting.kind={kind}")
+            check(self.head_loop is None, "model.head_loop", self.head_loop, f"null with model.halting.kind={kind}")
+        if self.halting.kind == "qhalt":
+            check(layout.coda == 0, "model.layout", self.layout,
+                  "a layout ending in the loop (no coda) with model.halting.kind=qhalt: its target reads logits "
+                  "straight from the solution stream")
+
+    @property
+    def passes_per_step(self) -> int:
+        """Core block passes per macro step (streams): 1, or H·(L + 1)."""
+        return self.streams.passes
+
+    @property
+    def block_passes(self) -> int:
+        """Block evaluations of one forward, every position running every step: prelude +
+        core·T·passes + coda (autoregressive-trm.txt App. B's compute C)."""
+        layout = self.loop
+        core = layout.core * layout.iterations * self.passes_per_step if layout.is_looped else 0
+        return layout.prelude + core + layout.coda
 
     @functools.cached_property
     def loop(self) -> Layout:
@@ -216,7 +268,8 @@ class ModelConfig(Config):
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rotary_pct)
+        """Rotary channels per head: 0 with learned absolute positions."""
+        return 0 if self.position == "learned" else int(self.head_dim * self.rotary_pct)
 
     @property
     def ffn_hidden(self) -> int:

@@ -38,7 +38,7 @@ def test_sliced_heads_equal_masked_all_heads(variant):
     model = LoopLM(_cfg(**VARIANTS[variant]))
     attn = model.blocks()[1].attn
     x = torch.randn(2, 7, 32)
-    ctx = model._context(torch.zeros(2, 7, dtype=torch.long), None, None, x.dtype)
+    ctx, _ = model._context(torch.zeros(2, 7, dtype=torch.long), None, None, x.dtype)
     heads, weights = (0, 2, 3), (1.0, 0.25, 1.0)
     captured = {}
     hook = attn.o_proj.register_forward_pre_hook(lambda m, a: captured.update(y=a[0]))

@@ -368,7 +368,7 @@ def test_fla_backend_plumbing(name, monkeypatch):
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
         expected, _ = layer(x, _ctx(2, 9))
-        monkeypatch.setattr(linear_attention, "use_fla", lambda tensor: True)
+        monkeypatch.setattr(linear_attention, "use_fla", lambda tensor, gated=False: True)
         with torch.enable_grad():
             prefill, state = layer(x[:, :7], _ctx(2, 7))  # training mode: chunked kernel
         pieces = [prefill]

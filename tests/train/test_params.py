@@ -20,7 +20,8 @@ def test_total_is_unique_numel_and_components_partition_it(name, cfg):
     assert set(COMPONENTS) <= set(counts)
     assert sum(counts[c] for c in counts if c not in ("total", "non_embedding")) == counts["total"]
     assert counts["non_embedding"] == counts["total"] - counts["embedding"] - counts["head"]
-    assert counts["embedding"] == cfg.vocab_size * cfg.d_model
+    positions = cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0
+    assert counts["embedding"] == cfg.vocab_size * cfg.d_model + positions
     assert counts["core"] == sum(p.numel() for p in model.core.parameters())
     assert counts["topology"] == (sum(p.numel() for p in model.topology.parameters()) if model.topology else 0)
 

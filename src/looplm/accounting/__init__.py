@@ -10,6 +10,7 @@ from looplm.accounting.flops import (
     count_flops,
     execution_plan,
     module_cost,
+    realised_block_passes,
     register_flop_rule,
 )
 from looplm.accounting.hardware import PEAK_FLOPS, device_peak_flops, mfu
@@ -34,5 +35,6 @@ __all__ = [
     "mfu",
     "module_cost",
     "parameter_counts",
+    "realised_block_passes",
     "register_flop_rule",
 ]

@@ -23,9 +23,11 @@ class Convention:
     T × S pairs (``full``, what ``torch.utils.flop_counter`` counts for SDPA), over the
     causal pairs only (``causal``), or not at all (``none``, fvcore: SDPA has no handle).
     head: whether the LM head counts. norms: norm FLOPs (LayerNorm 5, RMSNorm 4 per
-    element, fvcore's affine rule). bias: bias additions. residual: the block's residual
-    additions. state: the topology's elementwise combination (supplement additions,
-    gates, the MeSH buffer write/read). training_multiplier: training FLOPs = this ×
+    element, fvcore's affine rule). bias: bias additions (and other learned vectors added
+    to every position: a learned position row, the step embedding e_t). residual: the
+    block's residual additions. state: the elementwise combination of loop states (the
+    topology's supplement additions, gates, the MeSH buffer write/read; the two streams'
+    input sums; ACT's readout accumulation). training_multiplier: training FLOPs = this ×
     forward (backward ≈ 2 × forward). linear_form: the linear mixers' core counted as the
     chunkwise algorithm that runs in training (``chunk``) or as the token recurrence
     (``recurrent``). read_flops_per_mac: FLOPs per MAC of the MeSH buffer read (a

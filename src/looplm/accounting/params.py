@@ -10,6 +10,7 @@ from looplm.model_config import ModelConfig
 #: Top-level module name -> component name in the counts; other top-level modules keep their name.
 COMPONENTS = {
     "embed": "embedding",
+    "pos_embed": "embedding",  # a learned position table is embedding, as in Kaplan et al.'s N
     "prelude": "prelude",
     "core": "core",
     "coda": "coda",
@@ -25,9 +26,11 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     Returns ``total``; ``non_embedding`` (total minus the embedding and the LM head; a
     tied embedding/head matrix is subtracted once); and one entry per component:
     ``embedding, prelude, core, coda, topology, final_norm, head`` (and any other
-    top-level module under its own name: resolution scorers, halting heads), which sum to
-    ``total``. With tied embeddings the shared matrix is counted under ``embedding`` and
-    ``head`` is 0. A looped core is counted once however many times it runs (stored, not
+    top-level module under its own name: resolution scorers, ``step_embedding``, the
+    ``streams``' learned Y⁰ / Z⁰, the ``halting`` unit or q head), which sum to ``total``.
+    A learned position table (``pos_embed``) counts under ``embedding``, so
+    ``non_embedding`` excludes it. With tied embeddings the shared matrix is counted under
+    ``embedding`` and ``head`` is 0. A looped core is counted once however many times it runs (stored, not
     unrolled, parameters; see the FLOP counter for the compute the loop spends).
     """
     counts = {name: 0 for name in COMPONENTS.values()}
@@ -98,15 +101,32 @@ def _resolution(cfg: ModelConfig) -> int:
     return total
 
 
+def _loop_axes(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of the loop axes, only those a config holds: ``step_embedding`` T·d (one
+    e_t per trained macro step), ``streams`` 2·d (learned Y⁰ and Z⁰; zeros are buffers),
+    ``halting`` d + 1 (ACT's unit or Q-halt's q head, d -> 1 with bias)."""
+    if not cfg.loop.is_looped:
+        return {}
+    d, counts = cfg.d_model, {}
+    if cfg.step_embeddings:
+        counts["step_embedding"] = cfg.iterations * d
+    if cfg.streams.kind == "two" and cfg.streams.init == "learned":
+        counts["streams"] = 2 * d
+    if cfg.halting.kind in ("act", "qhalt"):
+        counts["halting"] = d + 1
+    return counts
+
+
 def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     """The counts of :func:`parameter_counts` from the config alone:
 
-    embedding V·d; head V·d (0 when tied); final norm; per block two norms, the FFN and
-    the mixer layer(s) (one per parameter group of its mixer schedule); the core once per
+    embedding V·d (+ max_seq_len·d with learned positions); head V·d (0 when tied); final
+    norm; per block two norms, the FFN and the mixer layer(s) (one per parameter group of its mixer schedule); the core once per
     stack (one stack when shared, T otherwise); topology parameters (MeSH:
     (T + 1)·2·(d·B + B), Appendix E.4); ``resolution`` (only when it holds parameters):
-    SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1. SGT's
-    grown loop adds no parameters (its structure is extra state)."""
+    SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1; the
+    loop axes' parameters (:func:`_loop_axes`). SGT's grown loop adds no parameters (its
+    structure is extra state)."""
     from looplm.mixers.pattern import block_mixers
 
     layout, d, V = cfg.loop, cfg.d_model, cfg.vocab_size
@@ -124,7 +144,7 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     coda = sum(block(plan[("coda", j)]) for j in range(layout.coda))
     topology = _topology(cfg) if layout.is_looped else 0
     counts = {
-        "embedding": V * d,
+        "embedding": V * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0),
         "prelude": prelude,
         "core": core,
         "coda": coda,
@@ -135,5 +155,6 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     resolution = _resolution(cfg)
     if resolution:
         counts["resolution"] = resolution
+    counts.update(_loop_axes(cfg))
     total = sum(counts.values())
     return {"total": total, "non_embedding": total - counts["embedding"] - counts["head"], **counts}

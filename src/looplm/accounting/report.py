@@ -17,13 +17,27 @@ def format_flops(report: FlopReport) -> str:
         f"input            [{report.batch}, {report.seq_len}]",
         f"forward          {_g(report.forward)} FLOPs  ({_g(report.forward_per_token)} per token)",
         f"training         {_g(report.training)} FLOPs  ({_g(report.training_per_token)} per token, "
-        f"{c.training_multiplier:g} x forward)",
+        f"{c.training_multiplier:g} x forward{_training_note(report)})",
         "components (forward)",
     ]
     for name, flops in report.components.items():
         share = 100 * flops / report.forward if report.forward else 0.0
         lines.append(f"  {name:<14} {_g(flops):>12}  {share:6.2f}%")
+    if report.targets_only:
+        lines.append(f"with targets only {_g(sum(report.targets_only.values()))} FLOPs more per forward "
+                     "(Q-halt target readout, no grad; in training, not in forward)")
     return "\n".join(lines)
+
+
+def _training_note(report: FlopReport) -> str:
+    notes = []
+    if report.no_grad:
+        notes.append(f"no-grad passes {_g(report.no_grad)} once")
+    if report.targets_only:
+        notes.append("+ target readout once")
+    if report.embedding_matmul:
+        notes.append("embedding 2 x")
+    return "; " + ", ".join(notes) if notes else ""
 
 
 def format_matches(matches: list[LayoutMatch], by: str, target: str) -> str:

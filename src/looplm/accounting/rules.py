@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from looplm.accounting.flops import Call, Cost, _BlockCall, _ResolutionCall, causal_pairs, children_cost, module_cost, register_flop_rule
+from looplm.accounting.flops import (
+    Call, Cost, _BlockCall, _PositionCall, _ResolutionCall, causal_pairs, children_cost, module_cost, register_flop_rule,
+)
+from looplm.halting import ACTHalting, QHalting
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.mixers.deltanet import DeltaRuleMixer
 from looplm.mixers.dsa import DeepSeekSparseAttention
@@ -20,8 +23,10 @@ from looplm.mixers.mamba2 import Mamba2
 from looplm.mixers.nsa import BlockCompressor, NativeSparseAttention
 from looplm.modules.block import Block
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
+from looplm.modules.step import StepEmbedding
 from looplm.resolution.downscale import MeanPool, SelfAggregation
 from looplm.resolution.upscale import AllocationRouter, UniformBroadcast
+from looplm.streams import TwoStream
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
 from looplm.topology.gated import GatedResidualTopology
@@ -288,3 +293,47 @@ def _mesh(m: MeshTopology, call: Call) -> Cost:
     routers = module_cost(m.write[0], call) + module_cost(m.read[0], call)
     return routers + Cost(state=2 * call.rows * d * B, read_mac=call.rows * d * B)
 
+
+
+# ------------------------------------------------------------------ positions, step signal, streams, halting
+#
+# A learned vector added to every position (a position row, the step embedding e_t) is a
+# bias addition by construction: counted as ``bias``, where a convention counts biases.
+# The streams' combination and ACT's readout accumulation combine loop states, as a
+# topology does: counted as ``state``. Sigmoids, comparisons, ``torch.where`` (freezing
+# halted positions) and the per-position scalar bookkeeping of halting (O(T) per step)
+# are left out like activations.
+
+
+@register_flop_rule(_PositionCall)
+def _position(m: _PositionCall, call: Call) -> Cost:
+    """The table's lookup (as the token embedding's: a one-hot matmul where the convention
+    counts one) plus its addition to the token embeddings."""
+    return module_cost(m.table, call) + Cost(bias=call.rows * m.table.embedding_dim)
+
+
+@register_flop_rule(StepEmbedding)
+def _step_embedding(m: StepEmbedding, call: Call) -> Cost:
+    return Cost(bias=call.rows * m.weight.shape[1])  # x + e_t on one core pass's input
+
+
+@register_flop_rule(TwoStream)
+def _two_stream(m: TwoStream, call: Call) -> Cost:
+    """One pass's input: X + Y + Z (two adds per element) for a reasoning pass
+    (``phase="reason"``), Y + Z (one) for the solution pass (``phase="solve"``)."""
+    adds = 2 if call.phase == "reason" else 1
+    return Cost(state=adds * call.rows * m.y_init.shape[0])
+
+
+@register_flop_rule(ACTHalting)
+def _act(m: ACTHalting, call: Call) -> Cost:
+    """One macro step: the halting unit d -> 1 (with its bias) on every position, and the
+    readout accumulation readout + w·h (a multiply and an add per element)."""
+    return module_cost(m.unit, call) + Cost(state=2 * call.rows * m.unit.in_features)
+
+
+@register_flop_rule(QHalting)
+def _qhalt(m: QHalting, call: Call) -> Cost:
+    """One macro step: the q head d -> 1 (with its bias) on every position. Its training
+    target (final norm + LM head on the solution) is a separate, targets-only plan step."""
+    return module_cost(m.head, call)

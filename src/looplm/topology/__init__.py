@@ -17,17 +17,21 @@ One value of the ``model.topology.kind`` field each; :func:`build_topology` is t
 
 from __future__ import annotations
 
-from looplm.model_config import ModelConfig
+from typing import TYPE_CHECKING
+
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.base import LoopState, Topology
 from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
 from looplm.topology.gated import GatedResidualTopology
 from looplm.topology.mesh import MeshTopology
 
+if TYPE_CHECKING:
+    from looplm.model_config import ModelConfig
+
 _SINGLE = {"base": (), "residual": ("residual",), "anchor": ("anchor",), "anchor_embedding": ("anchor_embedding",)}
 
 
-def build_topology(cfg: ModelConfig) -> Topology:
+def build_topology(cfg: "ModelConfig") -> Topology:
     kind, d, T = cfg.topology.kind, cfg.d_model, cfg.iterations
     if kind in _SINGLE:
         return AdditiveTopology(_SINGLE[kind])

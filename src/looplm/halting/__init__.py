@@ -1,0 +1,26 @@
+"""Halting rules: when a position stops iterating and what the loop reads out.
+
+| kind | rule | readout | source |
+| --- | --- | --- | --- |
+| none | every macro step | last state | |
+| act | Σ σ(wᵀh) ≥ 1 − ε | Σ_τ w_τ h^(τ), ponder cost N + R | Graves 2016; LT2 App. ACT |
+| qhalt | σ(wᵀY) > 0.5 | terminal solution, BCE on correctness | TRM; autoregressive-trm App. B.1 |
+"""
+
+from __future__ import annotations
+
+from looplm.halting.act import ACTHalting
+from looplm.halting.base import Halting, HaltState
+from looplm.halting.config import HaltingConfig
+from looplm.halting.qhalt import QHalting
+
+
+def build_halting(cfg: HaltingConfig, d_model: int) -> Halting:
+    if cfg.kind == "act":
+        return ACTHalting(d_model, cfg.epsilon, cfg.ponder_cost, cfg.full_compute)
+    if cfg.kind == "qhalt":
+        return QHalting(d_model, cfg.loss_weight, cfg.full_compute)
+    return Halting()
+
+
+__all__ = ["ACTHalting", "Halting", "HaltState", "HaltingConfig", "QHalting", "build_halting"]

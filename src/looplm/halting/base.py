@@ -1,0 +1,72 @@
+"""The halting interface: after each macro step the loop shows the halting rule the
+solution state; the rule decides which positions keep running and what is read out.
+
+A rule owns its parameters (the halting or Q head) but not its per-forward bookkeeping,
+which travels in a :class:`HaltState` so one module serves every forward."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+#: logits of a solution state [B, T, d] -> [B, T, V] (final norm and head)
+ReadLogits = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class HaltState:
+    """Per forward: ``running`` [B, T] bool, the positions the next macro step updates
+    (halted ones are frozen); ``halted``, positions whose rule has fired; ``steps`` [B, T],
+    the macro steps each position ran while not halted (its realised compute);
+    ``readout`` the rule's accumulator; ``valid`` [B, T], real (non-padding) positions;
+    ``losses`` the auxiliary losses, already weighted."""
+
+    running: torch.Tensor
+    halted: torch.Tensor
+    steps: torch.Tensor
+    valid: torch.Tensor
+    readout: Optional[torch.Tensor] = None
+    extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        """Every position has halted (a host sync; asked only when halting can stop early)."""
+        return bool(self.halted.all())
+
+
+class Halting(nn.Module):
+    """No halting: every position runs every step; the readout is the last state."""
+
+    freezes = False  # whether halted positions stop updating (the loop may then stop early)
+
+    def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:
+        """Padding positions count as halted from the start when the rule freezes (they
+        never hold the loop open); their logits are meaningless either way."""
+        B, T = h.shape[:2]
+        halted = ~valid if self.freezes else torch.zeros(B, T, dtype=torch.bool, device=h.device)
+        return HaltState(running=~halted, halted=halted, steps=torch.zeros(B, T, dtype=torch.long, device=h.device),
+                         valid=valid)
+
+    def observe(self, state: HaltState, y: torch.Tensor, t: int, last: bool, read_logits: ReadLogits,
+                targets: Optional[torch.Tensor]) -> None:
+        """Called after macro step t (0-based) with the solution y [B, T, d]."""
+        state.steps = state.steps + state.running.long()
+        state.readout = y
+
+    def finish(self, state: HaltState) -> torch.Tensor:
+        """The state handed to the coda, [B, T, d]; adds the rule's losses to ``state.losses``."""
+        return state.readout
+
+    def reset_parameters(self, init_std: float) -> None:
+        """Initialise own parameters (called by the model's init pass)."""
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` (0 when the mask is empty)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)

@@ -1,0 +1,61 @@
+"""TRM-style binary halting on the solution stream with terminal readout
+(autoregressive-trm.txt §2.3, App. B.1; Jolicoeur-Martineau 2025)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.halting.base import Halting, HaltState, ReadLogits
+
+IGNORE_INDEX = -100
+
+
+class QHalting(Halting):
+    """q_t^(τ) = wᵀY_t^(τ) + b; a position halts at the first macro step where σ(q) > 0.5
+    (or the last) and reads out its terminal solution (frozen from then on). Training
+    signal: BCE(q, 1[argmax logits(Y^(τ)) = target]) at every step the position runs, on
+    positions with a target, averaged and weighted by ``loss_weight``. The head starts at
+    w = 0, b = −5 (TRM's init: "do not halt"). With ``full_compute`` every position runs
+    every step and the readout is the final solution; the head still learns."""
+
+    def __init__(self, d_model: int, loss_weight: float, full_compute: bool):
+        super().__init__()
+        self.head = nn.Linear(d_model, 1)
+        self.loss_weight, self.full_compute = loss_weight, full_compute
+        self.freezes = not full_compute
+
+    def extra_repr(self) -> str:
+        return f"loss_weight={self.loss_weight}, full_compute={self.full_compute}"
+
+    def observe(self, state: HaltState, y: torch.Tensor, t: int, last: bool, read_logits: ReadLogits,
+                targets: Optional[torch.Tensor]) -> None:
+        q = self.head(y).squeeze(-1).float()  # [B, T]
+        running = state.running
+        if targets is not None and self.loss_weight > 0:
+            with torch.no_grad():
+                correct = (read_logits(y).argmax(dim=-1) == targets).float()
+            mask = running & (targets != IGNORE_INDEX)
+            bce = F.binary_cross_entropy_with_logits(q, correct, reduction="none")
+            state.extra["bce_sum"] = state.extra.get("bce_sum", 0.0) + (bce * mask).sum()
+            state.extra["bce_count"] = state.extra.get("bce_count", 0.0) + mask.sum()
+        stop = ~state.halted if last else ~state.halted & (q > 0.0)  # σ(q) > 0.5
+        state.steps = state.steps + running.long()
+        state.halted = state.halted | stop
+        state.record.setdefault("q_halt", []).append(torch.sigmoid(q).detach())
+        if self.freezes:
+            state.running = ~state.halted
+        state.readout = y  # frozen positions carry their terminal solution in y
+
+    def finish(self, state: HaltState) -> torch.Tensor:
+        if "bce_sum" in state.extra:
+            count = state.extra["bce_count"]
+            state.losses["q_halt"] = self.loss_weight * state.extra["bce_sum"] / torch.as_tensor(count).clamp_min(1.0)
+        return state.readout
+
+    def reset_parameters(self, init_std: float) -> None:
+        nn.init.zeros_(self.head.weight)
+        nn.init.constant_(self.head.bias, -5.0)

@@ -1,0 +1,44 @@
+"""The loop body: which states one macro step updates, with how many core passes."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from looplm.topology.base import LoopState, Topology
+
+#: core(x, i): the core stack on input x [B, T, d] as the i-th block pass of this macro step
+Core = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class SingleStream(nn.Module):
+    """One state h: update = f_core(h (+ e_t)), folded in by the topology (UT, MeSH, ...)."""
+
+    passes = 1
+
+    def start(self, topology: Topology, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
+        return topology.start(h_emb, h_pre)
+
+    def step(self, topology: Topology, state: LoopState, core: Core, t: int) -> LoopState:
+        return topology.step(state, core(state.h, 0), t)
+
+    def finish(self, topology: Topology, state: LoopState) -> torch.Tensor:
+        return topology.finish(state)
+
+    def reset_parameters(self, init_std: float) -> None:
+        """Initialise own parameters (called by the model's init pass)."""
+
+
+def freeze(old: LoopState, new: LoopState, running: torch.Tensor) -> LoopState:
+    """``new`` where ``running`` [B, T], ``old`` elsewhere: halted positions keep every
+    per-position tensor of the state (h and the carrier) unchanged."""
+
+    def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.shape[:2] != running.shape:
+            return b
+        return torch.where(running.view(*running.shape, *([1] * (a.dim() - 2))), b, a)
+
+    carrier = {k: pick(old.carrier[k], v) if k in old.carrier else v for k, v in new.carrier.items()}
+    return LoopState(h=pick(old.h, new.h), carrier=carrier, record=new.record)

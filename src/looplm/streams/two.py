@@ -1,0 +1,63 @@
+"""Solution and reasoning streams (autoregressive-trm.txt §2.3, App. B.1; TRM)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from looplm.streams.single import Core
+from looplm.topology.base import LoopState, Topology
+
+
+class TwoStream(nn.Module):
+    """X: the loop input (fixed); Y: the solution; Z: the reasoning stream. One macro step:
+
+        for each of H outer cycles:  Z ← f(X + Y + Z)  (L times);  Y ← f(Y + Z)
+
+    H·(L + 1) block passes (App. B "Compute normalization"). The state's ``h`` is Y, what
+    halting reads and the loop hands on. Y⁰, Z⁰ are learned vectors or zeros, set anew at
+    every forward: nothing is carried across calls, so logits at position i depend only on
+    tokens ≤ i (§3.2, Challenge 2). ``no_grad_cycles``: the first H − 1 cycles of every
+    macro step run under ``torch.no_grad`` (TRM)."""
+
+    def __init__(self, d_model: int, outer: int, inner: int, learned_init: bool, no_grad_cycles: bool):
+        super().__init__()
+        self.outer, self.inner, self.no_grad_cycles = outer, inner, no_grad_cycles
+        self.passes = outer * (inner + 1)
+        if learned_init:
+            self.y_init = nn.Parameter(torch.zeros(d_model))
+            self.z_init = nn.Parameter(torch.zeros(d_model))
+        else:
+            self.register_buffer("y_init", torch.zeros(d_model), persistent=False)
+            self.register_buffer("z_init", torch.zeros(d_model), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"outer={self.outer}, inner={self.inner}, no_grad_cycles={self.no_grad_cycles}"
+
+    def start(self, topology: Topology, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
+        y = self.y_init.to(h_pre.dtype).expand_as(h_pre)
+        z = self.z_init.to(h_pre.dtype).expand_as(h_pre)
+        return LoopState(h=y, carrier={"x": h_pre, "z": z})
+
+    def step(self, topology: Topology, state: LoopState, core: Core, t: int) -> LoopState:
+        x, y, z = state.carrier["x"], state.h, state.carrier["z"]
+        passes = 0
+        for cycle in range(self.outer):
+            quiet = self.no_grad_cycles and cycle < self.outer - 1 and torch.is_grad_enabled()
+            with torch.no_grad() if quiet else contextlib.nullcontext():
+                for _ in range(self.inner):
+                    z = core(x + y + z, passes)
+                    passes += 1
+                y = core(y + z, passes)
+                passes += 1
+        return LoopState(h=y, carrier={"x": x, "z": z}, record=state.record)
+
+    def finish(self, topology: Topology, state: LoopState) -> torch.Tensor:
+        return state.h
+
+    def reset_parameters(self, init_std: float) -> None:
+        if isinstance(self.y_init, nn.Parameter):
+            nn.init.normal_(self.y_init, std=init_std)
+            nn.init.normal_(self.z_init, std=init_std)
