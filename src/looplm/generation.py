@@ -29,11 +29,15 @@ class GenerationOutput:
     """sequences: [B, T + N] long, the (left-padded) prompts followed by the N generated
     columns; rows that stopped early carry ``pad_token_id`` after their stop token.
     new_tokens: per row, the generated ids up to and including the stop token (no
-    trailing padding). finished: [B] bool, True where the row emitted a stop token."""
+    trailing padding). finished: [B] bool, True where the row emitted a stop token.
+    block_passes_per_token: loop-block evaluations per real position processed (prompt and
+    generated), catch-up included: below the model's C when adaptive halting stops early
+    (None for a dense model)."""
 
     sequences: torch.Tensor
     new_tokens: list[list[int]]
     finished: torch.Tensor
+    block_passes_per_token: Optional[float] = None
 
 
 def _invalid(name: str, value: Any, allowed: str) -> ValueError:
@@ -266,6 +270,7 @@ def generate(
     stop_tensor = torch.tensor(stops, dtype=torch.long, device=device)
     columns: list[torch.Tensor] = []
     was_training = model.training
+    cache: Optional[LoopCache] = None
     model.eval()
     try:
         with torch.no_grad():
@@ -294,4 +299,6 @@ def generate(
     sequences = torch.cat([ids, generated], dim=1)  # [B, T + N]
     n = generated.shape[1]
     new_tokens = [row[: min(int(length), n)] for row, length in zip(generated.tolist(), lengths.tolist())]
-    return GenerationOutput(sequences=sequences, new_tokens=new_tokens, finished=finished)
+    passes = cache.block_passes / cache.positions_seen if cache is not None and cache.positions_seen else None
+    return GenerationOutput(sequences=sequences, new_tokens=new_tokens, finished=finished,
+                            block_passes_per_token=passes)

@@ -238,3 +238,12 @@ def test_bad_halting_configs_name_the_field(fields, field):
         tiny_config(**{"topology": "base", **fields}) if "topology" not in fields else tiny_config(
             fields.pop("topology")["kind"], **fields)
     assert err.value.field == field
+
+
+def test_generation_reports_realised_block_passes():
+    model = LoopLM(ladder_config("ut_act", 6, halting={"kind": "act", "full_compute": False})).eval()
+    full = LoopLM(ladder_config("ut_act", 6)).eval()
+    torch.nn.init.constant_(model.halting.unit.bias, 10.0)
+    prompt = random_ids(2, 5).tolist()
+    assert model.generate(prompt, max_new_tokens=4).block_passes_per_token == 1.0
+    assert full.generate(prompt, max_new_tokens=4).block_passes_per_token == 6.0

@@ -157,3 +157,18 @@ def test_probe_list(capsys):
     assert main(["probe", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in PROBES)
+
+
+def test_halting_probe_reports_where_positions_stop(tmp_path):
+    torch.manual_seed(0)
+    from tests.conftest import ladder_config
+
+    model = LoopLM(ladder_config("ut_act", 6, halting={"kind": "act", "full_compute": False})).eval()
+    torch.nn.init.normal_(model.halting.unit.weight, std=2.0)
+    probe = _input(model, tmp_path)
+    numbers = get_probe("halting").run(probe).numbers
+    steps = torch.cat([model(x).record["halt_steps"][0].flatten() for x, _ in probe.batches])
+    assert numbers["rule"] == "act" and sum(numbers["halt_step_fraction"]) == pytest.approx(1.0)
+    assert numbers["mean_halt_step"] == pytest.approx(steps.double().mean().item(), rel=1e-5)
+    assert numbers["block_passes_per_token"] == pytest.approx(steps.double().mean().item(), rel=1e-5)
+    assert sum(numbers["act_weights_mean_by_step"]) == pytest.approx(1.0, rel=1e-5)

@@ -14,6 +14,7 @@ output does not carry something, forward hooks on the model's modules
 | head_entropy, entropy_dynamics, attention_contribution | SGT §2-3, §5.4 |
 | unrolled_diagnostics | LT2 §4.4 |
 | logit_lens | cross-loop logit lens |
+| halting | autoregressive-TRM App. B.1, LT2 App. ACT |
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Optional, Sequence, Union
 from looplm.probes.base import PROBES, Probe, ProbeError, ProbeInput, ProbeReport, get_probe, register
 from looplm.probes.capture import BlockCall, Capture, capture_forward, read_out
 # importing the families registers their probes, in this (the listing's) order
-from looplm.probes import mesh, attention, residual, lens  # noqa: F401
+from looplm.probes import mesh, attention, residual, lens, halting  # noqa: F401
 
 log = logging.getLogger("looplm")
 

@@ -1,0 +1,56 @@
+"""Where the loop spends its steps: realised macro steps per position under a halting rule
+(ACT, Q-halt, or none), the ACT weights and Q-halt probabilities per step."""
+
+from __future__ import annotations
+
+import torch
+
+from looplm.probes import plots
+from looplm.probes.base import ProbeInput, ProbeReport, register, tolist
+
+
+@register("halting", "autoregressive-TRM App. B.1, LT2 App. ACT: realised steps per position, ACT weights, Q-halt σ(q)")
+def halting(probe: ProbeInput) -> ProbeReport:
+    probe.require_loop("halting")
+    model = probe.model
+    steps_max = model.cfg.iterations
+    counts = torch.zeros(steps_max + 1, dtype=torch.float64)
+    by_position: list[torch.Tensor] = []
+    passes = torch.zeros((), dtype=torch.float64)
+    per_step: dict[str, torch.Tensor] = {}
+    positions = 0
+    for cap in probe.forward():
+        record = cap.output.record
+        steps = record["halt_steps"][0]
+        counts += torch.bincount(steps.flatten(), minlength=steps_max + 1).double()
+        by_position.append(steps.double().sum(dim=0))
+        passes += record["block_passes"][0].double().sum()
+        positions += steps.numel()
+        for name in ("act_weights", "q_halt"):
+            if name in record:
+                values = torch.stack([v.double().mean() for v in record[name]])
+                values = torch.nn.functional.pad(values, (0, steps_max - len(values)))  # steps a stopped loop skipped
+                per_step[name] = per_step.get(name, 0) + values * steps.shape[0]
+    samples = probe.samples
+    histogram = counts[1:] / counts.sum()
+    mean_by_position = torch.stack([p for p in by_position]).sum(dim=0) / samples if by_position else torch.zeros(0)
+    numbers = {
+        "samples": samples,
+        "rule": model.cfg.halting.kind,
+        "full_compute": model.cfg.halting.full_compute,
+        "macro_steps": steps_max,
+        "passes_per_step": model.cfg.passes_per_step,
+        "halt_step_fraction": tolist(histogram),
+        "mean_halt_step": round(float((torch.arange(1, steps_max + 1) * histogram).sum()), 6),
+        "mean_halt_step_by_position": tolist(mean_by_position),
+        "block_passes_per_token": round(float(passes / max(positions, 1)), 6),
+        **{f"{name}_mean_by_step": tolist(total / samples) for name, total in per_step.items()},
+    }
+    labels = [str(t) for t in range(1, steps_max + 1)]
+    figures = {"halting": lambda plt: plots.bars(plt, labels, tolist(histogram), None, "fraction of positions",
+                                                 f"Halting step ({numbers['rule']})")}
+    if per_step:
+        series = {name: total / samples for name, total in per_step.items()}
+        figures["halting_per_step"] = lambda plt: plots.lines(plt, range(1, steps_max + 1), series, "macro step",
+                                                              "mean over positions", "ACT weight / Q-halt σ(q) per step")
+    return ProbeReport(numbers, figures)
