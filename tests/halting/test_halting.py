@@ -247,3 +247,42 @@ def test_generation_reports_realised_block_passes():
     prompt = random_ids(2, 5).tolist()
     assert model.generate(prompt, max_new_tokens=4).block_passes_per_token == 1.0
     assert full.generate(prompt, max_new_tokens=4).block_passes_per_token == 6.0
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.invariants import assert_strictly_causal  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    streams=st.sampled_from([{"kind": "single"}, {"kind": "two"}, {"kind": "two", "outer": 2, "inner": 1},
+                             {"kind": "two", "inner": 2, "init": "zeros", "no_grad_cycles": True}]),
+    halting=st.sampled_from(["none", "act", "qhalt"]),
+    full_compute=st.booleans(),
+    step_embeddings=st.booleans(),
+    position=st.sampled_from(["rotary", "learned"]),
+    steps=st.integers(1, 3),
+    topology=st.sampled_from(["base", "anchor", "gated_residual"]),
+    head_scale=st.floats(0.0, 3.0),
+    seed=st.integers(0, 3),
+)
+def test_loop_axes_keep_causality_and_cache_equivalence(streams, halting, full_compute, step_embeddings, position,
+                                                       steps, topology, head_scale, seed):
+    """Every combination of streams × halting × step signal × positions: strictly causal,
+    and decoding (prefill, single tokens, chunks) equals the full forward, also when the
+    halting head makes positions stop at different steps."""
+    if streams["kind"] == "two":
+        topology = "base"
+    fields = dict(layout=f"1R{steps}", streams=streams, step_embeddings=step_embeddings, position=position,
+                  halting={"kind": halting, "full_compute": full_compute and halting != "none"})
+    torch.manual_seed(seed)
+    model = LoopLM(tiny_config(topology, **fields)).eval()
+    head = getattr(model.halting, "unit", None) or getattr(model.halting, "head", None)
+    if head is not None:
+        torch.nn.init.normal_(head.weight, std=head_scale)
+        torch.nn.init.zeros_(head.bias)
+    x = random_ids(2, 10, seed=seed)
+    assert_strictly_causal(model, x, (0, 5, 9), shift=5)
+    assert_decodes_like_full_forward(model, x, [prefill_then_tokens(3, 10), [4, 7, 10]], atol=3e-5)
