@@ -1,10 +1,11 @@
-"""The ``looplm`` command line: train, eval, generate, info, probe, presets.
+"""The ``looplm`` command line: train, eval, generate, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--json]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ...
     looplm info CONFIG_OR_RUN [key=value ...] [--json]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR]
+    looplm ladder --task {addition,copy,reverse} --budget C [--quick] [--rungs RUNG ...] [key=value ...]
     looplm presets
 
 CONFIG is a YAML path or a preset name (``looplm presets`` lists them); ``key=value``
@@ -141,6 +142,26 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def cmd_ladder(args: argparse.Namespace) -> int:
+    import shlex
+
+    from looplm.ladder import results_table, run_ladder
+
+    out = args.out or f"runs/ladder-{args.task}-C{args.budget}{'-quick' if args.quick else ''}"
+    # `--rungs dense tied k=v`: argparse hands k=v to --rungs; no rung name has an "="
+    rungs = [r for r in args.rungs if "=" not in r]
+    overrides = [*args.overrides, *(r for r in args.rungs if "=" in r)]
+    # Started as `looplm ladder …`: results.md records the command as typed; called as
+    # main([...]) from Python, run_ladder spells out the equivalent command instead.
+    command = shlex.join(["looplm", *sys.argv[1:]]) if sys.argv[1:2] == ["ladder"] else None
+    ladder = run_ladder(
+        args.task, args.budget, out, rungs=rungs, quick=args.quick, steps=args.steps, seed=args.seed,
+        outer=args.outer, inner=args.inner, overrides=overrides, command=command, progress=not args.no_progress,
+    )
+    sys.stdout.write(results_table(ladder) + f"\n\nresults: {ladder.out_dir}/results.md\n")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from looplm.config import preset_names, read_config_source
 
@@ -210,6 +231,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="layouts of this block with the parameters of TARGET (a preset/YAML or a number)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_flops)
+
+    from looplm.ladder.rungs import RUNGS
+    from looplm.tasks.config import CHARACTER_TASKS
+
+    p = sub.add_parser("ladder", help="train the compute-placement ladder on a character task and tabulate it",
+                       description="Train each rung of the compute-placement ladder (autoregressive-trm.txt "
+                       "Table 1) at the same block-pass budget from the preset task-TASK, then write results.md, "
+                       "results.csv and plots into --out. Rerunning the same command reuses finished rungs and "
+                       "resumes an interrupted one.")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="fields shared by every rung, e.g. train.lr=1e-3")
+    p.add_argument("--task", required=True, choices=CHARACTER_TASKS)
+    p.add_argument("--budget", type=int, required=True, metavar="C", help="block passes per forward, e.g. 12")
+    p.add_argument("--quick", action="store_true",
+                   help="a small size: all seven rungs in under 20 minutes on 2 CPU cores")
+    p.add_argument("--rungs", nargs="+", default=list(RUNGS), metavar="RUNG",
+                   help="rungs to train, default all: " + " ".join(RUNGS))
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/ladder-TASK-CBUDGET, with -quick for --quick)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per rung (train.max_steps)")
+    p.add_argument("--seed", type=int, default=0, help="model init, training stream and evaluation problems")
+    p.add_argument("--outer", type=int, default=1, metavar="H", help="outer cycles of the nested rungs (default 1)")
+    p.add_argument("--inner", type=int, default=2, metavar="L", help="inner refinements of the nested rungs (default 2)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_ladder)
 
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_presets)

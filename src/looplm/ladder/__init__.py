@@ -1,5 +1,18 @@
-"""The compute-placement ladder: rung configurations at a block-pass budget."""
+"""The compute-placement ladder: rung configurations at a block-pass budget, and the runner
+that trains them on a character task and tabulates the results (``looplm ladder``)."""
 
 from looplm.ladder.rungs import MECHANISMS, RUNGS, passes_per_step, rung_model
+from looplm.ladder.runner import QUICK_OVERRIDES, Ladder, LadderRung, ladder_configs, results_table, run_ladder
 
-__all__ = ["MECHANISMS", "RUNGS", "passes_per_step", "rung_model"]
+__all__ = [
+    "MECHANISMS",
+    "QUICK_OVERRIDES",
+    "RUNGS",
+    "Ladder",
+    "LadderRung",
+    "ladder_configs",
+    "passes_per_step",
+    "results_table",
+    "rung_model",
+    "run_ladder",
+]
