@@ -104,3 +104,17 @@ def test_flops_command_prints_breakdown_and_matches(capsys):
     assert "layouts matching the flops of tiny-dense" in text
     assert _main(["info", "tiny-mesh"]) == 0
     assert "FLOPs/token" in capsys.readouterr().out
+
+
+def test_step_embeddings_switch_off_to_extrapolate_through_the_cli(tmp_path, capsys, caplog):
+    from looplm import LoopLM
+    from tests.conftest import ladder_config
+
+    LoopLM(ladder_config("tied_step", 3, vocab_size=257)).save_pretrained(tmp_path / "ut")
+    args = ["generate", str(tmp_path / "ut"), "--prompt", "ab", "--max-new-tokens", "3", "--iterations", "6"]
+    assert main(args) == 2  # e_t exists for 3 steps only
+    assert "step embeddings" in caplog.text
+    assert main([*args, "--no-step-embeddings"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+    LoopLM(ladder_config("tied", 3, vocab_size=257)).save_pretrained(tmp_path / "plain")
+    assert main(["generate", str(tmp_path / "plain"), "--prompt", "ab", "--no-step-embeddings"]) == 2

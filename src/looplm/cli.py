@@ -50,7 +50,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from looplm.evaluation import evaluate_run
 
-    result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations)
+    result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations,
+                          step_embeddings=not args.no_step_embeddings)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -71,6 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         iterations=args.iterations,
         seed=args.seed,
+        step_embeddings=not args.no_step_embeddings,
     )
     sys.stdout.write(text + "\n")
     return 0
@@ -187,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="data.key=value", help="evaluate on other data")
     p.add_argument("--batches", type=int, default=None, help="number of validation batches")
     p.add_argument("--iterations", type=int, default=None, help="loop iterations at inference")
+    p.add_argument("--no-step-embeddings", action="store_true",
+                   help="run without the step embeddings (needed for more iterations than trained)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
@@ -198,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--iterations", type=int, default=None, help="loop iterations at inference")
+    p.add_argument("--no-step-embeddings", action="store_true",
+                   help="run without the step embeddings (needed for more iterations than trained)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from looplm.config import RunConfig, parse_overrides
-from looplm.config_base import set_dotted
+from looplm.config_base import ConfigError, set_dotted
 from looplm.data import data_tokenizer, validation_batches
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
@@ -58,6 +58,16 @@ def load_run(path: str | Path, device: str = "cpu") -> LoadedRun:
     return LoadedRun(model=model.to(device).eval(), config=config, path=directory)
 
 
+def set_step_embeddings(model: LoopLM, enabled: bool) -> None:
+    """Switch a model's step embeddings on or off (off: run more loop steps than trained,
+    autoregressive-trm.txt App. B.2); refused for a model that has none when turning off."""
+    if model.step_embedding is None:
+        if not enabled:
+            raise ConfigError("step_embeddings", False, "true: this model has none to switch off (model.step_embeddings=false)")
+        return
+    model.step_embedding.enabled = enabled
+
+
 @torch.no_grad()
 def evaluate_run(
     path: str | Path,
@@ -65,10 +75,12 @@ def evaluate_run(
     batches: Optional[int] = None,
     iterations: Optional[int] = None,
     batch_size: int = 8,
+    step_embeddings: bool = True,
 ) -> dict[str, Any]:
     """Mean next-token loss and perplexity on the held-out split of the run's data
     (``data.key=value`` overrides select other data)."""
     run = load_run(path)
+    set_step_embeddings(run.model, step_embeddings)
     data = run.config.data.to_dict()
     for key, value in parse_overrides(overrides):  # values parsed as YAML, as for training
         if not key.startswith("data."):
@@ -98,9 +110,11 @@ def generate_text(
     top_p: Optional[float] = None,
     iterations: Optional[int] = None,
     seed: int = 0,
+    step_embeddings: bool = True,
 ) -> str:
     """Prompt plus continuation, decoded with the run's tokenizer."""
     run = load_run(path)
+    set_step_embeddings(run.model, step_embeddings)
     tokenizer = data_tokenizer(run.config.data)
     ids = tokenizer.encode(prompt)
     out = run.model.generate(

@@ -252,7 +252,7 @@ class LoopLM(nn.Module):
             if self.step_embedding is not None and self.step_embedding.enabled and n_iter > trained:
                 raise ConfigError(
                     "iterations", iterations, f"at most {trained} while step embeddings are on (one e_t per trained "
-                    "step); set model.step_embedding.enabled = False to extrapolate without them"
+                    "step); switch them off to extrapolate (model.step_embedding.enabled = False; --no-step-embeddings)"
                 )
         if cache is not None:
             if cache.iterations is None:
