@@ -26,13 +26,18 @@ TOPOLOGIES = ["base", "residual", "anchor", "anchor_embedding", "gated_residual"
 RESUME_GRID = (
     [(kind, {}, 1) for kind in TOPOLOGIES]
     + [("mesh", {}, 2), ("base", {"layout": "3"}, 1), ("mesh", {"share_core": False}, 1),
-       ("additive", {"topology": {"kind": "additive", "supplements": ["anchor", "anchor_embedding"]}}, 1)]
+       ("additive", {"topology": {"kind": "additive", "supplements": ["anchor", "anchor_embedding"]}}, 1),
+       # the ladder's axes: adaptive ACT with its ponder cost, nested streams with Q-halt's BCE
+       ("base", {"layout": "1R3", "step_embeddings": True, "halting": {"kind": "act", "ponder_cost": 0.1}}, 1),
+       ("base", {"layout": "1R2", "streams": {"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True},
+                 "halting": {"kind": "qhalt"}, "position": "learned"}, 2)]
 )
 
 
 @pytest.mark.parametrize(
     "topology,model,grad_accum", RESUME_GRID,
-    ids=[f"{k}-{'-'.join(map(str, m.values())) or 'shared'}-accum{a}" for k, m, a in RESUME_GRID],
+    ids=[f"{k}-{'-'.join(str(v) for v in m.values() if not isinstance(v, dict)) or 'shared'}-{len(m)}-accum{a}"
+         for k, m, a in RESUME_GRID],
 )
 def test_resumed_run_matches_uninterrupted_run_step_for_step(tmp_path, topology, model, grad_accum):
     kw = dict(topology=topology, model=model, grad_accum=grad_accum, max_steps=6, save_every=3)
