@@ -286,3 +286,14 @@ def test_loop_axes_keep_causality_and_cache_equivalence(streams, halting, full_c
     x = random_ids(2, 10, seed=seed)
     assert_strictly_causal(model, x, (0, 5, 9), shift=5)
     assert_decodes_like_full_forward(model, x, [prefill_then_tokens(3, 10), [4, 7, 10]], atol=3e-5)
+
+
+def test_halting_init_bias_is_configurable_with_source_defaults():
+    assert LoopLM(ladder_config("ut_act", 4)).halting.unit.bias.item() == 1.0
+    assert LoopLM(ladder_config("ar_trm", 6)).halting.head.bias.item() == -5.0
+    spread = LoopLM(ladder_config("ut_act", 4, halting={"kind": "act", "init_bias": -3.0, "full_compute": True}))
+    assert spread.halting.unit.bias.item() == -3.0
+    weights = torch.stack(spread(random_ids(1, 5)).record["act_weights"])[:, 0]
+    assert bool((weights[-1] > 0.5).all())  # p ≈ 0.05: most of the readout on the last step
+    with pytest.raises(ConfigError):
+        tiny_config("base", layout="1R2", halting={"kind": "none", "init_bias": 0.0})

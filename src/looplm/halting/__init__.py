@@ -17,9 +17,10 @@ from looplm.halting.qhalt import QHalting
 
 def build_halting(cfg: HaltingConfig, d_model: int) -> Halting:
     if cfg.kind == "act":
-        return ACTHalting(d_model, cfg.epsilon, cfg.ponder_cost, cfg.full_compute)
+        return ACTHalting(d_model, cfg.epsilon, cfg.ponder_cost, cfg.full_compute,
+                          1.0 if cfg.init_bias is None else cfg.init_bias)
     if cfg.kind == "qhalt":
-        return QHalting(d_model, cfg.loss_weight, cfg.full_compute)
+        return QHalting(d_model, cfg.loss_weight, cfg.full_compute, -5.0 if cfg.init_bias is None else cfg.init_bias)
     return Halting()
 
 

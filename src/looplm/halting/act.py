@@ -17,9 +17,10 @@ class ACTHalting(Halting):
     Σ_τ w_τ h^(τ); ponder cost ρ_t = N_t + R_t (Graves Eq. 11), weighted and averaged over
     real positions. With ``full_compute`` no position is frozen and ρ is not charged."""
 
-    def __init__(self, d_model: int, epsilon: float, ponder_cost: float, full_compute: bool):
+    def __init__(self, d_model: int, epsilon: float, ponder_cost: float, full_compute: bool, init_bias: float = 1.0):
         super().__init__()
         self.unit = nn.Linear(d_model, 1)
+        self.init_bias = init_bias
         self.epsilon, self.ponder_cost, self.full_compute = epsilon, ponder_cost, full_compute
         self.freezes = not full_compute
 
@@ -59,4 +60,4 @@ class ACTHalting(Halting):
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.normal_(self.unit.weight, std=init_std)
-        nn.init.constant_(self.unit.bias, 1.0)  # UT's halting bias init: p ≈ 0.73 at the start
+        nn.init.constant_(self.unit.bias, self.init_bias)  # default 1.0, UT's: p ≈ 0.73 at the start

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Optional
 
 from looplm.config_base import Config, check
 
@@ -23,6 +23,11 @@ class HaltingConfig(Config):
     (weight ``loss_weight``) against whether the prediction read from the current solution
     is correct (TRM's Q-halt target), at every macro step, on positions with targets.
 
+    ``init_bias``: the halting unit's (or Q head's) starting bias; null is each rule's
+    source default: ACT 1.0 (UT's, p ≈ 0.73, so the readout starts on the first two
+    iterates), Q-halt −5.0 (TRM's, "do not halt"). A negative ACT bias (e.g. −3) starts the
+    readout spread over all steps.
+
     ``full_compute``: no position ever stops (every forward runs all C block passes) and
     the ponder cost is dropped: the compute-matched regime of autoregressive-trm.txt App.
     B.1. ACT still reads out its weighted sum; Q-halt reads out the final solution.
@@ -35,6 +40,7 @@ class HaltingConfig(Config):
     ponder_cost: float = 0.01
     loss_weight: float = 1.0
     full_compute: bool = False
+    init_bias: Optional[float] = None
 
     def __post_init__(self) -> None:
         check(0.0 < self.epsilon < 1.0, "model.halting.epsilon", self.epsilon, "a number in (0, 1)")
@@ -42,3 +48,5 @@ class HaltingConfig(Config):
         check(self.loss_weight >= 0.0, "model.halting.loss_weight", self.loss_weight, "a number >= 0")
         check(self.kind != "none" or not self.full_compute, "model.halting.full_compute", self.full_compute,
               "false for kind=none (there is nothing to force)")
+        check(self.kind != "none" or self.init_bias is None, "model.halting.init_bias", self.init_bias,
+              "null for kind=none (there is no halting head)")

@@ -19,12 +19,13 @@ class QHalting(Halting):
     (or the last) and reads out its terminal solution (frozen from then on). Training
     signal: BCE(q, 1[argmax logits(Y^(τ)) = target]) at every step the position runs, on
     positions with a target, averaged and weighted by ``loss_weight``. The head starts at
-    w = 0, b = −5 (TRM's init: "do not halt"). With ``full_compute`` every position runs
+    w = 0, b = ``init_bias`` (default −5, TRM's init: "do not halt"). With ``full_compute`` every position runs
     every step and the readout is the final solution; the head still learns."""
 
-    def __init__(self, d_model: int, loss_weight: float, full_compute: bool):
+    def __init__(self, d_model: int, loss_weight: float, full_compute: bool, init_bias: float = -5.0):
         super().__init__()
         self.head = nn.Linear(d_model, 1)
+        self.init_bias = init_bias
         self.loss_weight, self.full_compute = loss_weight, full_compute
         self.freezes = not full_compute
 
@@ -58,4 +59,4 @@ class QHalting(Halting):
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.zeros_(self.head.weight)
-        nn.init.constant_(self.head.bias, -5.0)
+        nn.init.constant_(self.head.bias, self.init_bias)
