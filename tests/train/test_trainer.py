@@ -206,3 +206,16 @@ def test_metrics_and_summary(tmp_path):
     assert summary["train_ppl"] == pytest.approx(math.exp(summary["train_loss"]), rel=1e-12)
     assert isinstance(summary["sample"], str) and summary["sample"].startswith("def ")
     assert summary["checkpoint"].endswith("step_0000004")
+
+
+def test_auxiliary_losses_are_logged_beside_the_loss(tmp_path):
+    """ACT's ponder cost (and any other auxiliary term) goes to metrics.jsonl as aux_NAME,
+    averaged over micro-batches, and is part of the logged loss."""
+    cfg = run_config(tmp_path, model={"layout": "1R3", "halting": {"kind": "act", "ponder_cost": 0.05}},
+                     max_steps=2, grad_accum=2)
+    Trainer(cfg, progress=False).fit()
+    events = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["event"] == "train"]
+    assert len(events) == 2
+    for event in events:
+        assert 0.05 <= event["aux_ponder"] <= 0.05 * 4  # ρ = N + R lies in [1, T + 1]
+        assert event["loss"] > event["aux_ponder"]

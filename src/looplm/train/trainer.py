@@ -132,6 +132,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps = 0  # consecutive skipped steps
+        self.last_aux: dict[str, float] = {}  # the last step's auxiliary losses (logged as aux_NAME)
         self.skipped_steps = 0
         self.best_val_loss: Optional[float] = None
         self.last_train_loss: Optional[float] = None
@@ -263,7 +264,8 @@ class Trainer:
                         if self.step % tc.log_every == 0 or self.step == end:
                             tps = window_tokens / window_time if window_time > 0 else 0.0
                             self.metrics.log("train", self.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                                             tokens=self.tokens_seen, tokens_per_s=tps)
+                                             tokens=self.tokens_seen, tokens_per_s=tps,
+                                             **{f"aux_{k}": v for k, v in self.last_aux.items()})
                             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
                             window_tokens, window_time = 0, 0.0
                     if tc.eval_every and self.step % tc.eval_every == 0:
@@ -302,22 +304,28 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         loss_sum = torch.zeros((), device=self.device)
+        aux_sum: dict[str, torch.Tensor] = {}
         for i in range(tc.grad_accum):
             rows = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             last = i == tc.grad_accum - 1
             with self._gradient_sync(last):  # DDP all-reduces only on the last micro-batch
                 with self._autocast():
-                    loss = self.train_model(inputs[rows], targets[rows]).loss
-                (loss / tc.grad_accum).backward()
-            loss_sum += loss.detach().float()
-        mean_loss = loss_sum / tc.grad_accum
+                    out = self.train_model(inputs[rows], targets[rows])
+                (out.loss / tc.grad_accum).backward()
+            loss_sum += out.loss.detach().float()
+            for name, value in out.aux_losses.items():
+                aux_sum[name] = aux_sum.get(name, 0.0) + value.detach().float()
+        # the loss and its auxiliary terms (ponder cost, Q-halt BCE, DSA indexer), averaged
+        # over micro-batches and ranks in one reduction
+        means = torch.stack([loss_sum, *aux_sum.values()]) / tc.grad_accum
         if self.distributed:
-            dist.all_reduce(mean_loss)
-            mean_loss /= self.world_size
+            dist.all_reduce(means)
+            means /= self.world_size
         # max_norm=inf measures without clipping (clip coefficient clamps to exactly 1)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        loss_value, norm_value = torch.stack([mean_loss, grad_norm.float()]).tolist()  # one sync
+        *mean_values, norm_value = torch.cat([means, grad_norm.float().view(1)]).tolist()  # one sync
+        loss_value, self.last_aux = mean_values[0], dict(zip(aux_sum, mean_values[1:]))
         if math.isfinite(loss_value) and math.isfinite(norm_value):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
