@@ -152,15 +152,9 @@ class LoopLM(nn.Module):
         halt = self.halting.begin(state.h, ctx.new_valid)
         trace = [state.h]
         for t in range(n_iter):
-            signal = self.step_embedding.at(t) if self.step_embedding is not None else None
-
-            def core(x, i, t=t, signal=signal):
-                x = x if signal is None else x + signal.to(x.dtype)
-                return self._core(t, x, ctx, cache, slot=t * passes + i)  # ũ = f_core(x) at resolution r_t
-
             if cache is not None and self.halting.freezes:
-                self._catch_up(t, signal, ctx, cache)
-            new = self.streams.step(topology, state, core, t)
+                self._catch_up(t, ctx, cache)
+            new = self.streams.step(topology, state, self._passes(t, ctx, cache), t)
             state = freeze(state, new, halt.running) if self.halting.freezes else new
             last = t == n_iter - 1
             solution = self.streams.finish(topology, state) if last else state.h
@@ -182,7 +176,19 @@ class LoopLM(nn.Module):
             cache.positions_seen += int(halt.valid.sum())
         return readout.to(h_pre.dtype), trace, record
 
-    def _catch_up(self, t: int, signal, ctx: MixerContext, cache: LoopCache) -> None:
+    def _passes(self, t: int, ctx: MixerContext, cache: Optional[LoopCache]):
+        """core(x, i): the i-th core pass of macro step t on x + e_t (the step signal), named
+        t·passes + i in the cache: ũ = f_core(x) at resolution r_t."""
+        signal = self.step_embedding.at(t) if self.step_embedding is not None else None
+        passes = self.streams.passes
+
+        def core(x: torch.Tensor, i: int) -> torch.Tensor:
+            x = x if signal is None else x + signal.to(x.dtype)
+            return self._core(t, x, ctx, cache, slot=t * passes + i)
+
+        return core
+
+    def _catch_up(self, t: int, ctx: MixerContext, cache: LoopCache) -> None:
         """Give the cached positions that stopped before macro step t their entries for it:
         the step runs on their frozen loop states, outputs discarded (cache.py explains the
         policy). A no-op unless an earlier call stopped early."""
@@ -192,15 +198,9 @@ class LoopLM(nn.Module):
         valid = ctx.valid[:, :end]
         positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)[:, start:]
         sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
-        passes = self.streams.passes
-
-        def core(x, i):
-            x = x if signal is None else x + signal.to(x.dtype)
-            return self._core(t, x, sub, cache, slot=t * passes + i)
-
-        self.streams.step(self.topology, cache.loop_slice(start, end), core, t)
+        self.streams.step(self.topology, cache.loop_slice(start, end), self._passes(t, sub, cache), t)
         cache.steps_done[start:end] = t + 1
-        cache.block_passes += float(self.cfg.loop.core * passes * valid[:, start:].sum())
+        cache.block_passes += float(self.cfg.loop.core * self.streams.passes * valid[:, start:].sum())
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
              slot: Optional[int] = None) -> torch.Tensor:
