@@ -155,3 +155,16 @@ def test_cli_trains_and_prints_the_table(tmp_path, capsys, caplog) -> None:
 
     assert main(["ladder", "--task", "copy", "--budget", "5", "--rungs", "dual_ut", "--out", str(out)]) == 2
     assert "budget=5 is invalid: a multiple of 2" in caplog.text
+
+
+def test_halting_tunables_reach_every_halting_rung_only(tmp_path) -> None:
+    from looplm.ladder import ladder_configs
+
+    configs = ladder_configs("copy", 12, tmp_path, overrides=["model.halting.init_bias=-3"])
+    assert configs["ut_act"].model.halting.init_bias == -3.0
+    assert configs["ar_trm"].model.halting.init_bias == -3.0
+    assert configs["tied"].model.halting.init_bias is None and configs["tied"].model.halting.kind == "none"
+    assert all(c.model.block_passes == 12 for c in configs.values())
+    with pytest.raises(ConfigError) as err:
+        ladder_configs("copy", 12, tmp_path, overrides=["model.halting.full_compute=false"])
+    assert err.value.field == "model.halting.full_compute"

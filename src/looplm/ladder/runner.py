@@ -73,6 +73,10 @@ MECHANISM_NAMES = ("tie", "step", "ACT", "2S", "nest", "Q-halt")
 #: Model fields each rung sets; overriding them would break the compute match.
 RUNG_FIELDS = ("layout", "step_embeddings", "streams", "halting", "topology")
 
+#: Halting fields an override may still set (``model.halting.init_bias=-3``): they change how
+#: a rule starts or weighs its loss, not the compute; applied to every rung that halts.
+HALTING_TUNABLES = ("init_bias", "epsilon", "loss_weight")
+
 #: The α of the training length, where the quartile and last-character figures are read.
 REFERENCE_ALPHA = 1.0
 
@@ -139,7 +143,8 @@ def ladder_configs(
     Layers, last wins: the preset ``task-<task>``; :data:`QUICK_OVERRIDES` when ``quick``;
     ``steps`` (train.max_steps); ``seed`` (train.seed for init, data.seed for the training
     stream and the fixed evaluation problems); ``overrides`` (``key=value``); then the rung's
-    model fields and ``train.out_dir = out_dir/<rung>``, which overrides may not touch.
+    model fields and ``train.out_dir = out_dir/<rung>``, which overrides may not touch
+    (except :data:`HALTING_TUNABLES`, set on every rung with a halting rule).
     """
     if task not in CHARACTER_TASKS:
         raise ConfigError("task", task, "one of " + ", ".join(CHARACTER_TASKS) + " (a character task of App. B.3)")
@@ -158,6 +163,8 @@ def ladder_configs(
         layered.append(f"train.max_steps={steps}")
     layered += [f"train.seed={seed}", f"data.seed={seed}"]
     pairs = parse_overrides([*layered, *overrides])
+    halting = {key.split(".")[2]: value for key, value in pairs if _halting_tunable(key)}
+    pairs = [(key, value) for key, value in pairs if not _halting_tunable(key)]  # the layered ones stay first
     for key, value in pairs[len(layered):]:
         _refuse_rung_owned(key, value)
     base = read_config_source(f"task-{task}")
@@ -166,7 +173,9 @@ def ladder_configs(
 
     configs = {}
     for rung in rungs:
-        fields = rung_model(rung, budget, outer=outer, inner=inner, full_compute=True)
+        fields = copy.deepcopy(rung_model(rung, budget, outer=outer, inner=inner, full_compute=True))
+        if fields["halting"]["kind"] != "none":
+            fields["halting"].update(halting)
         data = copy.deepcopy(base)
         data["model"].update(fields)  # each field replaced whole, never merged with the preset's
         data["train"]["out_dir"] = str(Path(out_dir) / rung)
@@ -174,11 +183,17 @@ def ladder_configs(
     return configs
 
 
+def _halting_tunable(key: str) -> bool:
+    parts = key.split(".")
+    return len(parts) == 3 and parts[:2] == ["model", "halting"] and parts[2] in HALTING_TUNABLES
+
+
 def _refuse_rung_owned(key: str, value: Any) -> None:
     parts = key.split(".")
     if parts[0] == "model" and len(parts) > 1 and parts[1] in RUNG_FIELDS:
         raise ConfigError(key, value, "not overridden in a ladder: each rung sets model."
-                          + ", model.".join(RUNG_FIELDS) + " to spend the budget (use --budget, --outer, --inner)")
+                          + ", model.".join(RUNG_FIELDS) + " to spend the budget (use --budget, --outer, --inner; "
+                          "model.halting." + ", model.halting.".join(HALTING_TUNABLES) + " may be set)")
     if key == "train.out_dir":
         raise ConfigError(key, value, "not overridden in a ladder: each rung trains in OUT/<rung> (use --out)")
 
