@@ -27,8 +27,6 @@ from looplm.mixers.linear_attention import (
     check_widths,
     repeat_kv,
 )
-from looplm.modules.norm import GatedRMSNorm, RMSNorm
-from looplm.modules.short_conv import ShortConvolution
 
 if TYPE_CHECKING:
     from looplm.model_config import ModelConfig
@@ -65,26 +63,12 @@ class GatedLinearAttention(DecayMixer):
     ):
         super().__init__()
         self.set_heads(hidden_size, num_heads, num_kv_heads, expand_k, expand_v)
-        self.use_short_conv, self.use_output_gate, self.chunk_size = use_short_conv, use_output_gate, chunk_size
-        self.gate_logit_normalizer, self.clamp_min = gate_logit_normalizer, clamp_min
-        kv_key_dim, kv_value_dim = self.key_dim // self.groups, self.value_dim // self.groups
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, kv_key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, kv_value_dim, bias=False)
-        if use_output_gate:
-            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.k_conv1d = ShortConvolution(kv_key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.v_conv1d = ShortConvolution(kv_value_dim, conv_size, bias=conv_bias, activation="silu")
+        self.chunk_size, self.gate_logit_normalizer, self.clamp_min = chunk_size, gate_logit_normalizer, clamp_min
+        self.add_gated_layer(hidden_size, use_short_conv, conv_size, conv_bias, use_output_gate, norm_eps)
         self.gk_proj = nn.Sequential(
-            nn.Linear(hidden_size, gate_low_rank_dim, bias=False), nn.Linear(gate_low_rank_dim, kv_key_dim, bias=True)
+            nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
+            nn.Linear(gate_low_rank_dim, self.key_dim // self.groups, bias=True),
         )
-        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        if use_output_gate:
-            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
-        else:
-            self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
 
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[DecayState] = None

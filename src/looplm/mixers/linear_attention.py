@@ -30,7 +30,8 @@ from looplm.config_base import ConfigError, check
 from looplm.mixers.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
-from looplm.modules.norm import RMSNorm
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
+from looplm.modules.short_conv import ShortConvolution
 from looplm.ops.decay import chunk_decay, fla_decay, recurrent_decay
 
 if TYPE_CHECKING:
@@ -95,6 +96,31 @@ class DecayMixer(nn.Module):
             )
         self.head_k_dim, self.head_v_dim = self.key_dim // num_heads, self.value_dim // num_heads
         self.groups = num_heads // self.num_kv_heads
+
+    def add_qkv(self, hidden_size: int) -> None:
+        """q over every head; k and v over the key/value heads; no bias (fla's layers)."""
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim // self.groups, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim // self.groups, bias=False)
+
+    def add_gated_layer(self, hidden_size: int, use_short_conv: bool, conv_size: int, conv_bias: bool,
+                        use_output_gate: bool, norm_eps: float) -> None:
+        """The layer fla's GLA and RetNet share around their op: q/k/v, optional SiLU short
+        convolutions on them, o_proj, and a per-head RMSNorm of o, gated by SiLU(g_proj(x))
+        with ``use_output_gate``."""
+        self.use_short_conv, self.use_output_gate = use_short_conv, use_output_gate
+        self.add_qkv(hidden_size)
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if use_short_conv:
+            widths = {"q": self.key_dim, "k": self.key_dim // self.groups, "v": self.value_dim // self.groups}
+            for name, width in widths.items():
+                setattr(self, f"{name}_conv1d", ShortConvolution(width, conv_size, bias=conv_bias, activation="silu"))
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        if use_output_gate:
+            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
+        else:
+            self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
 
     @staticmethod
     def mask_padding(
@@ -223,9 +249,7 @@ class LinearAttention(DecayMixer):
         self.feature_map_k = (
             self.feature_map_q if tie_feature_map_qk else build_feature_map(feature_map, self.head_k_dim)
         )
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim // self.groups, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim // self.groups, bias=False)
+        self.add_qkv(hidden_size)
         if output_norm == "rmsnorm":
             self.norm: nn.Module = RMSNorm(self.head_v_dim, eps=norm_eps)
         elif output_norm == "identity":

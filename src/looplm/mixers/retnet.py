@@ -28,9 +28,7 @@ from looplm.mixers.linear_attention import (
     positions,
     repeat_kv,
 )
-from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.rotary import Rotary, apply_rotary
-from looplm.modules.short_conv import ShortConvolution
 
 if TYPE_CHECKING:
     from looplm.model_config import ModelConfig
@@ -72,22 +70,8 @@ class MultiScaleRetention(DecayMixer):
         self.set_heads(hidden_size, num_heads, num_kv_heads, expand_k, expand_v)
         if self.head_k_dim % 2:
             raise ValueError(f"head_k_dim={self.head_k_dim} must be even for rotary embeddings")
-        self.use_short_conv, self.use_output_gate, self.chunk_size = use_short_conv, use_output_gate, chunk_size
-        kv_key_dim, kv_value_dim = self.key_dim // self.groups, self.value_dim // self.groups
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, kv_key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, kv_value_dim, bias=False)
-        if use_output_gate:
-            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.k_conv1d = ShortConvolution(kv_key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.v_conv1d = ShortConvolution(kv_value_dim, conv_size, bias=conv_bias, activation="silu")
-        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        if use_output_gate:
-            self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
-        else:
-            self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+        self.chunk_size = chunk_size
+        self.add_gated_layer(hidden_size, use_short_conv, conv_size, conv_bias, use_output_gate, norm_eps)
         self.rotary = Rotary(self.head_k_dim, rope_theta)
         self.register_buffer("log_gamma", retention_log_decay(num_heads), persistent=False)
 
