@@ -23,6 +23,8 @@ pytest.importorskip("fla", reason="flash-linear-attention not installed")
 
 #: the mixers that dispatch to fla's kernels (looplm.mixers.backend.use_fla)
 FLA_KINDS = ["linear_attention", "retnet", "gla", "hgrn2", "mamba2", "deltanet", "gated_deltanet", "kda"]
+#: the kinds whose op has a decay gate (fla's gated kernels)
+GATED_KINDS = {"retnet", "gla", "hgrn2", "mamba2", "gated_deltanet", "kda"}
 #: error ratio ‖a − b‖ / ‖b‖ allowed between the backends (fla's own tests use the same measure)
 RATIO = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 
@@ -66,6 +68,10 @@ def context(length: int, past: int = 0, batch: int = 2) -> MixerContext:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", FLA_KINDS)
 def test_forward_and_backward_match_pytorch(kind, dtype, torch_backend):
+    from looplm.mixers.backend import fla_gated_backward_ok
+
+    if kind in GATED_KINDS and not fla_gated_backward_ok(torch.device("cuda")):
+        pytest.skip("fla refuses the gated backward on this GPU / Triton (fla #640): looplm trains these on PyTorch")
     torch.manual_seed(0)
     layer = make_layer(kind).to(dtype)
     x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
