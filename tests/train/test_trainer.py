@@ -219,3 +219,20 @@ def test_auxiliary_losses_are_logged_beside_the_loss(tmp_path):
     for event in events:
         assert 0.05 <= event["aux_ponder"] <= 0.05 * 4  # ρ = N + R lies in [1, T + 1]
         assert event["loss"] > event["aux_ponder"]
+
+
+def test_fields_added_since_a_checkpoint_take_their_defaults_when_comparing():
+    """A run saved before a config field existed resumes: the missing field is read as its
+    default, while a field that really differs is still reported."""
+    from looplm.model_config import ModelConfig
+    from looplm.train.checkpoint import config_differences, with_defaults
+
+    current = ModelConfig(d_model=32, n_heads=4, layout="1R2")
+    saved = current.to_dict()
+    del saved["halting"], saved["step_embeddings"]  # an older looplm wrote neither
+    assert config_differences(with_defaults(saved, ModelConfig, "model"), current.to_dict(), "model") == []
+    assert config_differences(saved, current.to_dict(), "model")  # the raw comparison would refuse
+    saved["d_model"] = 64
+    assert config_differences(with_defaults(saved, ModelConfig, "model"), current.to_dict(), "model") == [
+        "model.d_model: checkpoint 64, this run 32"]
+    assert with_defaults({"d_model": "wide"}, ModelConfig, "model") == {"d_model": "wide"}  # unparsable: as saved

@@ -7,7 +7,6 @@ and one query costs O(S) per head instead of O(S²).
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch

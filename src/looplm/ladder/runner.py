@@ -45,7 +45,13 @@ from looplm.config_base import ConfigError, set_dotted
 from looplm.ladder.rungs import MECHANISMS, RUNGS, rung_model
 from looplm.tasks.config import CHARACTER_TASKS
 from looplm.train import Trainer
-from looplm.train.checkpoint import CONFIG_FILE, config_differences, has_checkpoints, resolve_checkpoint
+from looplm.train.checkpoint import (
+    CONFIG_FILE,
+    config_differences,
+    has_checkpoints,
+    resolve_checkpoint,
+    with_defaults,
+)
 from looplm.train.metrics import read_metrics
 
 logger = logging.getLogger("looplm")
@@ -267,10 +273,11 @@ def _finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
 
 
 def _check_same_config(run_dir: Path, saved: dict[str, Any], cfg: RunConfig) -> None:
-    current = json.loads(json.dumps(cfg.to_dict()))  # tuples as lists, as saved
+    current = cfg.to_dict()
     differences = []
     for section in ("model", "data", "train"):
-        a, b = dict(saved.get(section, {})), dict(current[section])
+        a = with_defaults(saved.get(section, {}), type(getattr(cfg, section)), section)  # fields added since
+        a, b = dict(a), dict(current[section])
         if section == "train":  # where the ladder lives does not change what it computes
             a.pop("out_dir", None), b.pop("out_dir", None)
         differences += config_differences(a, b, section)

@@ -41,7 +41,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from looplm.config_base import Config
+from looplm.config_base import Config, ConfigError
 from looplm.model import LoopLM
 
 logger = logging.getLogger("looplm")
@@ -275,6 +275,16 @@ def verify_checkpoint(step_dir: PathLike) -> dict[str, Any]:
     return manifest
 
 
+def with_defaults(saved: dict[str, Any], config_cls: type, prefix: str) -> dict[str, Any]:
+    """A saved config section as today's ``config_cls`` writes it: fields added since the
+    checkpoint take their defaults, so a new option does not block resuming an old run. A
+    section that no longer parses is returned as saved (the comparison then names why)."""
+    try:
+        return config_cls.from_dict(saved, prefix=prefix).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return saved
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str) -> list[str]:
     """``"prefix.field: checkpoint X, this run Y"`` for every differing (nested) field."""
     out = []
@@ -309,7 +319,8 @@ def load_checkpoint(
     if model_config is None and isinstance(model, LoopLM):
         model_config = model.cfg
     if model_config is not None:
-        differences = config_differences(config.get("model", {}), model_config.to_dict(), "model")
+        saved_model = with_defaults(config.get("model", {}), type(model_config), "model")
+        differences = config_differences(saved_model, model_config.to_dict(), "model")
         if differences:
             raise CheckpointError(
                 f"checkpoint {step_dir} was saved for a different model; differing fields:\n  "

@@ -62,6 +62,7 @@ from looplm.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    with_defaults,
 )
 from looplm.train.config import TrainConfig
 from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perplexity
@@ -183,9 +184,11 @@ class Trainer:
         # config is authoritative (differences are reported below). lr is set every step.
         for group, wd in zip(self.optimizer.param_groups, _group_weight_decays(tc)):
             group.update(weight_decay=wd, betas=(tc.beta1, tc.beta2), eps=tc.eps)
-        saved_train = {k: v for k, v in ckpt.config.get("train", {}).items() if k not in _RESUME_NEUTRAL}
+        saved_train = with_defaults(ckpt.config.get("train", {}), type(tc), "train")
+        saved_train = {k: v for k, v in saved_train.items() if k not in _RESUME_NEUTRAL}
         current_train = {k: v for k, v in tc.to_dict().items() if k not in _RESUME_NEUTRAL}
-        differences = config_differences(ckpt.config.get("data", {}), self.cfg.data.to_dict(), "data")
+        saved_data = with_defaults(ckpt.config.get("data", {}), type(self.cfg.data), "data")
+        differences = config_differences(saved_data, self.cfg.data.to_dict(), "data")
         differences += config_differences(saved_train, current_train, "train")
         if differences:
             logger.warning(
