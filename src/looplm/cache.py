@@ -26,7 +26,7 @@ equal the full forward's, where halted positions pass through later steps frozen
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -52,8 +52,10 @@ class LoopCache:
         self.chunks: dict[int, ChunkState] = {}  # multi-resolution iteration t -> its chunk state
         self.loop: Optional[LoopState] = None  # adaptive halting: each position's last loop state [B, S, ...]
         self.steps_done: Optional[torch.Tensor] = None  # [S] long, non-increasing: macro steps cached per position
-        self.block_passes = 0.0  # block evaluations spent on real positions, catch-up included
-        self.positions_seen = 0  # real positions processed (so block_passes / positions_seen per token)
+        # block evaluations spent on real positions (catch-up included) and real positions
+        # processed, kept on the device (0 until a looped forward adds to them)
+        self.block_passes: Union[float, torch.Tensor] = 0.0
+        self.positions_seen: Union[int, torch.Tensor] = 0
 
     def get(self, block: str, iteration: int) -> Optional[MixerState]:
         return self.states.get((block, iteration))

@@ -299,6 +299,7 @@ def generate(
     sequences = torch.cat([ids, generated], dim=1)  # [B, T + N]
     n = generated.shape[1]
     new_tokens = [row[: min(int(length), n)] for row, length in zip(generated.tolist(), lengths.tolist())]
-    passes = cache.block_passes / cache.positions_seen if cache is not None and cache.positions_seen else None
+    seen = int(cache.positions_seen) if cache is not None else 0
+    passes = float(cache.block_passes) / seen if seen else None
     return GenerationOutput(sequences=sequences, new_tokens=new_tokens, finished=finished,
                             block_passes_per_token=passes)

@@ -172,8 +172,9 @@ class LoopLM(nn.Module):
         if cache is not None:
             if self.halting.freezes:
                 cache.append_loop(state, t + 1)
-            cache.block_passes += float(passes_per_token[halt.valid].sum())
-            cache.positions_seen += int(halt.valid.sum())
+            # tensors, so decoding does not wait on the device for bookkeeping
+            cache.block_passes = cache.block_passes + passes_per_token[halt.valid].sum()
+            cache.positions_seen = cache.positions_seen + halt.valid.sum()
         return readout.to(h_pre.dtype), trace, record
 
     def _passes(self, t: int, ctx: MixerContext, cache: Optional[LoopCache]):
@@ -200,7 +201,7 @@ class LoopLM(nn.Module):
         sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
         self.streams.step(self.topology, cache.loop_slice(start, end), self._passes(t, sub, cache), t)
         cache.steps_done[start:end] = t + 1
-        cache.block_passes += float(self.cfg.loop.core * self.streams.passes * valid[:, start:].sum())
+        cache.block_passes = cache.block_passes + self.cfg.loop.core * self.streams.passes * valid[:, start:].sum()
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
              slot: Optional[int] = None) -> torch.Tensor:

@@ -33,7 +33,7 @@ def halting(probe: ProbeInput) -> ProbeReport:
                 per_step[name] = per_step.get(name, 0) + values * steps.shape[0]
     samples = probe.samples
     histogram = counts[1:] / counts.sum()
-    mean_by_position = torch.stack([p for p in by_position]).sum(dim=0) / samples if by_position else torch.zeros(0)
+    mean_by_position = torch.stack(by_position).sum(dim=0) / samples if by_position else torch.zeros(0)
     numbers = {
         "samples": samples,
         "rule": model.cfg.halting.kind,
