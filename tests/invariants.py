@@ -35,6 +35,13 @@ def assert_decodes_like_full_forward(model, x: torch.Tensor, splits: Sequence[Se
         assert cache.get_seq_length() == x.shape[1]
 
 
+def error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ (RMS), the measure fla's tests compare kernels by: it
+    tolerates TF32-level rounding of fla's fp32 kernels without hiding a wrong result."""
+    diff = (actual.float() - expected.float()).pow(2).mean().sqrt()
+    return (diff / expected.float().pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
 def prefill_then_tokens(prefill: int, length: int) -> list[int]:
     """End points of a prefill of ``prefill`` tokens followed by one token at a time."""
     return [prefill, *range(prefill + 1, length + 1)]

@@ -1,0 +1,100 @@
+"""Whole looped models on a device (DESIGN.md invariants 2-3): cache equivalence with every
+mixer, a hybrid decoded in chunks, bf16 autocast training and torch.compile.
+
+Each test runs on CPU (so CI checks the configurations and the test bodies themselves) and
+on CUDA where one is present; there the linear mixers run flash-linear-attention's kernels
+when it is installed, whose fp32 dots round like TF32, so CUDA results are compared by
+error ratio (as fla's own tests do) rather than elementwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from looplm import LoopCache, LoopLM
+from tests.conftest import tiny_config
+from tests.invariants import error_ratio, prefill_then_tokens
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA device"))]
+#: error ratio allowed between a decoded and a full forward: float32 rounding on CPU, TF32-level on CUDA
+RATIO = {"cpu": 1e-5, "cuda": 5e-3}
+#: options that make each mixer's sparsity or window bite at 40 tokens
+OPTIONS = {
+    "sliding_window": {"window": 8},
+    "nsa": {"block_size": 4, "select_blocks": 4, "window": 8},  # 10 blocks: 3 forced + 1 by importance
+    "dsa": {"top_k": 8, "index_heads": 2, "index_head_dim": 32},  # index_head_dim >= the rotary dim (32)
+}
+KINDS = ["attention", "sliding_window", "nsa", "dsa", "linear_attention", "retnet", "gla", "hgrn2", "mamba2",
+         "deltanet", "gated_deltanet", "kda"]
+
+
+def decode(model: LoopLM, x: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    """Logits of x fed piece by piece (ending at ``ends``) against one cache."""
+    cache, pieces, start = LoopCache(), [], 0
+    for end in ends:
+        pieces.append(model(x[:, start:end], cache=cache).logits)
+        start = end
+    assert cache.get_seq_length() == x.shape[1]
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_looped_model_cache_equivalence(kind, device):
+    """A looped model (anchor topology) decodes like its full forward with every mixer, so
+    the per-(block, iteration) states are right on the device's backend too."""
+    torch.manual_seed(0)
+    cfg = tiny_config("anchor", layout="1+1R3+1", d_model=128, n_heads=4, mixer={"kind": kind, **OPTIONS.get(kind, {})})
+    model = LoopLM(cfg).to(device).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 40), device=device)
+    assert error_ratio(decode(model, x, prefill_then_tokens(30, 40)), model(x).logits) < RATIO[device]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_hybrid_decoded_in_chunks(device):
+    """Full + GDN (4:1) in a gated-residual loop: chunked prefill and token steps both give
+    the full forward's logits."""
+    torch.manual_seed(0)
+    cfg = tiny_config("gated_residual", layout="5R2", d_model=128, n_heads=4, mixer={"kind": "gated_deltanet"},
+                      hybrid={"mixer": {"kind": "attention"}, "ratio": "4:1"})
+    model = LoopLM(cfg).to(device).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 33), device=device)
+    full = model(x).logits
+    for ends in ([17, 22, 27, 33], prefill_then_tokens(25, 33)):
+        assert error_ratio(decode(model, x, ends), full) < RATIO[device], ends
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["attention", "gated_deltanet"])
+def test_bf16_autocast_training_reduces_loss(kind, device):
+    torch.manual_seed(0)
+    cfg = tiny_config("mesh", layout="1+1R2+1", d_model=128, n_heads=4, mixer={"kind": kind})
+    model = LoopLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=device == "cuda")
+    x = torch.randint(0, cfg.vocab_size, (4, 64), device=device)
+    losses = []
+    for _ in range(30):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(x, targets=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (inductor on CPU is minutes here)")
+def test_compiled_looped_model_matches_eager():
+    torch.manual_seed(0)
+    cfg = tiny_config("mesh", layout="1+1R3+1", d_model=128, n_heads=4)
+    model = LoopLM(cfg).cuda()
+    x = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
+    eager = model(x, targets=x)
+    compiled = torch.compile(model)(x, targets=x)
+    assert error_ratio(compiled.logits, eager.logits) < 1e-4
+    compiled.loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
