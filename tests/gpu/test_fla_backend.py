@@ -32,7 +32,7 @@ def torch_backend(monkeypatch):
     """A context in which the mixers take the PyTorch path on CUDA too."""
     import contextlib
 
-    import looplm.mixers.backend as backend
+    from looplm.mixers import backend
 
     @contextlib.contextmanager
     def use():
