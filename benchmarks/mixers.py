@@ -42,6 +42,8 @@ BENCH_OPTIONS = {"sliding_window": {"window": 512}, "dsa": {"index_head_dim": 64
 
 #: mixers with a flash-linear-attention kernel (looplm.mixers.backend.use_fla)
 FLA_KINDS = ("linear_attention", "retnet", "gla", "hgrn2", "mamba2", "deltanet", "gated_deltanet", "kda")
+#: those whose op has a decay gate (fla's gated kernels)
+GATED_KINDS = ("retnet", "gla", "hgrn2", "mamba2", "gated_deltanet", "kda")
 
 
 @contextlib.contextmanager
@@ -191,6 +193,24 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
 
 
+def _backend_notes(device: str) -> list[str]:
+    """What the unmarked rows ran on: fla's kernels or PyTorch, and where the gated kinds
+    had to train on PyTorch (looplm.mixers.backend.use_fla)."""
+    from looplm.mixers.backend import fla_gated_backward_ok, fla_installed
+
+    if not (device.startswith("cuda") and fla_installed()):
+        return ["", "Backend: looplm's PyTorch ops for every row (no CUDA device or no flash-linear-attention)."]
+    import fla
+    import triton
+
+    notes = ["", f"Backend: flash-linear-attention {fla.__version__} (Triton {triton.__version__}) kernels for "
+             f"{', '.join(FLA_KINDS)}; PyTorch for the rest and for rows marked [torch]."]
+    if not fla_gated_backward_ok(torch.device(device)):
+        notes.append(f"fla refuses the gated backward on this GPU and Triton (fla #640), so the forward + backward "
+                     f"rows of {', '.join(sorted(GATED_KINDS))} ran on PyTorch here; their decode rows ran on fla.")
+    return notes
+
+
 def _cell(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     if "error" in result:
         return "error"
@@ -233,6 +253,7 @@ def main() -> None:
         f"{args.threads} threads, device {_device_name(args.device)}, {args.dtype}; B={args.batch}, "
         f"{args.heads} heads x {args.head_dim} dims "
         f"(d_model {args.heads * args.head_dim}); median of {args.repeats} runs.",
+        *_backend_notes(args.device),
         "",
         "## Forward + backward, one layer: milliseconds (peak MiB)",
         "",
