@@ -101,24 +101,29 @@ def nsa_attention(
     Returns (o [B, H_kv, G, T, D], selected blocks bool [B, H_kv, T, ⌈S / l'⌉]).
     Equal to :func:`naive_nsa_attention` to rounding, without its T × S tensors.
     """
-    S, N = k.shape[2], k_cmp.shape[2]
-    device = q.device
-    pos = positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
-
-    # compressed branch: block j visible once j·d + l − 1 ≤ t
-    last = torch.arange(N, device=device) * stride + block_size - 1
-    o_cmp, p_cmp = grouped_attention(q, k_cmp, v_cmp, last <= pos, scale)
-
-    # selection: importance of each l'-block from the compressed scores, shared in a KV group
-    n_sel = -(-S // select_size)
-    overlap = selection_overlap(N, n_sel, block_size, stride, select_size, device)
-    importance = p_cmp.detach().sum(dim=2) @ overlap  # Eq. (9)-(10): [B, H_kv, T, N_sel]
-    selected = select_blocks(importance, positions, select_size, n_select)
+    o_cmp, selected = _compressed_and_selection(q, k_cmp, v_cmp, positions, k.shape[2], block_size=block_size,
+                                                stride=stride, select_size=select_size, n_select=n_select,
+                                                scale=scale)
 
     o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * _selected_branch(q, k, v, selected, positions, select_size, scale)
     if window > 0:
         o = o + gates[..., 2:3] * _window_branch(q, k, v, positions, window, scale)
     return o, selected
+
+
+def _compressed_and_selection(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, positions: torch.Tensor, n_keys: int, *,
+    block_size: int, stride: int, select_size: int, n_select: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed branch (block j visible once j·d + l − 1 ≤ t) and, from its attention
+    mass summed over a KV group, the selected l'-blocks (Eq. (9)-(11)).
+    Returns (o_cmp [B, H_kv, G, T, D], selected bool [B, H_kv, T, ⌈n_keys / l'⌉])."""
+    N, device = k_cmp.shape[2], q.device
+    last = torch.arange(N, device=device) * stride + block_size - 1
+    o_cmp, p_cmp = grouped_attention(q, k_cmp, v_cmp, last <= positions[:, None, None, :, None], scale)
+    overlap = selection_overlap(N, -(-n_keys // select_size), block_size, stride, select_size, device)
+    importance = p_cmp.detach().sum(dim=2) @ overlap  # Eq. (9)-(10): [B, H_kv, T, N_sel]
+    return o_cmp, select_blocks(importance, positions, select_size, n_select)
 
 
 def _selected_branch(
@@ -202,7 +207,8 @@ def naive_nsa_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense reference of :func:`nsa_attention` (same arguments and results): every query
-    scored against every key, the branches cut out by masks. O(T·S) time and memory.
+    scored against every key, the selected and window branches cut out by masks (the
+    compressed branch and the selection are shared). O(T·S) time and memory.
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h, as fla's GQA); k, v:
     [B, H_kv, S, D], key c at position c; k_cmp, v_cmp: [B, H_kv, N, D], compressed block
@@ -212,19 +218,11 @@ def naive_nsa_attention(
 
     Returns (o [B, H_kv, G, T, D], selected blocks bool [B, H_kv, T, ⌈S / l'⌉]).
     """
-    S, N = k.shape[2], k_cmp.shape[2]
+    S = k.shape[2]
     device = q.device
     pos = positions[:, None, None, :, None]  # [B, 1, 1, T, 1]
-
-    # compressed branch: block j visible once j·d + l − 1 ≤ t
-    last = torch.arange(N, device=device) * stride + block_size - 1
-    o_cmp, p_cmp = grouped_attention(q, k_cmp, v_cmp, last <= pos, scale)
-
-    # selection: importance of each l'-block from the compressed scores, shared in a KV group
-    n_sel = -(-S // select_size)
-    overlap = selection_overlap(N, n_sel, block_size, stride, select_size, device)
-    importance = p_cmp.detach().sum(dim=2) @ overlap  # Eq. (9)-(10): [B, H_kv, T, N_sel]
-    selected = select_blocks(importance, positions, select_size, n_select)
+    o_cmp, selected = _compressed_and_selection(q, k_cmp, v_cmp, positions, S, block_size=block_size, stride=stride,
+                                                select_size=select_size, n_select=n_select, scale=scale)
 
     key = torch.arange(S, device=device)
     causal = key <= pos  # [B, 1, 1, T, S]
