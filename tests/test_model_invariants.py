@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from looplm import LoopCache, LoopLM
+from looplm.config import load_config, preset_names
 from tests.conftest import TOPOLOGY_KINDS, all_configs, grow, random_ids, tiny_config
 from tests.invariants import (
     assert_decodes_like_full_forward,
@@ -126,3 +127,24 @@ def test_decoding_after_padded_prefill_needs_no_mask():
     nxt = random_ids(1, 1, seed=4)
     stepped = model(nxt, cache=cache).logits[0, -1]
     torch.testing.assert_close(stepped, model(torch.cat([short, nxt], 1)).logits[0, -1], atol=2e-5, rtol=1e-5)
+
+
+LT2_MODELS = sorted(name.removeprefix("lt2-0.6b-") for name in preset_names() if name.startswith("lt2-0.6b-"))
+
+
+def test_every_lt2_model_has_both_paper_sizes_and_a_tiny_preset():
+    names = set(preset_names())
+    assert len(LT2_MODELS) == 14  # LT2 Table 2: the transformer reference, 9 mixers, 4 hybrids
+    for model in LT2_MODELS:
+        assert {f"lt2-1.3b-{model}", f"tiny-lt2-{model}"} <= names, model
+
+
+@pytest.mark.parametrize("model", LT2_MODELS)
+@torch.no_grad()
+def test_tiny_lt2_presets_are_causal_and_decode_like_the_full_forward(model):
+    cfg = load_config(f"tiny-lt2-{model}").model
+    torch.manual_seed(0)
+    net = LoopLM(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, 24))
+    assert_strictly_causal(net, x, [5, 17], shift=1, vocab=cfg.vocab_size, atol=1e-5)
+    assert_decodes_like_full_forward(net, x, [[9, 16, 24], prefill_then_tokens(20, 24)], atol=1e-5)
