@@ -17,6 +17,7 @@ from looplm.mixers.nsa import NativeSparseAttention, NSAConfig
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary, apply_rotary
 from looplm.ops.sparse import (
+    dsa_attention,
     index_kl_loss,
     naive_nsa_attention,
     nsa_attention,
@@ -284,6 +285,51 @@ def test_dsa_training_path_equals_inference_path():
     inferred, _ = layer.eval()(x, ctx)
     torch.testing.assert_close(trained, inferred, atol=1e-5, rtol=1e-5)
     assert ctx.losses == {}
+
+
+def _dsa_inputs(B=2, T=29, S=37, Hkv=2, G=2, D=8, HI=3, DI=8, seed=5):
+    """Random DSA inputs for the last T of S positions, row 0 left-padded by 6; every input
+    that carries a gradient requires one."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*shape, generator=g).requires_grad_(True) for shape in
+               ((B, Hkv, G, T, D), (B, Hkv, S, D), (B, Hkv, S, D), (B, T, HI, DI), (B, S, DI), (B, T, HI))]
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[0, :6] = False
+    return tensors, valid
+
+
+def test_dsa_query_blocks_equal_one_block_forward_backward_and_loss():
+    """Blocks of 4 queries (checkpointed) give the outputs, index loss and gradients of one
+    block with every query."""
+    results = []
+    for block in (4, 1000):
+        tensors, valid = _dsa_inputs()
+        o, loss = dsa_attention(*tensors, valid, top_k=5, scale=8**-0.5, index_loss=True, block=block)
+        (o * torch.linspace(-1, 1, o.shape[-1])).sum().add(loss).backward()
+        results.append((o.detach(), loss.detach(), [t.grad for t in tensors]))
+    (o_blocks, loss_blocks, grads_blocks), (o_one, loss_one, grads_one) = results
+    torch.testing.assert_close(o_blocks, o_one, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(loss_blocks, loss_one, atol=1e-6, rtol=1e-5)
+    for name, a, b in zip(["q", "k", "v", "q_index", "k_index", "w_index"], grads_blocks, grads_one):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_dsa_training_keeps_no_scores_of_all_queries_for_the_backward():
+    """What the forward saves for the backward grows like T·D, not T·S: the block's scores and
+    probabilities are recomputed in the backward."""
+    largest = []
+    for length in (128, 256):
+        tensors, valid = _dsa_inputs(T=length, S=length, D=16, DI=16)
+        saved = [0]
+
+        def pack(t, saved=saved):
+            saved[0] = max(saved[0], t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            dsa_attention(*tensors, valid, top_k=8, scale=0.25, index_loss=True, block=32)
+        largest.append(saved[0])
+    assert largest[1] <= 2 * largest[0] and largest[1] < 256 * 256, largest
 
 
 def test_dsa_index_loss_is_zero_when_the_indexer_matches_attention():

@@ -23,7 +23,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from looplm.config_base import ConfigError, check
@@ -31,8 +30,7 @@ from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.modules.rotary import apply_rotary
-from looplm.ops.sparse.common import masked_softmax
-from looplm.ops.sparse.dsa import index_kl_loss, index_scores, select_keys
+from looplm.ops.sparse.dsa import dsa_attention
 
 if TYPE_CHECKING:
     from looplm.model_config import ModelConfig
@@ -153,26 +151,13 @@ class DeepSeekSparseAttention(nn.Module):
         if state is not None:
             k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
             k_index = torch.cat([state.index_keys, k_index], dim=1)
-        S, past = k.shape[2], ctx.past
-
-        scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, T, S]
-        key = torch.arange(S, device=x.device)
-        query = torch.arange(past, S, device=x.device)[:, None]  # [T, 1] absolute index
-        candidates = (key <= query)[None] & ctx.valid[:, None, :]  # [B, T, S]
-        selected = select_keys(scores, candidates, self.top_k)
-        allowed = selected | ((key == query)[None] & ~ctx.new_valid[..., None])  # a padding query sees itself
-        allowed = allowed[:, None]  # [B, 1, T, S]
-        keys, values = k, v
-        if Hkv != H:
-            keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-
-        if self.training:  # explicit probabilities: the indexer's target
-            p = masked_softmax(torch.matmul(q, keys.transpose(-1, -2)) * D**-0.5, allowed)  # [B, H, T, S]
-            y = torch.matmul(p.to(values.dtype), values)
-            ctx.add_loss("dsa_index", self.index_loss_weight * index_kl_loss(scores, p, selected, ctx.new_valid))
-        else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
-        y = y.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
+        o, index_loss = dsa_attention(
+            q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid, top_k=self.top_k,
+            scale=D**-0.5, index_loss=self.training,
+        )  # o: [B, H_kv, G, T, D]
+        if index_loss is not None:
+            ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)
+        y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
         return self.o_proj(y), DSAState(k, v, k_index)

@@ -5,7 +5,7 @@ decoding state; these functions take already projected, rotated tensors.
 """
 
 from looplm.ops.sparse.common import grouped_attention, masked_softmax, topk_mask
-from looplm.ops.sparse.dsa import index_kl_loss, index_scores, select_keys
+from looplm.ops.sparse.dsa import dsa_attention, index_kl_loss, index_kl_sum, index_scores, select_keys
 from looplm.ops.sparse.nsa import (
     compressed_block_count,
     naive_nsa_attention,
@@ -16,8 +16,10 @@ from looplm.ops.sparse.nsa import (
 
 __all__ = [
     "compressed_block_count",
+    "dsa_attention",
     "grouped_attention",
     "index_kl_loss",
+    "index_kl_sum",
     "index_scores",
     "masked_softmax",
     "naive_nsa_attention",

@@ -14,9 +14,12 @@ KL(p_{t,S_t} ‖ softmax(I_{t,S_t})), p being the main attention summed over hea
 L1-normalised, detached. With every key selected (top-k ≥ t + 1) this is the dense warm-up
 loss (Eq. (2)); otherwise the sparse-stage loss over the selected set S_t (Eq. (3)).
 
-Cost: the indexer scores are O(T·S·H^I·d^I) time and O(T·S·H^I) memory (as in DeepSeek,
-where it is cheap because H^I and d^I are small and it runs in FP8); the selection is
-O(T·S). Decoding (T = 1) is O(S).
+Cost: the indexer scores are O(T·S·H^I·d^I) time (as in DeepSeek, where it is cheap
+because H^I and d^I are small and it runs in FP8), the selection O(T·S). :func:`dsa_attention`
+works through blocks of queries, scoring each block against every key, so the live
+memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
+(activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
+T × S scores and probabilities of every head. Decoding (T = 1) is O(S).
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from looplm.ops.sparse.common import topk_mask
+from looplm.ops.sparse.common import grouped_attention, topk_mask
+
+#: queries scored against every key at once; bounds the live memory at block × S per head
+QUERY_BLOCK = 256
 
 
 def index_scores(
@@ -58,11 +65,75 @@ def index_kl_loss(
     main attention probabilities (zero off the selected keys; detached here); selected:
     bool [B, T, S]; query_valid: bool [B, T].
     """
-    target = attention.detach().float().sum(dim=1)  # Σ over heads: [B, T, S]
+    total, rows = index_kl_sum(scores, attention.detach().float().sum(dim=1), selected, query_valid)
+    return total / rows.clamp_min(1)
+
+
+def index_kl_sum(
+    scores: torch.Tensor, mass: torch.Tensor, selected: torch.Tensor, query_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ over real queries with keys of KL(p_t ‖ softmax(I_t)) on the selected keys, their
+    count): the pieces of :func:`index_kl_loss` that add up over blocks of queries.
+    mass: [B, T, S] main attention summed over heads (detached)."""
+    target = mass.detach().float()
     target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)  # L1-normalise
     has_keys = selected.any(dim=-1, keepdim=True)
     support = selected | ~has_keys  # rows without keys: any finite support, excluded below
     log_q = scores.float().masked_fill(~support, float("-inf")).log_softmax(dim=-1)
     kl = torch.xlogy(target, target) - target * torch.where(selected, log_q, torch.zeros_like(log_q))
     rows = query_valid & has_keys.squeeze(-1)
-    return (kl.sum(dim=-1) * rows).sum() / rows.sum().clamp_min(1)
+    return (kl.sum(dim=-1) * rows).sum(), rows.sum()
+
+
+def dsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    w_index: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    top_k: int,
+    scale: float,
+    index_loss: bool = False,
+    block: int = QUERY_BLOCK,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """DSA for the last T of S positions: each query attends to its top-k keys by index score
+    among the real keys at or before it (a padding query sees only itself), block by block.
+
+    q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
+    q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
+    [B, S] (False: left padding). ``index_loss``: also return the indexer's KL loss (mean
+    over real queries, Eq. (2)-(3)), else None. Returns (o [B, H_kv, G, T, D], loss).
+    With grad enabled and more than one block, each block is checkpointed.
+    """
+    T, S = q.shape[3], k.shape[2]
+    keep = torch.is_grad_enabled() and T > block
+    outputs, total, rows = [], q.new_zeros((), dtype=torch.float32), q.new_zeros((), dtype=torch.long)
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        args = (q[:, :, :, start:end], k, v, q_index[:, start:end], k_index, w_index[:, start:end], valid,
+                S - T + start, top_k, scale, index_loss)
+        o, block_total, block_rows = checkpoint(_dsa_block, *args, use_reentrant=False) if keep else _dsa_block(*args)
+        outputs.append(o)
+        total, rows = total + block_total, rows + block_rows
+    o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=3)
+    return o, (total / rows.clamp_min(1) if index_loss else None)
+
+
+def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool):
+    """One block of Q queries at absolute positions first .. first + Q − 1 against all S keys."""
+    Q, S = q.shape[3], k.shape[2]
+    scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
+    key = torch.arange(S, device=q.device)
+    query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
+    candidates = (key <= query)[None] & valid[:, None, :]  # [B, Q, S]: causal and real
+    selected = select_keys(scores, candidates, top_k)
+    query_valid = valid[:, first : first + Q]
+    allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
+    o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
+    if not index_loss:
+        return o, q.new_zeros((), dtype=torch.float32), q.new_zeros((), dtype=torch.long)
+    total, rows = index_kl_sum(scores, p.detach().sum(dim=(1, 2)), selected, query_valid)
+    return o, total, rows
