@@ -4,7 +4,11 @@ For every mixer kind (or those given with --kinds), in one run:
 
 * forward + backward time and peak memory of one mixer layer at sequence lengths
   512 ... 8192 (B 1, d_model = heads · head_dim), each measured in a fresh subprocess so
-  its peak resident memory (ru_maxrss above the process's baseline) is its own;
+  its peak resident memory (ru_maxrss above the process's baseline) is its own. The
+  memory is taken in a second subprocess with glibc's mmap threshold fixed at 128 KiB
+  (``MALLOC_MMAP_THRESHOLD_``): glibc's default raises that threshold as large blocks are
+  freed, after which freed memory stays resident and the peak counts it again and again
+  (a loop over blocks of queries then looks like it keeps every block);
 * decode time per token against a cache filled to context lengths 512 ... 8192 (it stays
   flat for the linear mixers, grows with context for attention);
 * Gated DeltaNet's chunkwise op against flash-linear-attention's CPU reference
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import resource
 import statistics
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -112,12 +118,13 @@ def measure_train(kind: str, length: int, heads: int, head_dim: int, device: str
         out, _ = layer(x, ctx, None)
         out.sum().backward()
 
+    if repeats == 0:  # memory only: one step
+        step()
+        return {"peak_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024}  # KiB on Linux
     seconds = _time(step, device, repeats)
     if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024  # KiB on Linux
-    return {"seconds": seconds, "peak_mib": peak}
+        return {"seconds": seconds, "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+    return {"seconds": seconds}
 
 
 @torch.no_grad()
@@ -175,11 +182,23 @@ def _child(args: argparse.Namespace) -> None:
     sys.stdout.write(json.dumps(_measure(json.loads(args.child))) + "\n")
 
 
-def _run_child(args: argparse.Namespace, **job) -> dict:
+#: the environment of the memory-measuring subprocess (see the module docstring)
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def _train(args: argparse.Namespace, **job) -> dict:
+    """Time of a training step and its peak memory (on CPU from a second, memory-only run)."""
+    result = _run_child(args, what="train", **job)
+    if not args.device.startswith("cuda") and "error" not in result:
+        result.update(_run_child(args, what="train", env=FIXED_MMAP_THRESHOLD, **{**job, "repeats": 0}))
+    return result
+
+
+def _run_child(args: argparse.Namespace, env: Optional[dict] = None, **job) -> dict:
     if args.device.startswith("cuda"):  # the allocator's peak is per job; no fresh process needed
         return _measure(job)
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", json.dumps(job)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1][:200] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -260,7 +279,7 @@ def main() -> None:
         "| mixer | " + " | ".join(f"T={n}" for n in args.lengths) + " | vs attention at T=" + str(args.lengths[-1]) + " |",
         "| --- | " + " | ".join("---" for _ in args.lengths) + " | --- |",
     ]
-    train = {row: [_run_child(args, what="train", kind=row[0], backend=row[1], length=n, **common)
+    train = {row: [_train(args, kind=row[0], backend=row[1], length=n, **common)
                    for n in args.lengths] for row in rows}
     ref = train.get(("attention", "auto"), [{}])[-1]
     for row in rows:
