@@ -123,14 +123,17 @@ def dsa_attention(
 
 
 def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool):
-    """One block of Q queries at absolute positions first .. first + Q − 1 against all S keys."""
-    Q, S = q.shape[3], k.shape[2]
+    """One block of Q queries at absolute positions first .. first + Q − 1 against the keys at
+    or before its last query (the later ones are never candidates)."""
+    Q = q.shape[3]
+    S = first + Q
+    k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
     key = torch.arange(S, device=q.device)
     query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
-    candidates = (key <= query)[None] & valid[:, None, :]  # [B, Q, S]: causal and real
+    candidates = (key <= query)[None] & valid[:, None, :S]  # [B, Q, S]: causal and real
     selected = select_keys(scores, candidates, top_k)
-    query_valid = valid[:, first : first + Q]
+    query_valid = valid[:, first:S]
     allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
