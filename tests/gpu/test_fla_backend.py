@@ -58,9 +58,39 @@ def context(length: int, past: int = 0, batch: int = 2) -> MixerContext:
     return MixerContext(rope=rope, valid=valid, past=past, padded=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def run_layer(layer, x: torch.Tensor, backward: bool):
+    """(output, final state, input gradient, parameter gradients) of one 300-position forward."""
+    layer.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        out, state = layer(xi, context(x.shape[1]), None)
+    if not backward:
+        return out, state.recurrent, None, {}
+    (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), state.recurrent.detach(), xi.grad, grads
+
+
+@DTYPES
 @pytest.mark.parametrize("kind", FLA_KINDS)
-def test_forward_and_backward_match_pytorch(kind, dtype, torch_backend):
+def test_chunked_forward_matches_pytorch(kind, dtype, torch_backend):
+    """fla's chunk kernels (inference, 300 positions) against the PyTorch chunkwise form."""
+    torch.manual_seed(0)
+    layer = make_layer(kind).to(dtype)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
+    fla_out = run_layer(layer, x, backward=False)
+    with torch_backend():
+        ref_out = run_layer(layer, x, backward=False)
+    assert error_ratio(fla_out[0], ref_out[0]) < RATIO[dtype], "output"
+    assert error_ratio(fla_out[1], ref_out[1]) < RATIO[dtype], "final state"
+
+
+@DTYPES
+@pytest.mark.parametrize("kind", FLA_KINDS)
+def test_training_forward_and_backward_match_pytorch(kind, dtype, torch_backend):
     from looplm.mixers.backend import fla_gated_backward_ok
 
     if kind in GATED_KINDS and not fla_gated_backward_ok(torch.device("cuda")):
@@ -68,18 +98,9 @@ def test_forward_and_backward_match_pytorch(kind, dtype, torch_backend):
     torch.manual_seed(0)
     layer = make_layer(kind).to(dtype)
     x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        out, state = layer(xi, context(300), None)
-        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
-        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-        return out.detach(), state.recurrent.detach(), xi.grad, grads
-
-    fla_out = run()
+    fla_out = run_layer(layer, x, backward=True)
     with torch_backend():
-        ref_out = run()
+        ref_out = run_layer(layer, x, backward=True)
     tol = RATIO[dtype]
     assert error_ratio(fla_out[0], ref_out[0]) < tol, "output"
     assert error_ratio(fla_out[1], ref_out[1]) < tol, "final state"
