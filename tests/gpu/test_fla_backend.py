@@ -61,29 +61,34 @@ def context(length: int, past: int = 0, batch: int = 2) -> MixerContext:
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def run_layer(layer, x: torch.Tensor, backward: bool):
-    """(output, final state, input gradient, parameter gradients) of one 300-position forward."""
-    layer.zero_grad(set_to_none=True)
-    xi = x.clone().requires_grad_(backward)
-    with torch.set_grad_enabled(backward):
-        out, state = layer(xi, context(x.shape[1]), None)
-    if not backward:
-        return out, state.recurrent, None, {}
-    (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return out.detach(), state.recurrent.detach(), xi.grad, grads
+def on_both_backends(kind: str, dtype: torch.dtype, backward: bool, torch_backend):
+    """(fla, PyTorch) results of one 300-position forward of the same layer on the same input,
+    each (output, final state, input gradient, parameter gradients)."""
+    torch.manual_seed(0)
+    layer = make_layer(kind).to(dtype)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            out, state = layer(xi, context(x.shape[1]), None)
+        if not backward:
+            return out, state.recurrent, None, {}
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        return out.detach(), state.recurrent.detach(), xi.grad, grads
+
+    fla_out = run()
+    with torch_backend():
+        return fla_out, run()
 
 
 @DTYPES
 @pytest.mark.parametrize("kind", FLA_KINDS)
 def test_chunked_forward_matches_pytorch(kind, dtype, torch_backend):
     """fla's chunk kernels (inference, 300 positions) against the PyTorch chunkwise form."""
-    torch.manual_seed(0)
-    layer = make_layer(kind).to(dtype)
-    x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
-    fla_out = run_layer(layer, x, backward=False)
-    with torch_backend():
-        ref_out = run_layer(layer, x, backward=False)
+    fla_out, ref_out = on_both_backends(kind, dtype, False, torch_backend)
     assert error_ratio(fla_out[0], ref_out[0]) < RATIO[dtype], "output"
     assert error_ratio(fla_out[1], ref_out[1]) < RATIO[dtype], "final state"
 
@@ -95,12 +100,7 @@ def test_training_forward_and_backward_match_pytorch(kind, dtype, torch_backend)
 
     if kind in GATED_KINDS and not fla_gated_backward_ok(torch.device("cuda")):
         pytest.skip("fla refuses the gated backward on this GPU / Triton (fla #640): looplm trains these on PyTorch")
-    torch.manual_seed(0)
-    layer = make_layer(kind).to(dtype)
-    x = torch.randn(2, 300, 256, device="cuda", dtype=dtype)
-    fla_out = run_layer(layer, x, backward=True)
-    with torch_backend():
-        ref_out = run_layer(layer, x, backward=True)
+    fla_out, ref_out = on_both_backends(kind, dtype, True, torch_backend)
     tol = RATIO[dtype]
     assert error_ratio(fla_out[0], ref_out[0]) < tol, "output"
     assert error_ratio(fla_out[1], ref_out[1]) < tol, "final state"
