@@ -16,8 +16,8 @@ loss (Eq. (2)); otherwise the sparse-stage loss over the selected set S_t (Eq. (
 
 Cost: the indexer scores are O(T·S·H^I·d^I) time (as in DeepSeek, where it is cheap
 because H^I and d^I are small and it runs in FP8), the selection O(T·S). :func:`dsa_attention`
-works through blocks of queries, scoring each block against every key, so the live
-memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
+works through blocks of queries, scoring each block against the keys up to its last
+query, so the live memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
 T × S scores and probabilities of every head. Decoding (T = 1) is O(S).
 """
@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from looplm.ops.sparse.common import grouped_attention, topk_mask
 
-#: queries scored against every key at once; bounds the live memory at block × S per head
+#: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
 
 
