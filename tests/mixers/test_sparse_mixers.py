@@ -314,6 +314,25 @@ def test_dsa_query_blocks_equal_one_block_forward_backward_and_loss():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_dsa_gradcheck_through_checkpointed_blocks():
+    """float64 gradcheck with blocks of 3 queries (the checkpointed path): the output against
+    q, k, v, and the index loss against the indexer's inputs (its attention target is
+    detached by design, Eq. (3)). The selection is fixed under the check's perturbations."""
+    tensors, valid = _dsa_inputs(B=1, T=7, S=9, HI=2, DI=4, D=4)
+    q, k, v, q_index, k_index, w_index = (t.detach().double() for t in tensors)
+
+    def output(q, k, v):
+        return dsa_attention(q, k, v, q_index, k_index, w_index, valid, top_k=4, scale=0.5, block=3)[0]
+
+    def index_loss(q_index, k_index, w_index):
+        return dsa_attention(q, k, v, q_index, k_index, w_index, valid, top_k=4, scale=0.5, index_loss=True,
+                             block=3)[1]
+
+    assert torch.autograd.gradcheck(output, tuple(t.requires_grad_(True) for t in (q, k, v)))
+    q, k, v = (t.detach() for t in (q, k, v))
+    assert torch.autograd.gradcheck(index_loss, tuple(t.requires_grad_(True) for t in (q_index, k_index, w_index)))
+
+
 def test_dsa_training_keeps_no_scores_of_all_queries_for_the_backward():
     """What the forward saves for the backward grows like T·D, not T·S: the block's scores and
     probabilities are recomputed in the backward."""

@@ -13,9 +13,9 @@ import torch
 
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """softmax(scores) over the last dim restricted to ``allowed`` (broadcastable bool);
-    a row with no allowed entry gives all zeros (no NaN, forward or backward). Computed in
-    float32 and returned in float32."""
-    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    a row with no allowed entry gives all zeros (no NaN, forward or backward). Computed and
+    returned in float32, or float64 for float64 scores."""
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~allowed, float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True).detach()
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # empty rows: exp(-inf) = 0
     e = torch.exp(scores - peak)
@@ -30,7 +30,7 @@ def grouped_attention(
 
     q: [B, H_kv, G, T, D]; k, v: [B, H_kv, S, D]; allowed: bool, broadcastable to
     [B, H_kv, G, T, S]. Returns (o [B, H_kv, G, T, D] in v's dtype, p [B, H_kv, G, T, S]
-    float32). Rows with nothing allowed give o = 0. Cost O(T·S) per head: a dense
+    in at least float32). Rows with nothing allowed give o = 0. Cost O(T·S) per head: a dense
     reference for a mask that is sparse.
     """
     if k.shape[2] == 0:  # nothing to attend to yet (e.g. no complete compressed block)

@@ -75,11 +75,12 @@ def index_kl_sum(
     """(Σ over real queries with keys of KL(p_t ‖ softmax(I_t)) on the selected keys, their
     count): the pieces of :func:`index_kl_loss` that add up over blocks of queries.
     mass: [B, T, S] main attention summed over heads (detached)."""
-    target = mass.detach().float()
+    dtype = torch.promote_types(scores.dtype, torch.float32)  # float32 at least (bf16 scores), float64 kept
+    target = mass.detach().to(dtype)
     target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)  # L1-normalise
     has_keys = selected.any(dim=-1, keepdim=True)
     support = selected | ~has_keys  # rows without keys: any finite support, excluded below
-    log_q = scores.float().masked_fill(~support, float("-inf")).log_softmax(dim=-1)
+    log_q = scores.to(dtype).masked_fill(~support, float("-inf")).log_softmax(dim=-1)
     kl = torch.xlogy(target, target) - target * torch.where(selected, log_q, torch.zeros_like(log_q))
     rows = query_valid & has_keys.squeeze(-1)
     return (kl.sum(dim=-1) * rows).sum(), rows.sum()
@@ -110,8 +111,8 @@ def dsa_attention(
     """
     T, S = q.shape[3], k.shape[2]
     keep = torch.is_grad_enabled() and T > block
-    outputs, total, rows = [], q.new_zeros((), dtype=torch.float32), q.new_zeros((), dtype=torch.long)
-    for start in range(0, T, block):
+    outputs, total, rows = [], 0.0, 0
+    for start in range(0, max(T, 1), block):  # one (empty) block when T = 0
         end = min(start + block, T)
         args = (q[:, :, :, start:end], k, v, q_index[:, start:end], k_index, w_index[:, start:end], valid,
                 S - T + start, top_k, scale, index_loss)
@@ -137,6 +138,6 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
-        return o, q.new_zeros((), dtype=torch.float32), q.new_zeros((), dtype=torch.long)
+        return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     total, rows = index_kl_sum(scores, p.detach().sum(dim=(1, 2)), selected, query_valid)
     return o, total, rows

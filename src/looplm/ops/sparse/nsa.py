@@ -122,7 +122,7 @@ def _compressed_and_selection(
     last = torch.arange(N, device=device) * stride + block_size - 1
     o_cmp, p_cmp = grouped_attention(q, k_cmp, v_cmp, last <= positions[:, None, None, :, None], scale)
     overlap = selection_overlap(N, -(-n_keys // select_size), block_size, stride, select_size, device)
-    importance = p_cmp.detach().sum(dim=2) @ overlap  # Eq. (9)-(10): [B, H_kv, T, N_sel]
+    importance = p_cmp.detach().sum(dim=2) @ overlap.to(p_cmp.dtype)  # Eq. (9)-(10): [B, H_kv, T, N_sel]
     return o_cmp, select_blocks(importance, positions, select_size, n_select)
 
 
