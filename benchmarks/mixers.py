@@ -104,7 +104,9 @@ def _time(fn, device: str, repeats: int) -> float:
 
 def measure_train(kind: str, length: int, heads: int, head_dim: int, device: str, repeats: int,
                   batch: int = 1, dtype: str = "float32") -> dict:
-    """Forward + backward seconds and peak memory (MiB) of one layer at one length."""
+    """Forward + backward seconds of one layer at one length (median of ``repeats``), with
+    the allocator's peak MiB on CUDA; ``repeats=0``: one step and its peak resident MiB only
+    (the CPU memory run, see :func:`_train`)."""
     torch.manual_seed(0)
     layer, cfg = _layer(kind, heads, head_dim, device)
     layer = layer.to(getattr(torch, dtype))
