@@ -1,15 +1,20 @@
 """The ``looplm`` command line: train, eval, generate, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
-    looplm eval RUN_OR_CHECKPOINT [key=value ...] [--json]
-    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ...
-    looplm info CONFIG_OR_RUN [key=value ...] [--json]
-    looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR]
+    looplm eval RUN_OR_CHECKPOINT [key=value ...] [--json] [--no-verify]
+    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
+    looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
+    looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
+    looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
     looplm ladder --task {addition,copy,reverse} --budget C [--quick] [--rungs RUNG ...] [key=value ...]
+    looplm config [CONFIG] [key=value ...]
     looplm presets
 
 CONFIG is a YAML path or a preset name (``looplm presets`` lists them); ``key=value``
 overrides dotted fields, e.g. ``model.topology.kind=anchor train.max_steps=100``.
+Checkpoints are verified against their manifest before use (``--no-verify`` skips that,
+for inspecting a damaged one). An expected failure (a config value, data, a checkpoint,
+a file permission, an argument, a diverging run) prints one ``error:`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from looplm.config_base import ConfigError
+from looplm.errors import LoopLMError
 
 log = logging.getLogger("looplm")
 
@@ -51,12 +57,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from looplm.evaluation import evaluate_run
 
     result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations,
-                          step_embeddings=not args.no_step_embeddings)
+                          step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
+    finite = math.isfinite(result["val_loss"])
     if args.json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        from looplm.train.metrics import json_safe
+
+        sys.stdout.write(json.dumps(json_safe(result), indent=2) + "\n")  # NaN is not JSON: null
     else:
         for key, value in result.items():
             sys.stdout.write(f"{key:<16} {value}\n")
+    if not finite:
+        log.error("error: val_loss is %s, not a usable evaluation (see the warning above)", result["val_loss"])
+        return 2
     return 0
 
 
@@ -73,6 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         seed=args.seed,
         step_embeddings=not args.no_step_embeddings,
+        verify=not args.no_verify,
     )
     sys.stdout.write(text + "\n")
     return 0
@@ -82,7 +95,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from looplm.info import describe_source, format_description
 
     source, overrides = _split_config_and_overrides(args.items)
-    info = describe_source(source, overrides)  # a config, or a run/checkpoint (with its grown structure)
+    info = describe_source(source, overrides, verify=not args.no_verify)  # a config, or a run (with its grown structure)
     sys.stdout.write((json.dumps(info, indent=2) if args.json else format_description(info)) + "\n")
     return 0
 
@@ -94,18 +107,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
         for probe in PROBES.values():
             sys.stdout.write(f"{probe.name:<24} {probe.source}\n")
         return 0
-    try:
-        if args.run is None:
-            raise ProbeError("RUN_OR_CHECKPOINT is required (or --list)")
-        results = run_probes(
-            args.run, args.probe or ["all"], data=args.data, samples=args.samples, batch_size=args.batch_size,
-            out_dir=args.out, figures=not args.no_figures,
-        )
-        if not results:
-            raise ProbeError("no probe applies to this model")
-    except (ProbeError, ImportError) as err:  # ImportError: matplotlib missing, the message says what to do
-        log.error("error: %s", err)
-        return 2
+    if args.run is None:
+        raise ProbeError("RUN_OR_CHECKPOINT is required (or --list)")
+    results = run_probes(
+        args.run, args.probe or ["all"], data=args.data, samples=args.samples, batch_size=args.batch_size,
+        out_dir=args.out, figures=not args.no_figures, verify=not args.no_verify,
+    )
+    if not results:
+        raise ProbeError("no probe applies to this model")
     return 0
 
 
@@ -164,6 +173,18 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from looplm.config import load_config
+
+    source, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(source, overrides)  # validated: what `looplm train` with the same arguments would run
+    sys.stdout.write(f"# looplm config {' '.join(args.items) or '(the default main job)'}: every field, resolved\n")
+    sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None))
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from looplm.config import preset_names, read_config_source
 
@@ -173,9 +194,40 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(kind: Callable, allowed: str, ok: Callable) -> Callable[[str], object]:
+    """An argparse type: ``kind(text)`` satisfying ``ok``, else argparse's one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: {allowed}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_POSITIVE = _number(int, "an integer >= 1", lambda v: v >= 1)
+_COUNT = _number(int, "an integer >= 0", lambda v: v >= 0)
+_TEMPERATURE = _number(float, "a number >= 0 (0 is greedy)", lambda v: math.isfinite(v) and v >= 0)
+_TOP_P = _number(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+_NO_VERIFY = "load even if the files do not match their manifest (inspecting a damaged checkpoint)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a wrong argument reported as one ``error:`` line (exit 2) like every
+    other expected failure, instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="looplm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="looplm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model (no CONFIG: the default main job)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")
@@ -187,29 +239,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="validation loss and perplexity of a run or checkpoint")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("overrides", nargs="*", metavar="data.key=value", help="evaluate on other data")
-    p.add_argument("--batches", type=int, default=None, help="number of validation batches")
-    p.add_argument("--iterations", type=int, default=None, help="loop iterations at inference")
+    p.add_argument("--batches", type=_POSITIVE, default=None, help="number of validation batches")
+    p.add_argument("--iterations", type=_POSITIVE, default=None, help="loop iterations at inference")
     p.add_argument("--no-step-embeddings", action="store_true",
                    help="run without the step embeddings (needed for more iterations than trained)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a run or checkpoint")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--iterations", type=int, default=None, help="loop iterations at inference")
+    p.add_argument("--max-new-tokens", type=_COUNT, default=200)
+    p.add_argument("--temperature", type=_TEMPERATURE, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-k", type=_POSITIVE, default=None)
+    p.add_argument("--top-p", type=_TOP_P, default=None)
+    p.add_argument("--iterations", type=_POSITIVE, default=None, help="loop iterations at inference")
     p.add_argument("--no-step-embeddings", action="store_true",
                    help="run without the step embeddings (needed for more iterations than trained)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("probe", help="analysis probes (MeSH, SpiralFormer, SGT, LT2, logit lens) on a run")
@@ -217,17 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="append", metavar="NAME", help="probe name, repeatable; default: all (--list)")
     p.add_argument("--data", nargs="*", default=[], metavar="key=value",
                    help="data fields to override (data. prefix optional; a bare PATH sets the source)")
-    p.add_argument("--samples", type=int, default=64, help="held-out sequences to probe (default 64)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--samples", type=_POSITIVE, default=64, help="held-out sequences to probe (default 64)")
+    p.add_argument("--batch-size", type=_POSITIVE, default=8)
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN/probes)")
     p.add_argument("--no-figures", action="store_true", help="write the JSON numbers only (no matplotlib needed)")
     p.add_argument("--list", action="store_true", help="list the probes and the figures they reproduce")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("flops", help="FLOPs per sequence and per token, per component, under a convention")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default model.max_seq_len)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=_POSITIVE, default=None, help="tokens per sequence (default model.max_seq_len)")
+    p.add_argument("--batch", type=_POSITIVE, default=1)
     p.add_argument("--convention", default="default",
                    help="default, mesh, spiralformer, sgt, lt2 or torch (docs/accounting.md)")
     match = p.add_mutually_exclusive_group()
@@ -242,8 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     from looplm.tasks.config import CHARACTER_TASKS
 
     p = sub.add_parser("ladder", help="train the compute-placement ladder on a character task and tabulate it",
-                       description="Train each rung of the compute-placement ladder (autoregressive-trm.txt "
-                       "Table 1) at the same block-pass budget from the preset task-TASK, then write results.md, "
+                       description="Train each rung of the compute-placement ladder (the autoregressive TRM "
+                       "paper's Table 1: dense, tied, tied+step, UT+ACT, two-stream, nested two-stream, AR-TRM) at "
+                       "the same block-pass budget from the preset task-TASK, then write results.md, "
                        "results.csv and plots into --out. Rerunning the same command reuses finished rungs and "
                        "resumes an interrupted one.")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="fields shared by every rung, e.g. train.lr=1e-3")
@@ -254,12 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rungs", nargs="+", default=list(RUNGS), metavar="RUNG",
                    help="rungs to train, default all: " + " ".join(RUNGS))
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/ladder-TASK-CBUDGET, with -quick for --quick)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per rung (train.max_steps)")
+    p.add_argument("--steps", type=_POSITIVE, default=None, help="training steps per rung (train.max_steps)")
     p.add_argument("--seed", type=int, default=0, help="model init, training stream and evaluation problems")
     p.add_argument("--outer", type=int, default=1, metavar="H", help="outer cycles of the nested rungs (default 1)")
     p.add_argument("--inner", type=int, default=2, metavar="L", help="inner refinements of the nested rungs (default 2)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_ladder)
+
+    p = sub.add_parser("config", help="print the full resolved config of a preset or YAML (every field)")
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")
+    p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_presets)
@@ -271,11 +332,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
-        log.error("error: %s", err)
-        return 2
     except BrokenPipeError:  # e.g. `looplm presets | head`
         return 0
+    except LoopLMError as err:  # config, data, checkpoint, argument, divergence: the message says what to change
+        log.error("error: %s", err.for_cli())
+        return 2
+    except OSError as err:  # a path that does not exist or cannot be written
+        log.error("error: %s", f"{err.strerror}: {err.filename}" if err.strerror and err.filename else err)
+        return 2
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
 
 
 if __name__ == "__main__":

@@ -53,14 +53,19 @@ def read_config_source(source: Optional[str], _seen: tuple[str, ...] = ()) -> di
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.is_file():  # a folder named like a preset is not a config
         if not path.is_file():
-            raise ConfigError("CONFIG", source, "an existing YAML file or a preset name: " + ", ".join(preset_names()))
-        text = path.read_text()
+            raise ConfigError("CONFIG", source, "an existing YAML file or a preset name" + _suggest(source))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError("CONFIG", source, f"a readable UTF-8 YAML file ({err})") from err
     else:
         preset = resources.files("looplm.presets") / f"{source}.yaml"
         if not preset.is_file():
-            raise ConfigError("CONFIG", source, "a YAML path or a preset name: " + ", ".join(preset_names()))
+            hint = (f"; {source} is a directory (to continue a run: looplm train CONFIG train.out_dir={source} --resume)"
+                    if path.is_dir() else _suggest(source))
+            raise ConfigError("CONFIG", source, "a YAML path or a preset name" + hint)
         text = preset.read_text()
-    data = yaml.safe_load(text) or {}
+    data = _parse_yaml(text, "CONFIG", str(path) if path.is_file() else source) or {}
     if not isinstance(data, dict):
         raise ConfigError("CONFIG", source, "a YAML mapping with keys model, data, train")
     parent = data.pop("extends", None)
@@ -69,6 +74,16 @@ def read_config_source(source: Optional[str], _seen: tuple[str, ...] = ()) -> di
             raise ConfigError("extends", parent, "a preset or YAML path that does not extend itself")
         data = _merge(read_config_source(parent, _seen=(*_seen, source)), data)
     return data
+
+
+def _suggest(source: str) -> str:
+    """The presets closest to a misspelt name, and where to see them all."""
+    import difflib
+
+    close = difflib.get_close_matches(Path(source).stem, preset_names(), n=4, cutoff=0.6)
+    if close:
+        return f"; did you mean {', '.join(close)}? (looplm presets lists them all)"
+    return ": " + ", ".join(preset_names())
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +103,20 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError("override", item, "key=value, e.g. model.layout=4+8R2+4 or train.max_steps=100")
-        pairs.append((key.strip(), yaml.safe_load(value) if value.strip() else None))
+        pairs.append((key.strip(), _parse_yaml(value, key.strip(), item) if value.strip() else None))
     return pairs
+
+
+def _parse_yaml(text: str, field: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, a syntax error being a ConfigError that names ``where`` and the line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem, at = str(err).splitlines()[0], ""
+        if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+            problem, mark = err.problem or problem, err.problem_mark
+            at = f" at line {mark.line + 1}, column {mark.column + 1}"
+        raise ConfigError(field, where, f"valid YAML: {problem}{at}") from None
 
 
 def load_config(source: Optional[str] = None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import math
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from looplm.errors import LoopLMError
 
-class ConfigError(ValueError):
-    """An invalid configuration value. The message names field, value and what is allowed."""
 
-    def __init__(self, field: str, value: Any, allowed: str):
+class ConfigError(LoopLMError, ValueError):
+    """An invalid configuration value. The message names field, value and what is allowed;
+    ``cli_hint``, where given, says the same in command-line terms."""
+
+    def __init__(self, field: str, value: Any, allowed: str, cli_hint: str | None = None):
         self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"{field}={value!r} is invalid: {allowed}")
+        super().__init__(f"{field}={value!r} is invalid: {allowed}",
+                         None if cli_hint is None else f"{field}={value!r} is invalid: {cli_hint}")
 
 
 def _describe(tp: Any) -> str:
@@ -81,14 +86,17 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return value
         raise ConfigError(name, value, "an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(name, value, "a number")
+        if number is None or not math.isfinite(number):  # .inf / .nan would poison training silently
+            raise ConfigError(name, value, "a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

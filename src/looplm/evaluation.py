@@ -7,18 +7,21 @@ directory, or a ``save_pretrained`` directory (``config.json`` + ``model.safeten
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
+from looplm.artifacts import MODEL_FILE, load_weights, read_weights_dir
 from looplm.config import RunConfig, parse_overrides
 from looplm.config_base import ConfigError, set_dotted
 from looplm.data import data_tokenizer, validation_batches
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
+
+log = logging.getLogger("looplm")
 
 
 @dataclasses.dataclass
@@ -28,33 +31,17 @@ class LoadedRun:
     path: Path
 
 
-def _checkpoint_dir(path: Path) -> Path:
-    latest = path / "checkpoints" / "latest"
-    if latest.is_file():
-        return path / "checkpoints" / latest.read_text().strip()
-    if (path / "latest").is_file():
-        return path / (path / "latest").read_text().strip()
-    return path
-
-
-def load_run(path: str | Path, device: str = "cpu") -> LoadedRun:
-    """Model (eval mode) and run config of a run, checkpoint or pretrained directory."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: expected a run directory, a checkpoint or a save_pretrained directory")
-    directory = _checkpoint_dir(path)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: {path} is not a run, checkpoint or save_pretrained directory")
-    raw = json.loads(config_path.read_text())
+def load_run(path: str | Path, device: str = "cpu", verify: bool = True) -> LoadedRun:
+    """Model (eval mode) and run config of a run, checkpoint or pretrained directory, its
+    files verified against their manifest first (``verify=False``: skip that, for forensics
+    on a damaged directory)."""
+    directory, raw = read_weights_dir(path, verify=verify)
     if "model" in raw:
         config = RunConfig.from_dict(raw)
     else:  # a save_pretrained directory holds the model config alone
         config = RunConfig(model=ModelConfig.from_dict(raw, prefix="model"))
-    from safetensors.torch import load_model
-
     model = LoopLM(config.model)
-    load_model(model, str(directory / "model.safetensors"), strict=True, device=device)
+    load_weights(model, directory / MODEL_FILE, device=device)
     return LoadedRun(model=model.to(device).eval(), config=config, path=directory)
 
 
@@ -76,15 +63,17 @@ def evaluate_run(
     iterations: Optional[int] = None,
     batch_size: int = 8,
     step_embeddings: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Mean next-token loss and perplexity on the held-out split of the run's data
-    (``data.key=value`` overrides select other data)."""
-    run = load_run(path)
+    (``data.key=value`` overrides select other data). A non-finite loss (e.g. a loop run
+    far past its trained iterations) is returned as it is, with a warning saying so."""
+    run = load_run(path, verify=verify)
     set_step_embeddings(run.model, step_embeddings)
     data = run.config.data.to_dict()
     for key, value in parse_overrides(overrides):  # values parsed as YAML, as for training
         if not key.startswith("data."):
-            raise ValueError(f"override {key}={value!r}: only data.* fields can be changed for evaluation")
+            raise ConfigError(key, value, "a data.* field: only the data can be changed for evaluation")
         set_dotted({"data": data}, key, value)
     if batches is not None:
         data["val_batches"] = batches
@@ -96,9 +85,18 @@ def evaluate_run(
         n = int((targets != -100).sum())
         total, count = total + float(out.lm_loss) * n, count + n
     if count == 0:
-        raise ValueError("the validation split is empty: set data.val_fraction > 0 or use more data")
+        raise ConfigError("data.val_fraction", data_cfg.val_fraction,
+                          f"a fraction that leaves a validation window of data.seq_len + 1 = {data_cfg.seq_len + 1} "
+                          f"tokens: the held-out split of {data_cfg.source!r} is empty (raise it, or use more data)")
     loss = total / count
-    return {"checkpoint": str(run.path), "tokens": count, "val_loss": loss, "val_ppl": math.exp(loss)}
+    if not math.isfinite(loss):
+        trained = run.config.model.iterations
+        ran = trained if iterations is None else iterations
+        log.warning("val_loss is %s: the model's outputs are not finite with %d loop iterations (trained with %d)%s",
+                    loss, ran, trained, "; the loop state diverges when run this far past its training"
+                    if ran > trained else "")
+    return {"checkpoint": str(run.path), "tokens": count, "val_loss": loss,
+            "val_ppl": math.exp(loss) if loss < 700 else math.inf}
 
 
 def generate_text(
@@ -111,9 +109,10 @@ def generate_text(
     iterations: Optional[int] = None,
     seed: int = 0,
     step_embeddings: bool = True,
+    verify: bool = True,
 ) -> str:
     """Prompt plus continuation, decoded with the run's tokenizer."""
-    run = load_run(path)
+    run = load_run(path, verify=verify)
     set_step_embeddings(run.model, step_embeddings)
     tokenizer = data_tokenizer(run.config.data)
     ids = tokenizer.encode(prompt)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 
 from looplm.cache import LoopCache
+from looplm.config_base import ConfigError
 
 if TYPE_CHECKING:
     from looplm.model import LoopLM
@@ -40,9 +41,9 @@ class GenerationOutput:
     block_passes_per_token: Optional[float] = None
 
 
-def _invalid(name: str, value: Any, allowed: str) -> ValueError:
-    # Same shape as ConfigError's message: argument, value, what is allowed.
-    return ValueError(f"{name}={value!r} is invalid: {allowed}")
+def _invalid(name: str, value: Any, allowed: str) -> ConfigError:
+    """An invalid argument: its name, the value and what is allowed (a ValueError)."""
+    return ConfigError(name, value, allowed)
 
 
 # ----------------------------------------------------------------- inputs

@@ -63,14 +63,15 @@ def _head_loop_summary(cfg: ModelConfig) -> str:
             f"{h.direction.replace('_', '-')}, exclude {list(h.exclude)}")
 
 
-def describe_source(source: Optional[str], overrides: Sequence[str] = ()) -> dict[str, Any]:
+def describe_source(source: Optional[str], overrides: Sequence[str] = (), verify: bool = True) -> dict[str, Any]:
     """describe() of a config (preset or YAML); for a run, checkpoint or save_pretrained
-    directory, of its saved model config plus ``grown`` (block -> depth, heads) and ``step``."""
+    directory (verified against its manifest unless ``verify=False``), of its saved model
+    config plus ``grown`` (block -> depth, heads) and ``step``."""
     if source is not None and Path(source).is_dir():
         from looplm.evaluation import load_run
         from looplm.growth.structure import grown_structure
 
-        run = load_run(source)
+        run = load_run(source, verify=verify)
         info = describe(run.config.model)
         info["checkpoint"] = str(run.path)
         if run.config.model.head_loop is not None:

@@ -302,24 +302,31 @@ class LoopLM(nn.Module):
         return generate(self, input_ids, **kwargs)
 
     def save_pretrained(self, directory: Union[str, Path]) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (Hugging Face layout)."""
+        """Write ``config.json`` and ``model.safetensors`` (Hugging Face layout), then
+        ``manifest.json`` with their sha256 (:mod:`looplm.artifacts`): a directory whose
+        manifest is missing or does not match was not written completely."""
         from safetensors.torch import save_model
+
+        from looplm.artifacts import CONFIG_FILE, MANIFEST, MODEL_FILE, write_manifest, write_text
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
-        save_model(self, str(directory / "model.safetensors"))
+        (directory / MANIFEST).unlink(missing_ok=True)  # the old manifest must not vouch for half-new files
+        write_text(directory / CONFIG_FILE, json.dumps(self.cfg.to_dict(), indent=2) + "\n", atomic=True)
+        save_model(self, str(directory / MODEL_FILE))
+        write_manifest(directory, (CONFIG_FILE, MODEL_FILE))
 
     @classmethod
-    def from_pretrained(cls, directory: Union[str, Path], map_location: str = "cpu") -> "LoopLM":
-        from safetensors.torch import load_model
+    def from_pretrained(cls, directory: Union[str, Path], map_location: str = "cpu", verify: bool = True) -> "LoopLM":
+        """The model of a ``save_pretrained`` directory, a training checkpoint or a run
+        directory (its latest checkpoint), verified against its manifest first
+        (``verify=False``: load a damaged directory anyway, for inspection)."""
+        from looplm.artifacts import MODEL_FILE, load_weights, read_weights_dir
 
-        directory = Path(directory)
-        config_path = directory / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path} not found: not a directory written by save_pretrained")
-        model = cls(ModelConfig.from_dict(json.loads(config_path.read_text()), prefix="model"))
-        load_model(model, str(directory / "model.safetensors"), strict=True, device=map_location)
+        directory, config = read_weights_dir(directory, verify=verify)
+        model_config = config["model"] if "model" in config else config  # a run's config.json holds model/data/train
+        model = cls(ModelConfig.from_dict(model_config, prefix="model"))
+        load_weights(model, directory / MODEL_FILE, device=map_location)
         return model
 
     def blocks(self) -> list[Block]:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
-from looplm.data.packing import packed_corpus, stream_windows
+from looplm.data.packing import PackedCorpus, packed_corpus, stream_windows
 from looplm.data.sources import iter_documents
 from looplm.data.split import is_validation
 from looplm.data.tokenizer import Tokenizer, build_tokenizer
@@ -47,12 +47,18 @@ def _as_batch(rows: Tensor) -> Batch:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def _too_small(cfg: DataConfig, tokens: int | None) -> ConfigError:
-    has = "fewer" if tokens is None else str(tokens)
+def _too_small(cfg: DataConfig, corpus: PackedCorpus | None) -> ConfigError:
+    """No training window: say how the source was split, so the fix is clear."""
+    if corpus is None:
+        has = "fewer"
+    else:
+        has = (f"{corpus.train_tokens} tokens in {corpus.train_documents} documents (the held-out split, "
+               f"data.val_fraction={cfg.val_fraction:g}, took {corpus.val_documents} documents, {corpus.val_tokens} tokens)")
     return ConfigError(
         "data.seq_len", cfg.seq_len,
         f"small enough for one training window: a window needs seq_len + 1 = {cfg.seq_len + 1} tokens, "
-        f"but the training split of {cfg.source!r} has {has}",
+        f"but the training split of {cfg.source!r} has {has}; use more data, a shorter data.seq_len or a "
+        "smaller data.val_fraction",
     )
 
 
@@ -143,7 +149,7 @@ class _StreamedWindows:
                     self.offset += 1
                     return window
             if self._produced == 0:
-                raise _too_small(self.cfg, tokens=None)
+                raise _too_small(self.cfg, None)
             self.epoch, self.offset, self._iter = self.epoch + 1, 0, None
 
     def skip(self, count: int) -> None:
@@ -195,7 +201,7 @@ class TrainStream:
         else:
             corpus = packed_corpus(cfg, tokenizer)
             if corpus.train.shape[0] == 0:
-                raise _too_small(cfg, corpus.train_tokens)
+                raise _too_small(cfg, corpus)
             self._windows = _PackedWindows(corpus.train, cfg.shuffle, cfg.seed)
 
     @property

@@ -10,8 +10,12 @@ Sources (``DataConfig.source``):
 - ``"pydoc"``: CPython's ``pydoc_data.topics.topics``, the English reference
   documentation behind ``help()``: one document per topic, in sorted key order
   (about 80 documents, ~465 KB of text with CPython 3.11; it varies slightly by version).
-- a local ``.txt`` file (the whole file is one document, decoded as UTF-8 with
-  ``errors="replace"``), ``.jsonl`` file (one JSON object per non-blank line, text in
+- a local ``.txt`` file, read as UTF-8 and split into passages of at least
+  ``TXT_PASSAGE_CHARS`` characters at paragraph breaks (:func:`split_passages`); each
+  passage is one document, so a corpus that is one long file (a book, a dump) still has a
+  held-out split by the hash rule, and a document boundary (eos) falls only at a
+  paragraph break. A file with NUL bytes or more than 1% invalid UTF-8 is refused as not
+  text; a few invalid bytes are replaced (U+FFFD) with a warning. A ``.jsonl`` file (one JSON object per non-blank line, text in
   ``text_field``), ``.parquet`` file (column ``text_field``, read in row batches), or a
   folder of such files, searched recursively in sorted path order (hidden files and
   folders, and other extensions, are skipped).
@@ -26,13 +30,21 @@ Null texts are skipped; a missing text field or a non-string text is a ConfigErr
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
 
+log = logging.getLogger("looplm")
+
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+#: Minimum passage length of a .txt file (characters): about a thousand tokens of English
+#: under a BPE vocabulary, several windows of the byte tokenizer at small seq_len.
+TXT_PASSAGE_CHARS = 4096
+#: Invalid UTF-8 tolerated in a .txt file before it is refused as not text (a fraction of its characters).
+MAX_INVALID_UTF8 = 0.01
 HF_PREFIX = "hf:"
 _PARQUET_BATCH_ROWS = 1024
 
@@ -86,11 +98,50 @@ def _read_files(files: list[Path], field: str) -> Iterator[str]:
     for path in files:
         suffix = path.suffix.lower()
         if suffix == ".txt":
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield from split_passages(read_text_file(path))
         elif suffix == ".jsonl":
             yield from _read_jsonl(path, field)
         else:
             yield from _read_parquet(path, field)
+
+
+def read_text_file(path: Path) -> str:
+    """A .txt file's text, or a ConfigError if it is not text (NUL bytes, mostly invalid UTF-8)."""
+    raw = path.read_bytes()
+    if b"\x00" in raw:
+        raise ConfigError("data.source", str(path), f"UTF-8 text files: {path} holds NUL bytes, so it is binary, not text")
+    text = raw.decode("utf-8", errors="replace")
+    invalid = text.count("\ufffd") - raw.count("\ufffd".encode())
+    if invalid > MAX_INVALID_UTF8 * max(len(text), 1):
+        raise ConfigError(
+            "data.source", str(path),
+            f"UTF-8 text files: {invalid} of the {len(text)} characters of {path} are invalid UTF-8, so it is binary "
+            "or in another encoding (convert it, e.g. iconv -f latin1 -t utf-8)",
+        )
+    if invalid:
+        log.warning("%s: %d invalid UTF-8 byte sequences replaced by U+FFFD", path, invalid)
+    return text
+
+
+def split_passages(text: str, size: int = TXT_PASSAGE_CHARS) -> list[str]:
+    """Cut ``text`` into consecutive passages that join back to it exactly.
+
+    A passage ends at the first paragraph break (a blank line) once it holds ``size``
+    characters; a paragraph that reaches ``4 · size`` without one ends at a line end, and a
+    single line longer than that is cut every ``size`` characters.
+    """
+    passages, current, length = [], [], 0
+    for line in text.splitlines(keepends=True):
+        pieces = [line[i:i + size] for i in range(0, len(line), size)] if len(line) > 4 * size else [line]
+        for piece in pieces:
+            current.append(piece)
+            length += len(piece)
+            if (length >= size and not piece.strip()) or length >= 4 * size or len(pieces) > 1:
+                passages.append("".join(current))
+                current, length = [], 0
+    if current:
+        passages.append("".join(current))
+    return passages
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:

@@ -20,6 +20,7 @@ from typing import Any, Union
 
 import torch
 
+from looplm.artifacts import load_tensors
 from looplm.config_base import ConfigError
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
@@ -303,12 +304,10 @@ def load_hf_checkpoint(directory: Union[str, Path]) -> LoopLM:
 
 def read_safetensors(directory: Union[str, Path]) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors``, or of the shards named by its index file."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return load_tensors(single)
     if not index.is_file():
         raise FileNotFoundError(
             f"neither {single.name} nor {index.name} in {directory}; only safetensors checkpoints are read"
@@ -319,7 +318,7 @@ def read_safetensors(directory: Union[str, Path]) -> dict[str, torch.Tensor]:
         path = directory / shard
         if not path.is_file():
             raise FileNotFoundError(f"{path} (a shard named by {index.name}) not found")
-        state.update(load_file(str(path)))
+        state.update(load_tensors(path))
     missing = sorted(set(weight_map) - set(state))
     if missing:
         raise ValueError(f"{index.name} lists tensors its shards do not hold: {', '.join(missing[:8])}")

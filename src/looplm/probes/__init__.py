@@ -53,15 +53,17 @@ def _data_config(config, data: Sequence[str], batches: int):
 
 
 def load_probe_input(
-    path: Union[str, Path], data: Sequence[str] = (), samples: int = 64, batch_size: int = 8, device: str = "cpu"
+    path: Union[str, Path], data: Sequence[str] = (), samples: int = 64, batch_size: int = 8, device: str = "cpu",
+    verify: bool = True,
 ) -> ProbeInput:
-    """A run's model and ``samples`` held-out sequences (the first ones, always the same)."""
+    """A run's model (verified against its manifest unless ``verify=False``) and
+    ``samples`` held-out sequences (the first ones, always the same)."""
     from looplm.data import data_tokenizer, validation_batches
     from looplm.evaluation import load_run
 
     if samples < 1:
         raise ProbeError(f"samples={samples}; expected an integer >= 1")
-    run = load_run(path, device=device)
+    run = load_run(path, device=device, verify=verify)
     data_cfg = _data_config(run.config, data, math.ceil(samples / batch_size))
     tokenizer = data_tokenizer(data_cfg)
     batches, left = [], samples
@@ -72,7 +74,7 @@ def load_probe_input(
         left -= batches[-1][0].shape[0]
     if not batches:
         raise ProbeError("the validation split is empty: set data.val_fraction > 0 or use more data")
-    return ProbeInput(run.model, run.config, Path(path), batches, tokenizer)
+    return ProbeInput(run.model, run.config, Path(path), batches, tokenizer, verify)
 
 
 def write_report(probe: Probe, report: ProbeReport, out_dir: Path, figures: bool, meta: dict[str, Any]) -> list[Path]:
@@ -105,23 +107,25 @@ def run_probes(
     out_dir: Optional[Union[str, Path]] = None,
     figures: bool = True,
     device: str = "cpu",
+    verify: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Run probes on a run, checkpoint or save_pretrained directory and write their files
     into ``out_dir`` (default ``PATH/probes``). ``names``: probe names or ``"all"`` (every
     probe that applies to the model; the others are skipped with a log line). Returns
     ``{name: numbers}``."""
+    everything = "all" in names
+    selected = list(PROBES) if everything else list(dict.fromkeys(names))
+    probes = [get_probe(n) for n in selected]
+    inputs = load_probe_input(path, data, samples, batch_size, device, verify)
     if figures:
         from looplm.probes.plots import pyplot
 
         pyplot()  # fail before the work when matplotlib is missing
-    everything = "all" in names
-    selected = list(PROBES) if everything else list(dict.fromkeys(names))
-    probes = [get_probe(n) for n in selected]
-    inputs = load_probe_input(path, data, samples, batch_size, device)
     out = Path(out_dir) if out_dir is not None else Path(path) / "probes"
     meta = {"checkpoint": str(path), "samples": inputs.samples, "seq_len": int(inputs.batches[0][0].shape[1])}
     results = {}
-    for probe in probes:
+    for i, probe in enumerate(probes, start=1):
+        log.info("probe %s (%d/%d) on %d sequences ...", probe.name, i, len(probes), inputs.samples)
         try:
             report = probe.run(inputs)
         except ProbeError as err:

@@ -10,7 +10,6 @@ vectors, taken by a hook on the attention's ``qkv`` projection (:mod:`looplm.pro
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -168,24 +167,23 @@ def head_entropy(probe: ProbeInput) -> ProbeReport:
     })
 
 
-_STEP = re.compile(r"^step_(\d+)$")
-
 
 @register("entropy_dynamics", "SGT §3 Figures 2, 14b: intra-layer entropy variance over training (saved checkpoints)")
 def entropy_dynamics(probe: ProbeInput) -> ProbeReport:
-    from safetensors.torch import load_model
-
+    from looplm.artifacts import MODEL_FILE, load_weights, step_of, verify_manifest
     from looplm.model import LoopLM
 
     root = probe.run_path / "checkpoints"
-    steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP.match(p.name))) if root.is_dir() else []
+    steps = sorted((step_of(p.name), p) for p in root.glob("step_*") if step_of(p.name) is not None) if root.is_dir() else []
     if not steps:
         raise ProbeError(f"{probe.run_path} has no checkpoints/step_* directories: pass a run directory")
     series, labels = [], None
     for step, path in steps:
+        if probe.verify:
+            verify_manifest(path, (MODEL_FILE,))
         model = LoopLM(probe.model.cfg)
-        load_model(model, str(path / "model.safetensors"), strict=True)
-        sub = ProbeInput(model.eval(), probe.config, probe.run_path, probe.batches, probe.tokenizer)
+        load_weights(model, path / MODEL_FILE)
+        sub = ProbeInput(model.eval(), probe.config, probe.run_path, probe.batches, probe.tokenizer, probe.verify)
         ent = _per_location(sub, lambda attn, cap, loc: last_token_entropy(attn))
         labels = [_label(loc) for loc in ent]
         table = torch.stack(list(ent.values()))

@@ -11,11 +11,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from looplm.config import RunConfig
+from looplm.errors import LoopLMError
 from looplm.model import LoopLM
 from looplm.probes.capture import Capture, capture_forward
 
 
-class ProbeError(ValueError):
+class ProbeError(LoopLMError, ValueError):
     """A probe that cannot run on this model or data (e.g. a loop probe on a dense model)."""
 
 
@@ -24,13 +25,15 @@ class ProbeInput:
     """model: in eval mode. config: the run's config. run_path: the directory given by the
     user (a run directory holds ``checkpoints/`` and ``metrics.jsonl``). batches: the
     held-out (inputs, targets) batches, [B, T] each, ``samples`` sequences in all.
-    tokenizer: the run's tokenizer, for labelling tokens in figures (None: token ids)."""
+    tokenizer: the run's tokenizer, for labelling tokens in figures (None: token ids).
+    verify: whether further checkpoints a probe reads are verified against their manifest."""
 
     model: LoopLM
     config: RunConfig
     run_path: Path
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     tokenizer: Optional[Any] = None
+    verify: bool = True
 
     @property
     def samples(self) -> int:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 from looplm.probes import plots
-from looplm.probes.base import ProbeInput, ProbeReport, register, tolist
+from looplm.probes.base import ProbeError, ProbeInput, ProbeReport, register, tolist
 
 
 @register("halting", "autoregressive-TRM App. B.1, LT2 App. ACT: realised steps per position, ACT weights, Q-halt σ(q)")
 def halting(probe: ProbeInput) -> ProbeReport:
     probe.require_loop("halting")
     model = probe.model
+    if model.cfg.halting.kind == "none":  # every position runs every step: nothing to show
+        raise ProbeError("probe 'halting' needs a halting rule; this model has none (model.halting.kind=none)")
     steps_max = model.cfg.iterations
     counts = torch.zeros(steps_max + 1, dtype=torch.float64)
     by_position: list[torch.Tensor] = []

@@ -8,13 +8,15 @@ from typing import Sequence
 
 import torch
 
+from looplm.errors import MissingExtra
+
 
 def pyplot():
     """matplotlib.pyplot on the non-interactive Agg backend, or a clear error."""
     try:
         import matplotlib
     except ImportError as err:
-        raise ImportError(
+        raise MissingExtra(
             "probe figures need matplotlib: pip install 'looplm[plot]' (or pass --no-figures / figures=False "
             "to write the JSON numbers only)"
         ) from err

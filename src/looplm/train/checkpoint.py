@@ -27,12 +27,10 @@ state, ``random.getstate()``, byte RNG tensors), so no pickled code is ever exec
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,25 +39,33 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from looplm.artifacts import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    MODEL_FILE,
+    CheckpointError,
+    fsync_dir,
+    load_weights,
+    locate_weights,
+    read_json,
+    step_of,
+    verify_manifest,
+    write_manifest,
+    write_text,
+)
 from looplm.config_base import Config, ConfigError
 from looplm.model import LoopLM
 
 logger = logging.getLogger("looplm")
 
-FORMAT_VERSION = 1
-CHECKPOINTS_DIR = "checkpoints"
-LATEST = "latest"
-MANIFEST = "manifest.json"
-MODEL_FILE, CONFIG_FILE, TRAINER_FILE = "model.safetensors", "config.json", "trainer.pt"
+TRAINER_FILE = "trainer.pt"
 FILES = (MODEL_FILE, CONFIG_FILE, TRAINER_FILE)
-_STEP_DIR = re.compile(r"^step_(\d{7,})$")
 _TEMP_PREFIXES = (".tmp-", ".old-")
 
 PathLike = Union[str, os.PathLike]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, incomplete, corrupted or for another model."""
 
 
 @dataclasses.dataclass
@@ -87,7 +93,7 @@ def has_checkpoints(out_dir: PathLike) -> bool:
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
         return False
-    return (root / LATEST).exists() or any(_STEP_DIR.match(p.name) for p in root.iterdir())
+    return (root / LATEST).exists() or any(step_of(p.name) is not None for p in root.iterdir())
 
 
 # ---------------------------------------------------------------------------- saving
@@ -123,18 +129,15 @@ def save_checkpoint(
     payload.update(state or {})
     try:
         save_model(model, str(tmp / MODEL_FILE))
-        _write_text(tmp / CONFIG_FILE, json.dumps(run_config.to_dict(), indent=2) + "\n")
+        write_text(tmp / CONFIG_FILE, json.dumps(run_config.to_dict(), indent=2) + "\n")
         torch.save(payload, tmp / TRAINER_FILE)
-        for file in FILES:
-            _fsync_file(tmp / file)
-        manifest = {"format": FORMAT_VERSION, "step": step, "files": {f: _sha256(tmp / f) for f in FILES}}
-        _write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        _fsync_dir(tmp)
+        write_manifest(tmp, FILES, step=step)
+        fsync_dir(tmp)
         _commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_text(root / LATEST, name + "\n", atomic=True)
+    write_text(root / LATEST, name + "\n", atomic=True)
     if keep_last is not None:
         _prune(root, step, keep_last)
     return final
@@ -154,7 +157,7 @@ def _commit_dir(tmp: Path, final: Path) -> None:
         if aside is not None:
             os.replace(aside, final)
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -170,109 +173,21 @@ def _remove_leftovers(root: Path) -> None:
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
-    steps = sorted(s for s in (_step_of(p.name) for p in root.iterdir() if p.is_dir()) if s is not None and s <= step)
+    steps = sorted(s for s in (step_of(p.name) for p in root.iterdir() if p.is_dir()) if s is not None and s <= step)
     for old in steps[:-keep_last]:
         shutil.rmtree(root / step_dir_name(old), ignore_errors=True)
-
-
-def _step_of(name: str) -> Optional[int]:
-    match = _STEP_DIR.match(name)
-    return int(match[1]) if match else None
-
-
-def _write_text(path: Path, text: str, atomic: bool = False) -> None:
-    """Write and fsync; with ``atomic`` through a temporary file and ``os.replace``."""
-    target = path
-    if atomic:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-        os.close(fd)
-        target = Path(tmp_name)
-    try:
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if atomic:
-            os.replace(target, path)
-            _fsync_dir(path.parent)
-    except BaseException:
-        if atomic:
-            target.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":  # directories cannot be opened for fsync on Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- loading
 def resolve_checkpoint(path: PathLike) -> Path:
     """The step directory meant by ``path``: a run directory or a checkpoints directory
-    (through its ``latest``), or a step directory itself."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}: the path does not exist")
-    if path.is_dir() and ((path / MANIFEST).exists() or _step_of(path.name) is not None):
-        return path
-    root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
-    latest = root / LATEST
-    if not latest.is_file():
-        raise CheckpointError(
-            f"no checkpoint at {path}: expected a run directory (with checkpoints/{LATEST}), a checkpoints "
-            f"directory (with {LATEST}) or a step directory (with {MANIFEST})"
-        )
-    name = latest.read_text(encoding="utf-8").strip()
-    if _step_of(name) is None:
-        raise CheckpointError(f"{latest} is corrupted: it names {name!r}, not a step_NNNNNNN directory")
-    step_dir = root / name
-    if not step_dir.is_dir():
-        raise CheckpointError(f"{latest} names {name}, but {step_dir} does not exist")
-    return step_dir
+    (through its ``latest``), or a step directory itself (:func:`looplm.artifacts.locate_weights`)."""
+    return locate_weights(path)
 
 
 def verify_checkpoint(step_dir: PathLike) -> dict[str, Any]:
     """Check that every file exists and matches the manifest's sha256; return the manifest."""
-    step_dir = Path(step_dir)
-    manifest_path = step_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {step_dir} is incomplete: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {step_dir} is corrupted: {MANIFEST} is unreadable ({err})") from err
-    missing = [f for f in FILES if not (step_dir / f).is_file()]
-    if missing:
-        raise CheckpointError(f"checkpoint {step_dir} is incomplete: missing {', '.join(missing)}")
-    for file in FILES:
-        if file not in files:
-            raise CheckpointError(f"checkpoint {step_dir} is corrupted: {MANIFEST} has no checksum for {file}")
-        actual = _sha256(step_dir / file)
-        if actual != files[file]:
-            raise CheckpointError(
-                f"checkpoint {step_dir} is corrupted: {file} has sha256 {actual[:16]}…, the manifest records "
-                f"{str(files[file])[:16]}…; resume from an earlier checkpoint (pass its step directory)"
-            )
-    return manifest
+    return verify_manifest(step_dir, FILES)
 
 
 def with_defaults(saved: dict[str, Any], config_cls: type, prefix: str) -> dict[str, Any]:
@@ -315,7 +230,7 @@ def load_checkpoint(
     """
     step_dir = resolve_checkpoint(path)
     manifest = verify_checkpoint(step_dir)
-    config = json.loads((step_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    config = read_json(step_dir / CONFIG_FILE)
     if model_config is None and isinstance(model, LoopLM):
         model_config = model.cfg
     if model_config is not None:
@@ -334,10 +249,7 @@ def load_checkpoint(
             f"{state.get('step')!r}; expected format {FORMAT_VERSION} and the manifest's step {manifest.get('step')!r}"
         )
     if model is not None:
-        from safetensors.torch import load_model
-
-        device = next(model.parameters()).device
-        load_model(model, str(step_dir / MODEL_FILE), strict=True, device=str(device))
+        load_weights(model, step_dir / MODEL_FILE, device=str(next(model.parameters()).device))
     if optimizer is not None:
         if state.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {step_dir} has no optimizer state")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, Optional
 
 from looplm.config_base import Config, check
@@ -42,6 +43,9 @@ class TrainConfig(Config):
     sample_temperature: float = 0.8
 
     def __post_init__(self) -> None:
+        for name in ("lr", "min_lr_ratio", "warmup_fraction", "beta1", "beta2", "eps", "weight_decay", "grad_clip",
+                     "sample_temperature"):  # from Python too, not only through from_dict
+            check(math.isfinite(getattr(self, name)), f"train.{name}", getattr(self, name), "a finite number")
         positive = "an integer >= 1"
         check(self.max_steps >= 1, "train.max_steps", self.max_steps, positive)
         check(self.batch_size >= 1, "train.batch_size", self.batch_size, positive)

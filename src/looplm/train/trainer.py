@@ -29,7 +29,7 @@ micro-batches whose losses are scaled by ``1 / grad_accum``; the learning rate i
 ``lr_at(step)``; gradients are clipped to ``train.grad_clip`` (0: measured, not clipped). A
 step whose mean loss or gradient norm is not finite is skipped (gradients dropped, no
 update; it still counts as a step and consumes its batch) and logged; ``train.max_bad_steps``
-consecutive skipped steps stop the run with a RuntimeError. Reading the loss and norm
+consecutive skipped steps stop the run with :class:`~looplm.errors.TrainingDiverged`. Reading the loss and norm
 back costs one host-device synchronisation per step.
 """
 
@@ -42,6 +42,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from looplm.config_base import ConfigError
+from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.growth.training import Growth
 from looplm.model import LoopLM
@@ -101,6 +103,9 @@ class Trainer:
         self.progress = progress
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
+        if self.rank == 0:
+            _console_logging()
+            _check_writable(self.out_dir)  # before any work: a run that cannot save would be lost
         self.device = _pick_device(tc.device, self.distributed)
         self.autocast_dtype = _autocast_dtype(tc.precision, self.device)
         _seed_everything(tc.seed)
@@ -127,6 +132,12 @@ class Trainer:
         self.val_batches = validation_batches(
             run_cfg.data, self.tokenizer, self.micro_batch, self.rank, self.world_size
         )
+        if not self.val_batches and self.task_eval is None and run_cfg.data.val_fraction > 0 and run_cfg.data.val_batches:
+            logger.warning(
+                "no validation set: the held-out split of %r (data.val_fraction=%g) has no window of data.seq_len + 1 "
+                "= %d tokens, so val_loss will be missing; use more data, a shorter data.seq_len or a larger "
+                "data.val_fraction", run_cfg.data.source, run_cfg.data.val_fraction, run_cfg.data.seq_len + 1,
+            )
         self.tokens_per_step = tc.batch_size * run_cfg.data.seq_len * self.world_size
 
         # Progress; everything here is saved in trainer.pt and restored on resume.
@@ -164,10 +175,11 @@ class Trainer:
     def _checkpoint_to_resume(self, resume: Union[bool, str, os.PathLike]) -> Optional[Union[str, os.PathLike]]:
         if resume is False or resume is None:
             if has_checkpoints(self.out_dir):
+                holds = "a directory without checkpoints for a fresh run: it already holds a run's checkpoints. "
                 raise ConfigError(
                     "train.out_dir", str(self.out_dir),
-                    "a directory without checkpoints for a fresh run: it already holds a run's checkpoints. "
-                    "Pass resume=True (CLI: --resume) to continue that run, or choose another train.out_dir",
+                    holds + "Pass resume=True to continue that run, or choose another train.out_dir",
+                    cli_hint=holds + "Add --resume to continue that run, or choose another train.out_dir=DIR",
                 )
             return None
         if resume is True:
@@ -355,7 +367,7 @@ class Trainer:
             last = "no checkpoint was saved"
             if self.last_checkpoint is not None:
                 last = f"the last checkpoint is {self.last_checkpoint}"
-            raise RuntimeError(
+            raise TrainingDiverged(
                 f"training stopped at step {self.step}: {self.bad_steps} consecutive steps "
                 f"({self.step - self.bad_steps + 1}..{self.step}) had a non-finite loss or gradient norm "
                 f"(last: loss={loss}, grad_norm={grad_norm}), so no update was applied; {last}. The run is "
@@ -498,6 +510,34 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _console_logging() -> None:
+    """Show looplm's log lines (progress notes, the summary, warnings) on stderr when the
+    program configured no logging at all, as a script or notebook using the Python API
+    usually has not; a configured program (the CLI, pytest, an application) is left alone."""
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Create ``out_dir`` and its ``checkpoints/`` and prove that files can be written in
+    both, or raise a ConfigError naming the directory."""
+    for directory in (out_dir, out_dir / "checkpoints"):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".tmp-write-check-"):
+                pass
+        except OSError as err:
+            raise ConfigError(
+                "train.out_dir", str(out_dir),
+                f"a directory this process can write to: {directory} is not writable ({err.strerror or err})",
+            ) from None
+
+
 def _pick_device(spec: str, distributed: bool) -> torch.device:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
