@@ -60,9 +60,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
     finite = math.isfinite(result["val_loss"])
     if args.json:
-        from looplm.train.metrics import json_safe
-
-        sys.stdout.write(json.dumps(json_safe(result), indent=2) + "\n")  # NaN is not JSON: null
+        finite_only = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+        sys.stdout.write(json.dumps(finite_only, indent=2) + "\n")  # NaN is not JSON: null
     else:
         for key, value in result.items():
             sys.stdout.write(f"{key:<16} {value}\n")
