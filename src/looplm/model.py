@@ -251,10 +251,9 @@ class LoopLM(nn.Module):
                     "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"
                 )
             if self.step_embedding is not None and self.step_embedding.enabled and n_iter > trained:
-                raise ConfigError(
-                    "iterations", iterations, f"at most {trained} while step embeddings are on (one e_t per trained "
-                    "step); switch them off to extrapolate (model.step_embedding.enabled = False; --no-step-embeddings)"
-                )
+                on = f"at most {trained} while step embeddings are on (one e_t per trained step); switch them off to extrapolate"
+                raise ConfigError("iterations", iterations, f"{on} (model.step_embedding.enabled = False)",
+                                  cli_hint=f"{on} (add --no-step-embeddings)")
         if cache is not None:
             if cache.iterations is None:
                 cache.iterations = n_iter
