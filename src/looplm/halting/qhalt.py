@@ -42,7 +42,7 @@ class QHalting(Halting):
                 targets: Optional[torch.Tensor]) -> None:
         q = self.head(y).squeeze(-1).float()  # [B, T]
         running = state.running
-        if targets is not None and self.reads_logits(True):
+        if self.reads_logits(targets is not None):
             with torch.no_grad():
                 correct = (read_logits(y).argmax(dim=-1) == targets).float()
             mask = running & (targets != IGNORE_INDEX)
