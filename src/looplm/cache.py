@@ -110,10 +110,9 @@ class LoopCache:
 
     def frozen_slice(self, start: int, end: int) -> LoopState:
         """The frozen loop states of positions [start, end)."""
-        return LoopState(h=self.frozen.h[:, start:end],
-                         carrier={k: v[:, start:end] for k, v in self.frozen.carrier.items()})
+        return self.frozen.map(lambda x: x[:, start:end])
 
-    def caught_up(self, start: int, end: int, steps: int) -> None:
+    def mark_caught_up(self, start: int, end: int, steps: int) -> None:
         """Positions [start, end) now have entries for ``steps`` macro steps (after a catch-up)."""
         self.steps_done[start:end] = steps
 
@@ -137,7 +136,7 @@ class LoopCache:
         self.states = {key: state.select(index) for key, state in self.states.items()}
         self.chunks = {t: chunk.select(index) for t, chunk in self.chunks.items()}
         if self.frozen is not None:
-            self.frozen = LoopState(h=self.frozen.h[index], carrier={k: v[index] for k, v in self.frozen.carrier.items()})
+            self.frozen = self.frozen.map(lambda x: x[index])
         if self.valid is not None:
             self.valid = self.valid[index]
             self.next_position = self.next_position[index]

@@ -227,7 +227,7 @@ class LoopLM(nn.Module):
         positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)[:, start:]
         sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
         self.streams.step(self.topology, cache.frozen_slice(start, end), self._passes(t, sub, cache), t)
-        cache.caught_up(start, end, t + 1)
+        cache.mark_caught_up(start, end, t + 1)
         return self.cfg.loop.core * self.streams.passes * valid[:, start:].sum()
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
