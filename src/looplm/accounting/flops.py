@@ -20,7 +20,6 @@ import dataclasses
 from typing import Optional, Union
 
 import torch
-from torch import nn
 
 from looplm.accounting import rules  # noqa: F401  (registers the rules for looplm's modules)
 from looplm.accounting.conventions import Convention, get_convention
