@@ -72,7 +72,7 @@ class ModelOutput:
 
 
 @dataclasses.dataclass
-class Recurrence:
+class RecurrenceOutput:
     """What the recurrence hands on: the readout for the coda [B, T, d] and the fields of
     :class:`ModelOutput` it fills (states: every h^(t))."""
 
@@ -162,7 +162,8 @@ class LoopLM(nn.Module):
                 logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
             )
             loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
-        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses, attentions=ctx.attentions)
+        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses,
+                             attentions=ctx.attentions)
         if recurrence is not None:
             output.states = recurrence.states if output_states else None
             output.record = recurrence.record
@@ -170,7 +171,8 @@ class LoopLM(nn.Module):
             output.catch_up_passes = recurrence.catch_up_passes
         return output
 
-    def _recur(self, n_iter: int, h_emb, h_pre, ctx: MixerContext, cache: Optional[LoopCache], targets) -> Recurrence:
+    def _recur(self, n_iter: int, h_emb, h_pre, ctx: MixerContext, cache: Optional[LoopCache],
+               targets) -> RecurrenceOutput:
         """The recurrence: n_iter macro steps of the streams' body (the core passes of
         ``streams.schedule``, folded in by the topology), the step signal e_t added to every
         core input, the halting rule observing the solution after each step and freezing
@@ -200,8 +202,8 @@ class LoopLM(nn.Module):
             cache.append_frozen(state, t + 1)
         layout = self.cfg.loop
         block_passes = layout.prelude + layout.coda + layout.core * streams.passes * halt.steps
-        return Recurrence(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps, block_passes,
-                          catch_up)
+        return RecurrenceOutput(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps,
+                                block_passes, catch_up)
 
     def _passes(self, t: int, ctx: MixerContext, cache: Optional[LoopCache]):
         """core(x, i): the i-th core pass of macro step t on x + e_t (the step signal), named

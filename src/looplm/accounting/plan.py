@@ -101,7 +101,8 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
         for p in streams.schedule:
             slot, grad = t * streams.passes + p.index, p.grad
             if p.reads is not None:  # the pass's input is a sum of streams
-                plan.append(Step("streams", f"streams.{slot}", streams, dataclasses.replace(at, phase=p.reads), slot, grad))
+                reads = dataclasses.replace(at, phase=p.reads)
+                plan.append(Step("streams", f"streams.{slot}", streams, reads, slot, grad))
             if signal:  # x + e_t on the core's input, at full resolution
                 plan.append(Step("step_embedding", f"step_embedding.{slot}", model.step_embedding, at, slot, grad))
             if scaled:
