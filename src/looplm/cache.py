@@ -17,7 +17,7 @@ spiralformer.txt).
 
 Adaptive halting (``looplm.halting``) lets a call stop its loop once all its new positions
 have halted, so later macro steps have no entries for them. The cache then keeps every
-position's last loop state (``loop``, frozen once halted) and ``steps_done`` [S], the
+position's last loop state (``frozen``: unchanged once it halted) and ``steps_done`` [S], the
 macro steps whose entries exist per position. ``steps_done`` never increases along the
 sequence, so the positions missing step t are a suffix; the model fills them in from
 their frozen states ("catch-up") before a later position first needs step t. Logits
@@ -26,10 +26,11 @@ equal the full forward's, where halted positions pass through later steps frozen
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
+from looplm.config_base import ConfigError
 from looplm.mixers.base import MixerState
 from looplm.resolution.state import ChunkState
 from looplm.topology.base import LoopState
@@ -40,7 +41,7 @@ class LoopCache:
 
     ``valid`` [B, S] marks real (non-padding) positions; ``next_position`` [B] is the
     position id the next token of each row gets; ``iterations`` the loop count it was
-    filled with.
+    filled with. The model writes through the methods below; callers read.
     """
 
     def __init__(self) -> None:
@@ -50,12 +51,8 @@ class LoopCache:
         self.padded = False  # whether any position so far is padding
         self.iterations: Optional[int] = None
         self.chunks: dict[int, ChunkState] = {}  # multi-resolution iteration t -> its chunk state
-        self.loop: Optional[LoopState] = None  # adaptive halting: each position's last loop state [B, S, ...]
+        self.frozen: Optional[LoopState] = None  # adaptive halting: each position's last loop state [B, S, ...]
         self.steps_done: Optional[torch.Tensor] = None  # [S] long, non-increasing: macro steps cached per position
-        # block evaluations spent on real positions (catch-up included) and real positions
-        # processed, kept on the device (0 until a looped forward adds to them)
-        self.block_passes: Union[float, torch.Tensor] = 0.0
-        self.positions_seen: Union[int, torch.Tensor] = 0
 
     def get(self, block: str, iteration: int) -> Optional[MixerState]:
         return self.states.get((block, iteration))
@@ -63,27 +60,61 @@ class LoopCache:
     def set(self, block: str, iteration: int, state: MixerState) -> None:
         self.states[(block, iteration)] = state
 
+    def use_iterations(self, iterations: int) -> None:
+        """Fix the loop count at the first call; a later call with another count is refused
+        (its entries would be keyed by other iterations)."""
+        if self.iterations is None:
+            self.iterations = iterations
+        elif self.iterations != iterations:
+            raise ConfigError("iterations", iterations, f"{self.iterations}, the count this cache was filled with")
+
+    def extend(self, new_valid: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Add T new positions, ``new_valid`` [B, T] (``masked``: they came with an attention
+        mask, so some may be padding). Returns the validity of every position [B, S + T],
+        each row's first new position id [B], and whether any position so far is padding."""
+        B = new_valid.shape[0]
+        if self.valid is None:
+            valid, start = new_valid, torch.zeros(B, dtype=torch.long, device=new_valid.device)
+        else:
+            if self.valid.shape[0] != B:
+                raise ValueError(f"batch of {B} rows does not match the cache's {self.valid.shape[0]}")
+            valid, start = torch.cat([self.valid, new_valid], dim=1), self.next_position
+        self.padded = self.padded or (masked and not bool(new_valid.all()))
+        self.valid, self.next_position = valid, start + new_valid.long().sum(dim=1)
+        return valid, start, self.padded
+
+    def chunk(self, t: int) -> Optional[ChunkState]:
+        """Multi-resolution iteration t's chunk state (None before its first call)."""
+        return self.chunks.get(t)
+
+    def set_chunk(self, t: int, state: ChunkState) -> None:
+        self.chunks[t] = state
+
     def first_missing(self, t: int) -> int:
         """First position without entries for macro step t (the sequence length if none)."""
         if self.steps_done is None:
             return self.get_seq_length()
         return int((self.steps_done > t).sum())
 
-    def append_loop(self, state: LoopState, steps: int) -> None:
+    def append_frozen(self, state: LoopState, steps: int) -> None:
         """Keep the new positions' last loop states, which have entries for ``steps`` macro steps."""
         done = torch.full((state.h.shape[1],), steps, dtype=torch.long, device=state.h.device)
-        if self.loop is None:
-            self.loop, self.steps_done = LoopState(state.h, dict(state.carrier)), done
+        if self.frozen is None:
+            self.frozen, self.steps_done = LoopState(state.h, dict(state.carrier)), done
             return
-        self.loop = LoopState(
-            h=torch.cat([self.loop.h, state.h], dim=1),
-            carrier={k: torch.cat([self.loop.carrier[k], v], dim=1) for k, v in state.carrier.items()},
+        self.frozen = LoopState(
+            h=torch.cat([self.frozen.h, state.h], dim=1),
+            carrier={k: torch.cat([self.frozen.carrier[k], v], dim=1) for k, v in state.carrier.items()},
         )
         self.steps_done = torch.cat([self.steps_done, done])
 
-    def loop_slice(self, start: int, end: int) -> LoopState:
-        """The cached loop states of positions [start, end)."""
-        return LoopState(h=self.loop.h[:, start:end], carrier={k: v[:, start:end] for k, v in self.loop.carrier.items()})
+    def frozen_slice(self, start: int, end: int) -> LoopState:
+        """The frozen loop states of positions [start, end)."""
+        return self.frozen.map(lambda x: x[:, start:end])
+
+    def mark_caught_up(self, start: int, end: int, steps: int) -> None:
+        """Positions [start, end) now have entries for ``steps`` macro steps (after a catch-up)."""
+        self.steps_done[start:end] = steps
 
     def get_seq_length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
@@ -94,8 +125,8 @@ class LoopCache:
             return
         self.states = {key: state.crop(self._compressed(key, length)) for key, state in self.states.items()}
         self.chunks = {t: chunk.crop(length) for t, chunk in self.chunks.items()}
-        if self.loop is not None:
-            self.loop, self.steps_done = self.loop_slice(0, length), self.steps_done[:length]
+        if self.frozen is not None:
+            self.frozen, self.steps_done = self.frozen_slice(0, length), self.steps_done[:length]
         self.valid = self.valid[:, :length]
         self.next_position = self.valid.long().sum(dim=1)
         self.padded = not bool(self.valid.all())
@@ -104,8 +135,8 @@ class LoopCache:
         """Keep (and reorder to) the rows in ``index``, e.g. for beam search or finished rows."""
         self.states = {key: state.select(index) for key, state in self.states.items()}
         self.chunks = {t: chunk.select(index) for t, chunk in self.chunks.items()}
-        if self.loop is not None:
-            self.loop = LoopState(h=self.loop.h[index], carrier={k: v[index] for k, v in self.loop.carrier.items()})
+        if self.frozen is not None:
+            self.frozen = self.frozen.map(lambda x: x[index])
         if self.valid is not None:
             self.valid = self.valid[index]
             self.next_position = self.next_position[index]

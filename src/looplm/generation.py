@@ -1,4 +1,5 @@
-"""Autoregressive decoding for :class:`~looplm.model.LoopLM`: greedy or sampled, batched.
+"""Autoregressive decoding for :class:`~looplm.model.LoopLM` (``model.generate``): greedy
+or sampled, batched.
 
 Prompts of different lengths are left-padded so that every row's last prompt token sits
 in the last column. One prefill forward fills a :class:`~looplm.cache.LoopCache` (which
@@ -14,15 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
+from torch import nn
 
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
-
-if TYPE_CHECKING:
-    from looplm.model import LoopLM
 
 
 @dataclasses.dataclass
@@ -31,9 +30,9 @@ class GenerationOutput:
     columns; rows that stopped early carry ``pad_token_id`` after their stop token.
     new_tokens: per row, the generated ids up to and including the stop token (no
     trailing padding). finished: [B] bool, True where the row emitted a stop token.
-    block_passes_per_token: loop-block evaluations per real position processed (prompt and
-    generated), catch-up included: below the model's C when adaptive halting stops early
-    (None for a dense model)."""
+    block_passes_per_token: block evaluations per real position processed (prompt and
+    generated), catch-up included, summed from every forward's output: below the model's C
+    when adaptive halting stops early (None for a dense model)."""
 
     sequences: torch.Tensor
     new_tokens: list[list[int]]
@@ -216,7 +215,7 @@ def _check_options(
 
 
 def generate(
-    model: "LoopLM",
+    model: nn.Module,
     input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
     *,
     attention_mask: Optional[torch.Tensor] = None,
@@ -230,7 +229,8 @@ def generate(
     iterations: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
 ) -> GenerationOutput:
-    """Continue each prompt by up to ``max_new_tokens`` tokens through the decoding cache.
+    """Continue each prompt by up to ``max_new_tokens`` tokens of ``model`` (a
+    :class:`~looplm.model.LoopLM`; this is its ``generate`` method) through the decoding cache.
 
     input_ids: LongTensor [B, T], optionally with attention_mask [B, T] (1 real token, 0
     left padding; right padding is refused), or a list of B token-id lists of any lengths,
@@ -271,14 +271,17 @@ def generate(
     stop_tensor = torch.tensor(stops, dtype=torch.long, device=device)
     columns: list[torch.Tensor] = []
     was_training = model.training
-    cache: Optional[LoopCache] = None
+    spent: Optional[torch.Tensor] = None  # realised block passes (kept on the device) over ``seen`` real positions
+    seen = 0
     model.eval()
     try:
         with torch.no_grad():
             if max_new_tokens > 0:
                 cache = LoopCache()
                 # Left padding puts every row's last real token in the last column.
-                logits = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations).logits[:, -1]
+                out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations)
+                logits = out.logits[:, -1]
+                spent, seen = _passes_spent(out, mask), int(mask.sum())
                 ones = torch.ones(B, 1, dtype=torch.long, device=device)
                 for step in range(max_new_tokens):
                     token = next_token(
@@ -292,7 +295,10 @@ def generate(
                     if bool(finished.all()) or step == max_new_tokens - 1:
                         break
                     # The explicit mask of ones keeps the cache's record of earlier padding in force.
-                    logits = model(token[:, None], attention_mask=ones, cache=cache, iterations=iterations).logits[:, -1]
+                    out = model(token[:, None], attention_mask=ones, cache=cache, iterations=iterations)
+                    logits = out.logits[:, -1]
+                    if spent is not None:
+                        spent, seen = spent + _passes_spent(out, ones), seen + B
     finally:
         model.train(was_training)
 
@@ -300,7 +306,15 @@ def generate(
     sequences = torch.cat([ids, generated], dim=1)  # [B, T + N]
     n = generated.shape[1]
     new_tokens = [row[: min(int(length), n)] for row, length in zip(generated.tolist(), lengths.tolist())]
-    seen = int(cache.positions_seen) if cache is not None else 0
-    passes = float(cache.block_passes) / seen if seen else None
+    passes = float(spent) / seen if spent is not None else None
     return GenerationOutput(sequences=sequences, new_tokens=new_tokens, finished=finished,
                             block_passes_per_token=passes)
+
+
+def _passes_spent(output, valid: torch.Tensor) -> Optional[torch.Tensor]:
+    """Block evaluations one forward (its :class:`~looplm.model.ModelOutput`) spent on real
+    positions: what each new position needed (``valid`` [B, T]) plus catching up cached
+    ones; None for a dense model."""
+    if output.block_passes is None:
+        return None
+    return (output.block_passes * valid).sum() + output.catch_up_passes

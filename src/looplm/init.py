@@ -5,20 +5,19 @@ Linear and embedding weights ~ N(0, init_std²), biases 0, norms 1. With
 use std = init_std / sqrt(2 · N_compute), N_compute being the number of blocks on the
 unrolled computation path (MeSH Appendix B; GPT-2's residual scaling applied to the
 unrolled depth, since a shared block adds to the residual stream once per iteration).
-Topologies, streams, halting rules and step embeddings initialise their own parameters.
+Topologies, streams, halting rules and step embeddings initialise their own parameters
+(``reset_parameters``; :meth:`looplm.model.LoopLM.reset_parameters` calls them after this pass).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from torch import nn
 
+from looplm.modules.block import Block
 from looplm.modules.norm import RMSNorm
-
-if TYPE_CHECKING:
-    from looplm.model import LoopLM
 
 
 def output_projection_std(init_std: float, unrolled_depth: int, depth_scaled: bool) -> float:
@@ -26,9 +25,9 @@ def output_projection_std(init_std: float, unrolled_depth: int, depth_scaled: bo
     return init_std / math.sqrt(2 * max(unrolled_depth, 1)) if depth_scaled else init_std
 
 
-def init_weights(model: "LoopLM") -> None:
-    cfg = model.cfg
-    std = cfg.init_std
+def init_weights(model: nn.Module, blocks: Iterable[Block], std: float, output_std: float) -> None:
+    """Every module of ``model`` as above (std ``std``), then the output projections of
+    ``blocks`` with ``output_std`` (:func:`output_projection_std`)."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)
@@ -41,11 +40,7 @@ def init_weights(model: "LoopLM") -> None:
             nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
-    out_std = output_projection_std(std, cfg.block_passes, cfg.depth_scaled_init)
-    for block in model.blocks():
+    for block in blocks:
         for mixer in block.mixer_layers():
-            nn.init.normal_(mixer.o_proj.weight, std=out_std)  # every mixer names its W_O o_proj
-        nn.init.normal_(block.ffn.down.weight, std=out_std)
-    for part in (model.topology, model.streams, model.halting, model.step_embedding):
-        if part is not None:
-            part.reset_parameters(std)
+            nn.init.normal_(mixer.o_proj.weight, std=output_std)  # every mixer names its W_O o_proj
+        nn.init.normal_(block.ffn.down.weight, std=output_std)

@@ -23,8 +23,9 @@ from torch import nn
 
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
+from looplm.generation import generate
 from looplm.halting import Halting, build_halting
-from looplm.init import init_weights
+from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
 from looplm.mixers.pattern import block_mixers
 from looplm.model_config import ModelConfig
@@ -50,10 +51,13 @@ class ModelOutput:
     weights ``write`` / ``read``, each a list over t = -1 .. T-1 of [B, T, B_slots]).
     attentions: with ``output_attentions``, softmax probabilities [B, H, T, S] keyed by
     (block, pass), e.g. ("core.1", 0); blocks are named prelude.j, core.j, coda.j; a loop
-    with streams numbers its core passes t·passes + i.
-    Looped models also record ``halt_steps`` [B, T] (macro steps each position ran before
-    halting) and ``block_passes`` [B, T] (the block evaluations that position needed:
-    prelude + core·steps·passes + coda), plus ``act_weights`` / ``q_halt`` per step."""
+    with streams numbers its core passes t·passes + i. Halting rules record
+    ``act_weights`` / ``q_halt`` per step.
+    The realised compute of a looped model (None for a dense one): halt_steps [B, T], the
+    macro steps each new position ran before halting; block_passes [B, T], the block
+    evaluations that position needed (prelude + core·steps·passes + coda); catch_up_passes
+    [], the block evaluations this forward spent giving cached positions the macro steps
+    they had skipped (decoding under adaptive halting, :meth:`LoopLM._catch_up`)."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
@@ -62,6 +66,22 @@ class ModelOutput:
     states: Optional[list[torch.Tensor]] = None
     record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
+    halt_steps: Optional[torch.Tensor] = None
+    block_passes: Optional[torch.Tensor] = None
+    catch_up_passes: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class RecurrenceOutput:
+    """What the recurrence hands on: the readout for the coda [B, T, d] and the fields of
+    :class:`ModelOutput` it fills (states: every h^(t))."""
+
+    readout: torch.Tensor
+    states: list[torch.Tensor]
+    record: dict[str, list[torch.Tensor]]
+    halt_steps: torch.Tensor
+    block_passes: torch.Tensor
+    catch_up_passes: torch.Tensor
 
 
 class LoopLM(nn.Module):
@@ -91,7 +111,16 @@ class LoopLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        init_weights(self)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The init pass (:mod:`looplm.init`), then every axis initialises its own parameters."""
+        cfg = self.cfg
+        init_weights(self, self.blocks(), cfg.init_std,
+                     output_projection_std(cfg.init_std, cfg.block_passes, cfg.depth_scaled_init))
+        for part in (self.topology, self.streams, self.halting, self.step_embedding):
+            if part is not None:
+                part.reset_parameters(cfg.init_std)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -121,10 +150,9 @@ class LoopLM(nn.Module):
             ctx.attentions = {}
 
         h = self._run(self.prelude, "prelude", 0, h_emb, ctx, cache)
-        states, record = None, {}
-        if self.topology is not None:
-            h, states, record = self._loop(n_iter, h_emb, h, ctx, cache, targets)
-            states = states if output_states else None
+        recurrence = self._recur(n_iter, h_emb, h, ctx, cache, targets) if self.topology is not None else None
+        if recurrence is not None:
+            h = recurrence.readout
         h = self._run(self.coda, "coda", 0, h, ctx, cache)
         logits = self.head(self.norm(h))
 
@@ -134,48 +162,48 @@ class LoopLM(nn.Module):
                 logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
             )
             loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
-        return ModelOutput(
-            logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses, states=states, record=record,
-            attentions=ctx.attentions,
-        )
+        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses,
+                             attentions=ctx.attentions)
+        if recurrence is not None:
+            output.states = recurrence.states if output_states else None
+            output.record = recurrence.record
+            output.halt_steps, output.block_passes = recurrence.halt_steps, recurrence.block_passes
+            output.catch_up_passes = recurrence.catch_up_passes
+        return output
 
-    def _loop(self, n_iter: int, h_emb, h_pre, ctx: MixerContext, cache: Optional[LoopCache], targets):
-        """The recurrence: n_iter macro steps of the streams' body (each ``passes`` core
-        passes, folded in by the topology), the step signal e_t added to every core input,
-        the halting rule observing the solution after each step and freezing halted
-        positions. The loop stops once every position has halted (the frozen states would
-        not change); with a cache, positions that stopped early in earlier calls are caught
-        up (:meth:`_catch_up`) before a new position first needs a later step. Returns
-        (readout, states, record)."""
-        passes, topology = self.streams.passes, self.topology
-        state = self.streams.start(topology, h_emb, h_pre)
-        halt = self.halting.begin(state.h, ctx.new_valid)
+    def _recur(self, n_iter: int, h_emb, h_pre, ctx: MixerContext, cache: Optional[LoopCache],
+               targets) -> RecurrenceOutput:
+        """The recurrence: n_iter macro steps of the streams' body (the core passes of
+        ``streams.schedule``, folded in by the topology), the step signal e_t added to every
+        core input, the halting rule observing the solution after each step and freezing
+        halted positions. The loop stops once every position has halted (the frozen states
+        would not change); with a cache, positions that stopped early in earlier calls are
+        caught up (:meth:`_catch_up`) before a new position first needs a later step."""
+        streams, topology, halting = self.streams, self.topology, self.halting
+        state = streams.start(topology, h_emb, h_pre)
+        halt = halting.begin(state.h, ctx.new_valid)
         trace = [state.h]
+        catch_up = torch.zeros((), dtype=torch.long, device=h_pre.device)
         for t in range(n_iter):
-            if cache is not None and self.halting.freezes:
-                self._catch_up(t, ctx, cache)
-            new = self.streams.step(topology, state, self._passes(t, ctx, cache), t)
-            state = freeze(state, new, halt.running) if self.halting.freezes else new
+            if cache is not None and halting.freezes:
+                catch_up = catch_up + self._catch_up(t, ctx, cache)
+            new = streams.step(topology, state, self._passes(t, ctx, cache), t)
+            state = freeze(state, new, halt.running) if halting.freezes else new
             last = t == n_iter - 1
-            solution = self.streams.finish(topology, state) if last else state.h
-            self.halting.observe(halt, solution, t, last, lambda y: self.head(self.norm(y)), targets)
+            solution = streams.finish(topology, state) if last else state.h
+            halting.observe(halt, solution, t, last, lambda y: self.head(self.norm(y)), targets)
             trace.append(state.h)
-            if self.halting.freezes and not last and halt.done:
+            if halting.freezes and not last and halt.done:
                 break
-        readout = self.halting.finish(halt)
+        readout = halting.finish(halt)
         for name, value in halt.losses.items():
             ctx.add_loss(name, value)
-        record = {**state.record, **halt.record, "halt_steps": [halt.steps]}
+        if cache is not None and halting.freezes:
+            cache.append_frozen(state, t + 1)
         layout = self.cfg.loop
-        passes_per_token = layout.prelude + layout.coda + layout.core * passes * halt.steps
-        record["block_passes"] = [passes_per_token]
-        if cache is not None:
-            if self.halting.freezes:
-                cache.append_loop(state, t + 1)
-            # tensors, so decoding does not wait on the device for bookkeeping
-            cache.block_passes = cache.block_passes + passes_per_token[halt.valid].sum()
-            cache.positions_seen = cache.positions_seen + halt.valid.sum()
-        return readout.to(h_pre.dtype), trace, record
+        block_passes = layout.prelude + layout.coda + layout.core * streams.passes * halt.steps
+        return RecurrenceOutput(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps,
+                                block_passes, catch_up)
 
     def _passes(self, t: int, ctx: MixerContext, cache: Optional[LoopCache]):
         """core(x, i): the i-th core pass of macro step t on x + e_t (the step signal), named
@@ -189,19 +217,20 @@ class LoopLM(nn.Module):
 
         return core
 
-    def _catch_up(self, t: int, ctx: MixerContext, cache: LoopCache) -> None:
+    def _catch_up(self, t: int, ctx: MixerContext, cache: LoopCache) -> Union[int, torch.Tensor]:
         """Give the cached positions that stopped before macro step t their entries for it:
         the step runs on their frozen loop states, outputs discarded (cache.py explains the
-        policy). A no-op unless an earlier call stopped early."""
+        policy). Returns the block evaluations it spent on real positions; a no-op (0)
+        unless an earlier call stopped early."""
         start, end = cache.first_missing(t), ctx.past
         if start >= end:
-            return
+            return 0
         valid = ctx.valid[:, :end]
         positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)[:, start:]
         sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
-        self.streams.step(self.topology, cache.loop_slice(start, end), self._passes(t, sub, cache), t)
-        cache.steps_done[start:end] = t + 1
-        cache.block_passes = cache.block_passes + self.cfg.loop.core * self.streams.passes * valid[:, start:].sum()
+        self.streams.step(self.topology, cache.frozen_slice(start, end), self._passes(t, sub, cache), t)
+        cache.mark_caught_up(start, end, t + 1)
+        return self.cfg.loop.core * self.streams.passes * valid[:, start:].sum()
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
              slot: Optional[int] = None) -> torch.Tensor:
@@ -255,10 +284,7 @@ class LoopLM(nn.Module):
                 raise ConfigError("iterations", iterations, f"{on} (model.step_embedding.enabled = False)",
                                   cli_hint=f"{on} (add --no-step-embeddings)")
         if cache is not None:
-            if cache.iterations is None:
-                cache.iterations = n_iter
-            elif cache.iterations != n_iter:
-                raise ConfigError("iterations", n_iter, f"{cache.iterations}, the count this cache was filled with")
+            cache.use_iterations(n_iter)
         return n_iter
 
     def _context(
@@ -274,31 +300,18 @@ class LoopLM(nn.Module):
             torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
         )
         past = cache.get_seq_length() if cache is not None else 0
-        if cache is not None and cache.valid is not None:
-            if cache.valid.shape[0] != B:
-                raise ValueError(f"batch of {B} rows does not match the cache's {cache.valid.shape[0]}")
-            valid = torch.cat([cache.valid, new_valid], dim=1)
-            start = cache.next_position
-        else:
-            valid, start = new_valid, torch.zeros(B, dtype=torch.long, device=device)
         if past + T > self.cfg.max_seq_len:  # host-side ints: no device sync under torch.compile
             raise ValueError(f"sequence of {past + T} positions exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        positions = (start[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
-        padded = cache.padded if cache is not None else False
-        if attention_mask is not None:
-            padded = padded or not bool(new_valid.all())
         if cache is not None:
-            cache.valid, cache.next_position = valid, start + new_valid.long().sum(dim=1)
-            cache.padded = padded
+            valid, start, padded = cache.extend(new_valid, masked=attention_mask is not None)
+        else:
+            valid, start = new_valid, torch.zeros(B, dtype=torch.long, device=device)
+            padded = attention_mask is not None and not bool(new_valid.all())
+        positions = (start[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
         return MixerContext(rope=self.rotary(positions, dtype), valid=valid, past=past, padded=padded), positions
 
     # ---------------------------------------------------------------- utilities
-    @torch.no_grad()
-    def generate(self, input_ids, **kwargs):
-        """Sample continuations; see :func:`looplm.generation.generate` for the arguments."""
-        from looplm.generation import generate
-
-        return generate(self, input_ids, **kwargs)
+    generate = generate  # sample continuations through the cache: looplm.generation.generate(model, ...)
 
     def save_pretrained(self, directory: Union[str, Path]) -> None:
         """Write ``config.json`` and ``model.safetensors`` (Hugging Face layout), then

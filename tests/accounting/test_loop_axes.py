@@ -238,7 +238,7 @@ def test_loop_axes_match_flop_counter(name):
 
 
 def test_realised_block_passes_of_adaptive_act():
-    """Adaptive ACT: the forward stops once every position halted; record["block_passes"]
+    """Adaptive ACT: the forward stops once every position halted; ``output.block_passes``
     gives the mean passes per token, and the measured FLOPs are the plan's at that depth."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(rung("ut_act"), halting={"kind": "act"})  # full_compute off
@@ -246,7 +246,7 @@ def test_realised_block_passes_of_adaptive_act():
     B, T = 2, 24
     x = torch.randint(0, cfg.vocab_size, (B, T))
     flops, out = measured(model, x, output_attentions=True)
-    steps = out.record["halt_steps"][0]
+    steps = out.halt_steps
     mean = realised_block_passes(out)
     assert mean == pytest.approx(steps.float().mean().item()) and 1 <= mean < cfg.block_passes
     ran = int(steps.max())  # the batched loop stops when the last position halts

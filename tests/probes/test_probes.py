@@ -173,7 +173,7 @@ def test_halting_probe_reports_where_positions_stop(tmp_path):
     torch.nn.init.normal_(model.halting.unit.weight, std=2.0)
     probe = _input(model, tmp_path)
     numbers = get_probe("halting").run(probe).numbers
-    steps = torch.cat([model(x).record["halt_steps"][0].flatten() for x, _ in probe.batches])
+    steps = torch.cat([model(x).halt_steps.flatten() for x, _ in probe.batches])
     assert numbers["rule"] == "act" and sum(numbers["halt_step_fraction"]) == pytest.approx(1.0)
     assert numbers["mean_halt_step"] == pytest.approx(steps.double().mean().item(), rel=1e-5)
     assert numbers["block_passes_per_token"] == pytest.approx(steps.double().mean().item(), rel=1e-5)

@@ -2,20 +2,12 @@
 of the papers, layout matching and model-FLOPs utilisation. See docs/accounting.md."""
 
 from looplm.accounting.conventions import CONVENTIONS, Convention, get_convention
-from looplm.accounting.flops import (
-    Call,
-    Cost,
-    FlopReport,
-    Step,
-    count_flops,
-    execution_plan,
-    module_cost,
-    realised_block_passes,
-    register_flop_rule,
-)
+from looplm.accounting.cost import Call, Cost, module_cost, register_flop_rule
+from looplm.accounting.flops import FlopReport, count_flops, realised_block_passes
 from looplm.accounting.hardware import PEAK_FLOPS, device_peak_flops, mfu
 from looplm.accounting.matching import LayoutMatch, match_layouts
 from looplm.accounting.params import analytic_parameter_counts, parameter_counts
+from looplm.accounting.plan import Step, execution_plan
 
 __all__ = [
     "CONVENTIONS",

@@ -1,4 +1,4 @@
-"""FLOP rules for looplm's modules, registered by type (see :mod:`looplm.accounting.flops`).
+"""FLOP rules for looplm's modules, registered by type (see :mod:`looplm.accounting.cost`).
 
 A mixer's rule is its projections (the children, each applied once per position) plus its
 core: the score/value products of softmax attention, or the linear mixers' state
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from looplm.accounting.flops import (
-    Call, Cost, _BlockCall, _PositionCall, _ResolutionCall, causal_pairs, children_cost, module_cost, register_flop_rule,
-)
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost, register_flop_rule
+from looplm.accounting.plan import BlockCall, PositionCall, ResolutionCall
 from looplm.halting import ACTHalting, QHalting
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.mixers.deltanet import DeltaRuleMixer
@@ -33,6 +32,36 @@ from looplm.topology.gated import GatedResidualTopology
 from looplm.topology.mesh import MeshTopology
 
 
+# ------------------------------------------------------------------ torch modules
+
+
+@register_flop_rule(nn.Linear)
+def _linear(m: nn.Linear, call: Call) -> Cost:
+    return Cost(mac=call.rows * m.in_features * m.out_features, bias=call.rows * m.out_features if m.bias is not None else 0)
+
+
+@register_flop_rule(nn.Embedding)
+def _embedding(m: nn.Embedding, call: Call) -> Cost:
+    return Cost(embed=call.rows * m.num_embeddings * m.embedding_dim)  # a lookup; as a one-hot matmul, V·d MACs
+
+
+@register_flop_rule(nn.Dropout, nn.Identity)
+def _free(m: nn.Module, call: Call) -> Cost:
+    return Cost()  # nothing
+
+
+@register_flop_rule(nn.LayerNorm)
+def _layernorm(m: nn.LayerNorm, call: Call) -> Cost:
+    return Cost(norm=call.rows * m.normalized_shape[-1] * (5 if m.weight is not None else 4))  # fvcore's rule
+
+
+@register_flop_rule(nn.Conv1d)
+def _conv1d(m: nn.Conv1d, call: Call) -> Cost:
+    """A causal (depthwise) convolution over the sequence: K·C_in/groups MACs per output."""
+    per = m.kernel_size[0] * m.in_channels // m.groups
+    return Cost(mac=call.rows * m.out_channels * per, bias=call.rows * m.out_channels if m.bias is not None else 0)
+
+
 # ------------------------------------------------------------------ norms, block
 
 
@@ -46,8 +75,8 @@ def _gated_rmsnorm(m: GatedRMSNorm, call: Call) -> Cost:
     return Cost(norm=call.rows * m.weight.shape[0] * 5)  # RMSNorm + gate multiply
 
 
-@register_flop_rule(_BlockCall)
-def _block_call(m: _BlockCall, call: Call) -> Cost:
+@register_flop_rule(BlockCall)
+def _block_call(m: BlockCall, call: Call) -> Cost:
     return block_cost(m.block, call, m.iteration)
 
 
@@ -94,8 +123,8 @@ def _block(m: Block, call: Call) -> Cost:
 # ------------------------------------------------------------------ multi-resolution (SpiralFormer)
 
 
-@register_flop_rule(_ResolutionCall)
-def _resolution_call(m: _ResolutionCall, call: Call) -> Cost:
+@register_flop_rule(ResolutionCall)
+def _resolution_call(m: ResolutionCall, call: Call) -> Cost:
     """S↓ of iteration t on the tokens of its complete chunks; S↑ on every position plus
     the causal shift's mask multiply (Eq. 22)."""
     key = str(m.iteration)
@@ -305,8 +334,8 @@ def _mesh(m: MeshTopology, call: Call) -> Cost:
 # are left out like activations.
 
 
-@register_flop_rule(_PositionCall)
-def _position(m: _PositionCall, call: Call) -> Cost:
+@register_flop_rule(PositionCall)
+def _position(m: PositionCall, call: Call) -> Cost:
     """The table's lookup (as the token embedding's: a one-hot matmul where the convention
     counts one) plus its addition to the token embeddings."""
     return module_cost(m.table, call) + Cost(bias=call.rows * m.table.embedding_dim)

@@ -17,6 +17,8 @@ class ACTHalting(Halting):
     Σ_τ w_τ h^(τ); ponder cost ρ_t = N_t + R_t (Graves Eq. 11), weighted and averaged over
     real positions. With ``full_compute`` no position is frozen and ρ is not charged."""
 
+    evaluates = True
+
     def __init__(self, d_model: int, epsilon: float, ponder_cost: float, full_compute: bool, init_bias: float = 1.0):
         super().__init__()
         self.unit = nn.Linear(d_model, 1)

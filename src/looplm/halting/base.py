@@ -43,6 +43,12 @@ class Halting(nn.Module):
     """No halting: every position runs every step; the readout is the last state."""
 
     freezes = False  # whether halted positions stop updating (the loop may then stop early)
+    evaluates = False  # whether ``observe`` runs a module of the rule's own (ACT's unit, the Q head) every step
+
+    def reads_logits(self, targets: bool) -> bool:
+        """Whether ``observe`` reads the solution's logits (final norm and head, under
+        ``torch.no_grad``) every step, in a forward given targets or not."""
+        return False
 
     def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:
         """Padding positions count as halted from the start when the rule freezes (they

@@ -22,6 +22,8 @@ class QHalting(Halting):
     w = 0, b = ``init_bias`` (default −5, TRM's init: "do not halt"). With ``full_compute`` every position runs
     every step and the readout is the final solution; the head still learns."""
 
+    evaluates = True
+
     def __init__(self, d_model: int, loss_weight: float, full_compute: bool, init_bias: float = -5.0):
         super().__init__()
         self.head = nn.Linear(d_model, 1)
@@ -32,11 +34,15 @@ class QHalting(Halting):
     def extra_repr(self) -> str:
         return f"loss_weight={self.loss_weight}, full_compute={self.full_compute}"
 
+    def reads_logits(self, targets: bool) -> bool:
+        """The BCE target 1[argmax logits(Y) = target] needs the logits, given targets."""
+        return targets and self.loss_weight > 0
+
     def observe(self, state: HaltState, y: torch.Tensor, t: int, last: bool, read_logits: ReadLogits,
                 targets: Optional[torch.Tensor]) -> None:
         q = self.head(y).squeeze(-1).float()  # [B, T]
         running = state.running
-        if targets is not None and self.loss_weight > 0:
+        if self.reads_logits(targets is not None):
             with torch.no_grad():
                 correct = (read_logits(y).argmax(dim=-1) == targets).float()
             mask = running & (targets != IGNORE_INDEX)

@@ -23,10 +23,10 @@ def halting(probe: ProbeInput) -> ProbeReport:
     positions = 0
     for cap in probe.forward():
         record = cap.output.record
-        steps = record["halt_steps"][0]
+        steps = cap.output.halt_steps
         counts += torch.bincount(steps.flatten(), minlength=steps_max + 1).double()
         by_position.append(steps.double().sum(dim=0))
-        passes += record["block_passes"][0].double().sum()
+        passes += cap.output.block_passes.double().sum()
         positions += steps.numel()
         for name in ("act_weights", "q_halt"):
             if name in record:

@@ -97,7 +97,7 @@ class MultiResolution(nn.Module):
             )
         B, T, d = h.shape
         P = ctx.past
-        previous = cache.chunks.get(t) if cache is not None else None
+        previous = cache.chunk(t) if cache is not None else None
         if previous is None and P > 0:
             raise ValueError(f"the cache holds {P} positions but no chunk state for iteration {t}")
         g, done = it.chunk, it.complete_chunks(P)
@@ -145,7 +145,7 @@ class MultiResolution(nn.Module):
             keep = it.chunk_start(N) - step.tokens_start  # the current chunk's buffered positions
             triggers = list(step.previous.triggers) if step.previous is not None else []
             triggers += [it.trigger(j) for j in range(step.first, N)]
-            cache.chunks[t] = ChunkState(it, step.tokens[:, keep:], latents, end, triggers)
+            cache.set_chunk(t, ChunkState(it, step.tokens[:, keep:], latents, end, triggers))
         return u
 
 

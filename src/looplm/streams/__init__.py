@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from looplm.streams.config import StreamsConfig
-from looplm.streams.single import SingleStream, freeze
+from looplm.streams.single import CorePass, SingleStream, freeze
 from looplm.streams.two import TwoStream
 
 
@@ -21,4 +21,4 @@ def build_streams(cfg: StreamsConfig, d_model: int) -> nn.Module:
     return SingleStream()
 
 
-__all__ = ["SingleStream", "StreamsConfig", "TwoStream", "build_streams", "freeze"]
+__all__ = ["CorePass", "SingleStream", "StreamsConfig", "TwoStream", "build_streams", "freeze"]

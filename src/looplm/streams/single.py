@@ -1,8 +1,14 @@
-"""The loop body: which states one macro step updates, with how many core passes."""
+"""The loop body: which states one macro step updates, with which core passes.
+
+A streams object describes its macro step as data (:class:`CorePass` per core pass, and
+whether the topology folds the update in) and runs that description in ``step``; the
+FLOP counter (``looplm.accounting.plan``) reads the same description.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -13,10 +19,23 @@ from looplm.topology.base import LoopState, Topology
 Core = Callable[[torch.Tensor, int], torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class CorePass:
+    """The ``index``-th core pass of a macro step. ``reads``: the stream sum its input is,
+    None for the state h itself (two streams: ``"reason"`` X + Y + Z, ``"solve"`` Y + Z).
+    ``grad``: whether training backpropagates through it (False under TRM's no-grad cycles)."""
+
+    index: int
+    reads: Optional[str] = None
+    grad: bool = True
+
+
 class SingleStream(nn.Module):
     """One state h: update = f_core(h (+ e_t)), folded in by the topology (UT, MeSH, ...)."""
 
-    passes = 1
+    schedule = (CorePass(0),)  # the core passes of one macro step
+    passes = len(schedule)
+    uses_topology = True  # the topology starts the state and folds every update in
 
     def start(self, topology: Topology, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
         return topology.start(h_emb, h_pre)

@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from looplm.streams.single import Core
+from looplm.streams.single import Core, CorePass
 from looplm.topology.base import LoopState, Topology
 
 
@@ -16,16 +16,24 @@ class TwoStream(nn.Module):
 
         for each of H outer cycles:  Z ← f(X + Y + Z)  (L times);  Y ← f(Y + Z)
 
-    H·(L + 1) block passes (App. B "Compute normalization"). The state's ``h`` is Y, what
-    halting reads and the loop hands on. Y⁰, Z⁰ are learned vectors or zeros, set anew at
-    every forward: nothing is carried across calls, so logits at position i depend only on
+    H·(L + 1) block passes (App. B "Compute normalization"), listed in ``schedule``. The
+    state's ``h`` is Y, what halting reads and the loop hands on; the topology is never
+    called (it must be ``base``). Y⁰, Z⁰ are learned vectors or zeros, set anew at every
+    forward: nothing is carried across calls, so logits at position i depend only on
     tokens ≤ i (§3.2, Challenge 2). ``no_grad_cycles``: the first H − 1 cycles of every
     macro step run under ``torch.no_grad`` (TRM)."""
+
+    uses_topology = False
 
     def __init__(self, d_model: int, outer: int, inner: int, learned_init: bool, no_grad_cycles: bool):
         super().__init__()
         self.outer, self.inner, self.no_grad_cycles = outer, inner, no_grad_cycles
-        self.passes = outer * (inner + 1)
+        self.schedule = tuple(
+            CorePass(cycle * (inner + 1) + k, "reason" if k < inner else "solve",
+                     grad=not (no_grad_cycles and cycle < outer - 1))
+            for cycle in range(outer) for k in range(inner + 1)
+        )
+        self.passes = len(self.schedule)
         if learned_init:
             self.y_init = nn.Parameter(torch.zeros(d_model))
             self.z_init = nn.Parameter(torch.zeros(d_model))
@@ -43,15 +51,12 @@ class TwoStream(nn.Module):
 
     def step(self, topology: Topology, state: LoopState, core: Core, t: int) -> LoopState:
         x, y, z = state.carrier["x"], state.h, state.carrier["z"]
-        passes = 0
-        for cycle in range(self.outer):
-            quiet = self.no_grad_cycles and cycle < self.outer - 1 and torch.is_grad_enabled()
-            with torch.no_grad() if quiet else contextlib.nullcontext():
-                for _ in range(self.inner):
-                    z = core(x + y + z, passes)
-                    passes += 1
-                y = core(y + z, passes)
-                passes += 1
+        for p in self.schedule:
+            with contextlib.nullcontext() if p.grad else torch.no_grad():
+                if p.reads == "reason":
+                    z = core(x + y + z, p.index)  # Z ← f(X + Y + Z)
+                else:
+                    y = core(y + z, p.index)  # Y ← f(Y + Z)
         return LoopState(h=y, carrier={"x": x, "z": z}, record=state.record)
 
     def finish(self, topology: Topology, state: LoopState) -> torch.Tensor:

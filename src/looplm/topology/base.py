@@ -9,7 +9,7 @@ the same module can serve every iteration and every batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,10 @@ class LoopState:
     h: torch.Tensor
     carrier: dict[str, torch.Tensor]
     record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LoopState":
+        """``fn`` applied to h and every carrier tensor (e.g. to select positions); no record."""
+        return LoopState(fn(self.h), {k: fn(v) for k, v in self.carrier.items()})
 
 
 class Topology(nn.Module):
