@@ -56,8 +56,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from looplm.evaluation import evaluate_run
 
+    if args.corpus:
+        return _eval_corpora(args)
+    if args.stride is not None or args.window is not None:
+        raise LoopLMError("--stride and --window apply to --corpus NAME=PATH evaluation; add --corpus")
     result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations,
-                          step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
+                          batch_size=args.batch_size, step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
     finite = math.isfinite(result["val_loss"])
     if args.json:
         finite_only = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
@@ -67,6 +71,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{key:<16} {value}\n")
     if not finite:
         log.error("error: val_loss is %s, not a usable evaluation (see the warning above)", result["val_loss"])
+        return 2
+    return 0
+
+
+def _eval_corpora(args: argparse.Namespace) -> int:
+    from looplm.perplexity import evaluate_corpora, parse_corpus
+
+    if args.batches is not None:
+        raise LoopLMError("--batches applies to the held-out split; --corpus scores every document of each corpus")
+    corpora = dict(parse_corpus(spec) for spec in args.corpus)
+    result = evaluate_corpora(args.run, corpora, overrides=args.overrides, window=args.window, stride=args.stride,
+                              batch_size=args.batch_size, iterations=args.iterations,
+                              step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
+    rows = result["corpora"].values()
+    if args.json:
+        finite_only = {**result, "corpora": {name: {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                                                    for k, v in row.items()} for name, row in result["corpora"].items()}}
+        sys.stdout.write(json.dumps(finite_only, indent=2) + "\n")
+    else:
+        sys.stdout.write(f"checkpoint {result['checkpoint']}  window {result['window']}  stride {result['stride']}\n")
+        sys.stdout.write(f"{'corpus':<16} {'docs':>6} {'tokens':>10} {'bytes':>10} {'words':>9} {'loss':>8} "
+                         f"{'token_ppl':>10} {'bits/byte':>9} {'word_ppl':>10}\n")
+        for row in rows:
+            sys.stdout.write(f"{row['name']:<16} {row['documents']:>6} {row['tokens']:>10} {row['bytes']:>10} "
+                             f"{row['words']:>9} {row['loss']:>8.4f} {row['token_ppl']:>10.3f} "
+                             f"{row['bits_per_byte']:>9.4f} {row['word_ppl']:>10.3f}\n")
+    broken = [row["name"] for row in rows if not math.isfinite(row["loss"])]
+    if broken:
+        log.error("error: the loss on %s is not finite, not a usable evaluation", ", ".join(broken))
         return 2
     return 0
 
@@ -239,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("overrides", nargs="*", metavar="data.key=value", help="evaluate on other data")
     p.add_argument("--batches", type=_POSITIVE, default=None, help="number of validation batches")
+    p.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
+                   help="score every document of a corpus (repeatable): token perplexity, bits per byte, word "
+                   "perplexity; PATH is anything data.source accepts")
+    p.add_argument("--window", type=_POSITIVE, default=None,
+                   help="with --corpus: input tokens per forward (default model.max_seq_len)")
+    p.add_argument("--stride", type=_POSITIVE, default=None,
+                   help="with --corpus: sliding-window step, <= window (default window: disjoint windows)")
+    p.add_argument("--batch-size", type=_POSITIVE, default=8, help="sequences per forward (default 8)")
     p.add_argument("--iterations", type=_POSITIVE, default=None, help="loop iterations at inference")
     p.add_argument("--no-step-embeddings", action="store_true",
                    help="run without the step embeddings (needed for more iterations than trained)")
