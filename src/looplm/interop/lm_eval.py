@@ -66,6 +66,22 @@ def _integer(field: str, value: Any, minimum: int) -> int:
     return value
 
 
+def _device(name: Optional[str]) -> str:
+    """The device to load on: ``name``, or the GPU if there is one. lm-eval's command line
+    asks for cuda:0 unless told otherwise, so on a machine without CUDA that request falls
+    back to the CPU, with a warning."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ConfigError("device", name, "a torch device such as cpu, cuda or cuda:1") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        log.warning("device %s is not available (no CUDA): running on the CPU", name)
+        return "cpu"
+    return str(device)
+
+
 class LoopLMEval(TemplateLM):
     """A looplm run behind lm-eval's ``LM`` interface.
 
@@ -76,7 +92,7 @@ class LoopLMEval(TemplateLM):
     runs without them (to extrapolate past the trained count). max_length: context in
     tokens (default and maximum model.max_seq_len). max_gen_toks: default generation
     budget when a task gives none. batch_size: sequences per forward. device: where the
-    model runs (default cpu). max_batch_size: accepted because lm-eval always passes it;
+    model runs (default: the GPU if there is one, else the CPU). max_batch_size: accepted because lm-eval always passes it;
     looplm has no automatic batch size, so it is unused.
     """
 
@@ -97,7 +113,7 @@ class LoopLMEval(TemplateLM):
             raise ConfigError("step_embeddings", step_embeddings, "true or false")
         if not isinstance(verify, bool):
             raise ConfigError("verify", verify, "true or false")
-        self._run = run if isinstance(run, LoadedRun) else load_run(run, device=device or "cpu", verify=verify)
+        self._run = run if isinstance(run, LoadedRun) else load_run(run, device=_device(device), verify=verify)
         self.model = self._run.model
         self._device = next(self.model.parameters()).device  # lm-eval's LM.device reads it
         self.looplm_tokenizer = data_tokenizer(self._run.config.data)
