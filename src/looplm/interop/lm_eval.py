@@ -35,9 +35,9 @@ from typing import Any, Optional, Union
 import torch
 
 from looplm.config_base import ConfigError
+from looplm.data import data_tokenizer
 from looplm.errors import LoopLMError, MissingExtra
 from looplm.evaluation import LoadedRun, load_run, set_step_embeddings
-from looplm.data import data_tokenizer
 from looplm.scoring import Window, score_windows
 
 try:
@@ -47,7 +47,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import model_registry
     from lm_eval.tasks import TaskManager
-except ImportError as err:  # pragma: no cover - exercised in the core-install CI step
+except ImportError as err:  # a core install (tests/interop/test_lm_eval_extra.py)
     raise MissingExtra(f"the lm-evaluation-harness adapter needs lm-eval ({err}): pip install 'looplm[eval]'") from err
 
 log = logging.getLogger("looplm")
