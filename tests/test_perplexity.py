@@ -136,3 +136,26 @@ def test_eval_corpora_through_the_cli(tmp_path, model, capsys, caplog):
     assert "corpus 'c': data.source=" in caplog.text
     assert main(["eval", str(tmp_path / "run"), "--stride", "4"]) == 2
     assert "--stride and --window apply to --corpus" in caplog.text
+
+
+def test_a_bpe_model_is_normalised_by_its_own_tokens_but_the_same_bytes_and_words(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    from looplm.data import build_tokenizer
+
+    tok = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    bpe = LoopLM(tiny_config("anchor", vocab_size=tok.vocab_size, max_seq_len=64)).eval()
+    result = corpus_perplexity(bpe, tok, [TEXT], window=8, stride=4)
+    ids = tok.encode(TEXT)
+    assert result.tokens == len(ids) < result.bytes == len(TEXT.encode())
+    assert result.words == 27
+    assert result.token_ppl == pytest.approx(math.exp(result.nll / len(ids)))
+    assert result.bits_per_byte == pytest.approx(result.nll / (math.log(2) * len(TEXT.encode())))

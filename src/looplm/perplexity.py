@@ -83,8 +83,7 @@ def strided_windows(tokens: Sequence[int], prefix: int, window: int, stride: int
     Over x = [prefix] + tokens, a window starting at b reads x[b : b + window] and scores
     the predictions not scored before it; b advances by ``stride`` (1 <= stride <= window).
     """
-    if not 1 <= stride <= window:
-        raise ConfigError("stride", stride, f"an integer in [1, window={window}]")
+    _check_stride(stride, window)
     x = [prefix, *tokens]
     n = len(tokens)
     windows, done, begin = [], 0, 0  # done: tokens[:done] already scored
@@ -109,7 +108,7 @@ def corpus_perplexity(
     """Score every document of ``documents``. window: input tokens per forward (default
     and maximum model.max_seq_len); stride: default ``window`` (disjoint windows)."""
     window = _window(model, window)
-    stride = window if stride is None else stride
+    stride = window if stride is None else _check_stride(stride, window)
     totals = {"documents": 0, "tokens": 0, "bytes": 0, "words": 0}
     nll = 0.0
     pending: list[Window] = []
@@ -136,6 +135,12 @@ def _window(model: "LoopLM", window: Optional[int]) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= limit:
         raise ConfigError("window", window, f"an integer in [1, model.max_seq_len={limit}]")
     return window
+
+
+def _check_stride(stride: int, window: int) -> int:
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= window:
+        raise ConfigError("stride", stride, f"an integer in [1, window={window}]")
+    return stride
 
 
 def parse_corpus(spec: str) -> tuple[str, str]:
@@ -166,6 +171,8 @@ def evaluate_corpora(
         raise ConfigError("corpora", dict(corpora), "at least one NAME=PATH")
     run = load_run(path, verify=verify)
     set_step_embeddings(run.model, step_embeddings)
+    window = _window(run.model, window)
+    stride = window if stride is None else _check_stride(stride, window)
     data = eval_data_config(run.config.data, overrides)
     tokenizer = data_tokenizer(data)
     results = {}
@@ -177,8 +184,7 @@ def evaluate_corpora(
         if result.documents == 0:
             raise LoopLMError(f"corpus {name!r} ({source}) has no text: every document is empty")
         results[name] = result.to_dict()
-    return {"checkpoint": str(run.path), "window": _window(run.model, window),
-            "stride": stride or _window(run.model, window), "corpora": results}
+    return {"checkpoint": str(run.path), "window": window, "stride": stride, "corpora": results}
 
 
 def _documents(name: str, data: DataConfig) -> Iterator[str]:
