@@ -366,3 +366,28 @@ def test_bad_input_is_one_error_line(byte_runs, tasks, tmp_path, caplog, monkeyp
     assert "no checkpoint at" in caplog.text
     with pytest.raises(ValueError, match="batch_size='auto' is invalid: an integer >= 1"):
         LoopLMEval(run, batch_size="auto")
+
+
+def test_lm_evals_own_command_line_through_python_m(byte_runs, tasks, tmp_path, monkeypatch, capsys):
+    """`python -m looplm.interop.lm_eval ARGS` is lm-eval's CLI with `looplm` registered
+    (in-process here; lm-eval's default --device cuda:0 falls back to the CPU)."""
+    import functools
+    import sys
+
+    import lm_eval.tasks
+
+    from looplm.interop.lm_eval import main as lm_eval_main
+
+    # lm-eval's CLI indexes its ~15k built-in tasks (many seconds); the local tasks suffice here
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager,
+                                                                        include_defaults=False))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["lm_eval", "--model", "looplm", "--model_args",
+                                      f"run={byte_runs['run']},max_length={ROLLING_CONTEXT}", "--batch_size", "3",
+                                      "--tasks", "looplm_docs", "--include_path", str(tasks),
+                                      "--output_path", str(tmp_path / "out")])
+    lm_eval_main()
+    assert "bits_per_byte" in capsys.readouterr().out
+    saved = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    expected = byte_runs["results"][1]["results"]["looplm_docs"]["bits_per_byte,none"]
+    assert saved["results"]["looplm_docs"]["bits_per_byte,none"] == pytest.approx(expected, rel=1e-6)
