@@ -118,7 +118,8 @@ def test_eval_corpora_through_the_cli(tmp_path, model, capsys, caplog):
     model.save_pretrained(tmp_path / "run")
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": TEXT}) + "\n" + json.dumps({"text": "short one"}) + "\n")
     (tmp_path / "b.txt").write_text(TEXT)
-    args = ["eval", str(tmp_path / "run"), "--corpus", f"a={tmp_path / 'a.jsonl'}", "--corpus", f"b={tmp_path / 'b.txt'}"]
+    run = str(tmp_path / "run")
+    args = ["eval", run, "--corpus", f"a={tmp_path / 'a.jsonl'}", "--corpus", f"b={tmp_path / 'b.txt'}"]
     assert main([*args, "--window", "32", "--stride", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["corpora"]) == {"a", "b"} and result["window"] == 32 and result["stride"] == 8

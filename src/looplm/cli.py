@@ -62,7 +62,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.stride is not None or args.window is not None:
         raise LoopLMError("--stride and --window apply to --corpus NAME=PATH evaluation; add --corpus")
     result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations,
-                          batch_size=args.batch_size, step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
+                          batch_size=args.batch_size, step_embeddings=not args.no_step_embeddings,
+                          verify=not args.no_verify)
     finite = math.isfinite(result["val_loss"])
     if args.json:
         finite_only = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
@@ -87,9 +88,11 @@ def _eval_corpora(args: argparse.Namespace) -> int:
                               step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
     rows = result["corpora"].values()
     if args.json:
-        finite_only = {**result, "corpora": {name: {k: v if not isinstance(v, float) or math.isfinite(v) else None
-                                                    for k, v in row.items()} for name, row in result["corpora"].items()}}
-        sys.stdout.write(json.dumps(finite_only, indent=2) + "\n")
+        def finite(row: dict) -> dict:  # NaN is not JSON: null
+            return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+        corpora = {name: finite(row) for name, row in result["corpora"].items()}
+        sys.stdout.write(json.dumps({**result, "corpora": corpora}, indent=2) + "\n")
     else:
         sys.stdout.write(f"checkpoint {result['checkpoint']}  window {result['window']}  stride {result['stride']}\n")
         sys.stdout.write(f"{'corpus':<16} {'docs':>6} {'tokens':>10} {'bytes':>10} {'words':>9} {'loss':>8} "
@@ -308,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "task YAML files in --include-path) and print lm-eval's results table.")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("--tasks", nargs="+", required=True, metavar="TASK", help="task or group names")
-    p.add_argument("--num-fewshot", type=_COUNT, default=None, metavar="N", help="few-shot examples (default: the task's)")
+    p.add_argument("--num-fewshot", type=_COUNT, default=None, metavar="N",
+                   help="few-shot examples (default: the task's)")
     p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="sequences per forward (default 1)")
     p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
     p.add_argument("--no-step-embeddings", action="store_true",

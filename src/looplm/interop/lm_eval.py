@@ -91,9 +91,10 @@ class LoopLMEval(TemplateLM):
     iterations: loop count (test-time compute; None: as trained). step_embeddings: False
     runs without them (to extrapolate past the trained count). max_length: context in
     tokens (default and maximum model.max_seq_len). max_gen_toks: default generation
-    budget when a task gives none. batch_size: sequences per forward. device: where the
-    model runs (default: the GPU if there is one, else the CPU). max_batch_size: accepted because lm-eval always passes it;
-    looplm has no automatic batch size, so it is unused.
+    budget when a task gives none. batch_size: sequences per forward. device: where a run
+    given by path is loaded (default: the GPU if there is one, else the CPU).
+    max_batch_size: accepted because lm-eval always passes it; looplm has no automatic
+    batch size, so it is unused.
     """
 
     def __init__(
