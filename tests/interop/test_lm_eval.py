@@ -366,6 +366,14 @@ def test_bad_input_is_one_error_line(byte_runs, tasks, tmp_path, caplog, monkeyp
     assert "no checkpoint at" in caplog.text
     with pytest.raises(ValueError, match="batch_size='auto' is invalid: an integer >= 1"):
         LoopLMEval(run, batch_size="auto")
+    from lm_eval.api.instance import Instance
+
+    lm = LoopLMEval(run, max_length=16)
+    for kwargs, message in [({"beams": 4}, "generation_kwargs={'beams': 4} is invalid: keys among until"),
+                            ({"max_gen_toks": 16}, "max_gen_toks=16 is invalid: fewer than max_length=16"),
+                            ({"until": [1]}, "until=[1] is invalid: a string or a list of strings")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lm.generate_until([Instance("generate_until", {}, ("abc", kwargs), 0)])
 
 
 def test_lm_evals_own_command_line_through_python_m(byte_runs, tasks, tmp_path, monkeypatch, capsys):

@@ -25,6 +25,7 @@ The three request types reduce to looplm's own operations:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -194,23 +195,21 @@ class LoopLMEval(TemplateLM):
         only prompts of equal length together."""
         prepared = [self._generation_request(*request.args) for request in requests]
         equal_lengths = any(r != 1 for r in self.model.cfg.loop.resolutions)
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[Generation, int], list[int]] = {}
         for i, (ids, settings) in enumerate(prepared):
-            key = (json.dumps(settings, sort_keys=True), len(ids) if equal_lengths else 0)
-            groups.setdefault(key, []).append(i)
+            groups.setdefault((settings, len(ids) if equal_lengths else 0), []).append(i)
         outputs: list[str] = [""] * len(requests)
-        for members in groups.values():
+        for (settings, _), members in groups.items():
             members.sort(key=lambda i: len(prepared[i][0]), reverse=True)
             for start in range(0, len(members), self.batch_size):
                 batch = members[start : start + self.batch_size]
-                settings = prepared[batch[0]][1]
                 texts = self._generate([prepared[i][0] for i in batch], settings)
                 for i, text in zip(batch, texts):
                     outputs[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return outputs
 
-    def _generation_request(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    def _generation_request(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[list[int], "Generation"]:
         """Prompt ids (truncated from the left to leave room for the generated tokens) and
         the validated settings of one request."""
         unknown = sorted(set(gen_kwargs) - set(GENERATION_KEYS))
@@ -229,27 +228,39 @@ class LoopLMEval(TemplateLM):
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ConfigError("temperature", temperature, "a number >= 0 (0 is greedy)")
         sample = bool(gen_kwargs.get("do_sample", False)) and temperature > 0
-        settings = {"until": [stop for stop in until if stop], "max_gen_toks": budget, "sample": sample,
-                    "temperature": temperature if sample else 0.0,
-                    "top_k": gen_kwargs.get("top_k") if sample else None,
-                    "top_p": gen_kwargs.get("top_p") if sample else None}
+        settings = Generation(
+            until=tuple(stop for stop in until if stop), max_gen_toks=budget, temperature=temperature if sample else 0.0,
+            top_k=gen_kwargs.get("top_k") if sample else None, top_p=gen_kwargs.get("top_p") if sample else None,
+        )
         ids = self.tok_encode(context)[-(self.max_length - budget) :] or [self.eot_token_id]
         return ids, settings
 
-    def _generate(self, prompts: list[list[int]], settings: dict[str, Any]) -> list[str]:
+    def _generate(self, prompts: list[list[int]], settings: "Generation") -> list[str]:
         """Decode a batch; stop strings that are one token stop decoding early, longer
         ones are cut from the text (the cut is the same either way)."""
         stop_ids = {self.eot_token_id}
-        for stop in settings["until"]:
+        for stop in settings.until:
             ids = self.tok_encode(stop)
             if len(ids) == 1 and self.tok_decode(ids) == stop:
                 stop_ids.add(ids[0])
         out = self.model.generate(
-            prompts, max_new_tokens=settings["max_gen_toks"], temperature=settings["temperature"],
-            top_k=settings["top_k"], top_p=settings["top_p"], stop_tokens=sorted(stop_ids),
-            pad_token_id=self.looplm_tokenizer.pad_id, iterations=self.iterations,
+            prompts, max_new_tokens=settings.max_gen_toks, temperature=settings.temperature, top_k=settings.top_k,
+            top_p=settings.top_p, stop_tokens=sorted(stop_ids), pad_token_id=self.looplm_tokenizer.pad_id,
+            iterations=self.iterations,
         )
-        return [_cut(self.tok_decode(tokens), settings["until"]) for tokens in out.new_tokens]
+        return [_cut(self.tok_decode(tokens), settings.until) for tokens in out.new_tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The decoding settings of a ``generate_until`` request (hashable: requests that
+    share them are batched). temperature 0 is greedy; top_k / top_p apply when sampling."""
+
+    until: tuple[str, ...]
+    max_gen_toks: int
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
 
 
 # By name, not by class: `python -m looplm.interop.lm_eval` runs this file as __main__ and
