@@ -1,7 +1,8 @@
-"""The ``looplm`` command line: train, eval, generate, info, probe, flops, ladder, presets.
+"""The ``looplm`` command line: train, eval, lm-eval, generate, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
-    looplm eval RUN_OR_CHECKPOINT [key=value ...] [--json] [--no-verify]
+    looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
+    looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... [--num-fewshot N] [--batch-size B] [--include-path DIR] ...
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
@@ -56,8 +57,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from looplm.evaluation import evaluate_run
 
+    if args.corpus:
+        return _eval_corpora(args)
+    if args.stride is not None or args.window is not None:
+        raise LoopLMError("--stride and --window apply to --corpus NAME=PATH evaluation; add --corpus")
     result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations,
-                          step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
+                          batch_size=args.batch_size, step_embeddings=not args.no_step_embeddings,
+                          verify=not args.no_verify)
     finite = math.isfinite(result["val_loss"])
     if args.json:
         finite_only = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
@@ -68,6 +74,52 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not finite:
         log.error("error: val_loss is %s, not a usable evaluation (see the warning above)", result["val_loss"])
         return 2
+    return 0
+
+
+def _eval_corpora(args: argparse.Namespace) -> int:
+    from looplm.perplexity import evaluate_corpora, parse_corpus
+
+    if args.batches is not None:
+        raise LoopLMError("--batches applies to the held-out split; --corpus scores every document of each corpus")
+    corpora = dict(parse_corpus(spec) for spec in args.corpus)
+    result = evaluate_corpora(args.run, corpora, overrides=args.overrides, window=args.window, stride=args.stride,
+                              batch_size=args.batch_size, iterations=args.iterations,
+                              step_embeddings=not args.no_step_embeddings, verify=not args.no_verify)
+    rows = result["corpora"].values()
+    if args.json:
+        def finite(row: dict) -> dict:  # NaN is not JSON: null
+            return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+        corpora = {name: finite(row) for name, row in result["corpora"].items()}
+        sys.stdout.write(json.dumps({**result, "corpora": corpora}, indent=2) + "\n")
+    else:
+        sys.stdout.write(f"checkpoint {result['checkpoint']}  window {result['window']}  stride {result['stride']}\n")
+        sys.stdout.write(f"{'corpus':<16} {'docs':>6} {'tokens':>10} {'bytes':>10} {'words':>9} {'loss':>8} "
+                         f"{'token_ppl':>10} {'bits/byte':>9} {'word_ppl':>10}\n")
+        for row in rows:
+            sys.stdout.write(f"{row['name']:<16} {row['documents']:>6} {row['tokens']:>10} {row['bytes']:>10} "
+                             f"{row['words']:>9} {row['loss']:>8.4f} {row['token_ppl']:>10.3f} "
+                             f"{row['bits_per_byte']:>9.4f} {row['word_ppl']:>10.3f}\n")
+    broken = [row["name"] for row in rows if not math.isfinite(row["loss"])]
+    if broken:
+        log.error("error: the loss on %s is not finite, not a usable evaluation", ", ".join(broken))
+        return 2
+    return 0
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    from looplm.interop.lm_eval import evaluate_tasks, results_table, write_results
+
+    results = evaluate_tasks(
+        args.run, args.tasks, num_fewshot=args.num_fewshot, batch_size=args.batch_size, iterations=args.iterations,
+        step_embeddings=not args.no_step_embeddings, limit=args.limit, include_path=args.include_path,
+        max_length=args.max_length, verify=not args.no_verify, seed=args.seed,
+    )
+    sys.stdout.write(results_table(results) + "\n")
+    if args.output is not None:
+        write_results(results, args.output)
+        sys.stdout.write(f"results: {args.output}\n")
     return 0
 
 
@@ -239,12 +291,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("overrides", nargs="*", metavar="data.key=value", help="evaluate on other data")
     p.add_argument("--batches", type=_POSITIVE, default=None, help="number of validation batches")
+    p.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
+                   help="score every document of a corpus (repeatable): token perplexity, bits per byte, word "
+                   "perplexity; PATH is anything data.source accepts")
+    p.add_argument("--window", type=_POSITIVE, default=None,
+                   help="with --corpus: input tokens per forward (default model.max_seq_len)")
+    p.add_argument("--stride", type=_POSITIVE, default=None,
+                   help="with --corpus: sliding-window step, <= window (default window: disjoint windows)")
+    p.add_argument("--batch-size", type=_POSITIVE, default=8, help="sequences per forward (default 8)")
     p.add_argument("--iterations", type=_POSITIVE, default=None, help="loop iterations at inference")
     p.add_argument("--no-step-embeddings", action="store_true",
                    help="run without the step embeddings (needed for more iterations than trained)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run (needs the eval extra)",
+                       description="Evaluate a run on lm-evaluation-harness tasks (lm-eval's own task names, or "
+                       "task YAML files in --include-path) and print lm-eval's results table.")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--tasks", nargs="+", required=True, metavar="TASK", help="task or group names")
+    p.add_argument("--num-fewshot", type=_COUNT, default=None, metavar="N",
+                   help="few-shot examples (default: the task's)")
+    p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="sequences per forward (default 1)")
+    p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
+    p.add_argument("--no-step-embeddings", action="store_true",
+                   help="run without the step embeddings (needed for more iterations than trained)")
+    p.add_argument("--limit", type=_POSITIVE, default=None, metavar="N", help="at most N examples per task")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="a directory of extra task YAML files")
+    p.add_argument("--max-length", type=_POSITIVE, default=None, metavar="L",
+                   help="context in tokens (default model.max_seq_len)")
+    p.add_argument("--seed", type=int, default=0, help="few-shot sampling and every random seed lm-eval sets")
+    p.add_argument("--output", default=None, metavar="PATH", help="also write the results (and samples) as JSON")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
+    p.set_defaults(func=cmd_lm_eval)
 
     p = sub.add_parser("generate", help="sample text from a run or checkpoint")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")

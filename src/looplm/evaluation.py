@@ -17,7 +17,7 @@ import torch
 from looplm.artifacts import MODEL_FILE, load_weights, read_weights_dir
 from looplm.config import RunConfig, parse_overrides
 from looplm.config_base import ConfigError, set_dotted
-from looplm.data import data_tokenizer, validation_batches
+from looplm.data import DataConfig, data_tokenizer, validation_batches
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 
@@ -55,6 +55,17 @@ def set_step_embeddings(model: LoopLM, enabled: bool) -> None:
     model.step_embedding.enabled = enabled
 
 
+def eval_data_config(data: DataConfig, overrides: Sequence[str]) -> DataConfig:
+    """A run's data config with ``data.key=value`` overrides (values parsed as YAML, as
+    for training); any other field is refused: only the data can change for evaluation."""
+    fields = data.to_dict()
+    for key, value in parse_overrides(overrides):
+        if not key.startswith("data."):
+            raise ConfigError(key, value, "a data.* field: only the data can be changed for evaluation")
+        set_dotted({"data": fields}, key, value)
+    return DataConfig.from_dict(fields, prefix="data")
+
+
 @torch.no_grad()
 def evaluate_run(
     path: str | Path,
@@ -70,14 +81,8 @@ def evaluate_run(
     far past its trained iterations) is returned as it is, with a warning saying so."""
     run = load_run(path, verify=verify)
     set_step_embeddings(run.model, step_embeddings)
-    data = run.config.data.to_dict()
-    for key, value in parse_overrides(overrides):  # values parsed as YAML, as for training
-        if not key.startswith("data."):
-            raise ConfigError(key, value, "a data.* field: only the data can be changed for evaluation")
-        set_dotted({"data": data}, key, value)
-    if batches is not None:
-        data["val_batches"] = batches
-    data_cfg = type(run.config.data).from_dict(data, prefix="data")
+    batches_override = [] if batches is None else [f"data.val_batches={batches}"]
+    data_cfg = eval_data_config(run.config.data, [*overrides, *batches_override])
     tokenizer = data_tokenizer(data_cfg)
     total, count = 0.0, 0
     for inputs, targets in validation_batches(data_cfg, tokenizer, batch_size):
