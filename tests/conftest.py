@@ -84,7 +84,7 @@ def grow(name: str, model) -> None:
     """Set the grown SGT structure of ``all_configs`` entry ``name`` (no-op for others)."""
     blocks = model.blocks()
     for layer, (depth, weights) in GROWN.get(name, {}).items():
-        blocks[layer].loop.set(depth, weights)
+        blocks[layer].head_loop.set(depth, weights)
 
 
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:

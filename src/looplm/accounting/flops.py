@@ -213,8 +213,8 @@ def execution_plan(model: nn.Module, seq_len: int, batch: int = 1, *, targets: b
     A multi-resolution iteration t (``model.resolution``, spiralformer.txt Alg. 1) adds S↓
     on the tokens of its L_t complete chunks, runs the core on L_t positions
     (:func:`~looplm.resolution.core_lengths`) and adds S↑ with the causal shift on all T
-    positions; the topology step runs at full resolution. A block's grown loop (SGT) is
-    read from the block by its rule (:func:`rules.block_cost`)."""
+    positions; the topology step runs at full resolution. A grown block (SGT) is
+    counted by its type's rule in :mod:`looplm.accounting.rules`."""
     from looplm.modules.block import Block  # noqa: F401  (rules registered below)
 
     cfg = model.cfg
