@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from looplm.ladder import RUNGS, rung_model
 from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
 
 TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest single-threaded, and do not fight other processes for cores:
+    beside other busy processes on 2 cores, PyTorch's spinning intra-op threads made the
+    CPU tests 10-20× slower (tests/gpu and the invariants: 428 s, single-threaded 18 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(topology: str = "base", layout: str = "1+2R2+1", **overrides) -> ModelConfig:
