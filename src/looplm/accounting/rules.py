@@ -82,12 +82,13 @@ def _head_loop(m: HeadLoopBlock, call: Call) -> Cost:
     """The block plus K_l passes of norm -> S's slice of the attention -> residual (Eq. 6)
     before the FFN (K_l and the heads S with w_i > 0 from ``m.head_loop``)."""
     attention, ffn = _sublayers(m, call)
-    depth = m.extra_passes(max(call.iteration, 0))
-    if depth == 0:
+    iteration = max(call.iteration, 0)
+    depth = m.extra_passes(iteration)
+    if depth == 0:  # not grown, or this iteration's mixer does not loop
         return attention + ffn
-    mixer = m.mixer_at(max(call.iteration, 0))
     d = m.attn_norm.weight.shape[0]
-    passes = module_cost(m.attn_norm, call) + head_pass_cost(mixer, call, len(m.head_loop.heads)) + Cost(residual=call.rows * d)
+    head_pass = head_pass_cost(m.mixer_at(iteration), call, len(m.head_loop.heads))
+    passes = module_cost(m.attn_norm, call) + head_pass + Cost(residual=call.rows * d)
     return attention + passes.scale(depth) + ffn
 
 

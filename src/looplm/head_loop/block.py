@@ -33,11 +33,12 @@ class GrownBlock(Block):
     def __init__(self, cfg: ModelConfig, mixers: Sequence[MixerConfig]):
         super().__init__(cfg, mixers)
         self.head_loop = GrownLoop(cfg.n_heads)
-        self.loops = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]
+        self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
 
     def extra_passes(self, iteration: int = 0) -> int:
         """K_l at loop iteration ``iteration``: 0 where that iteration's mixer does not loop."""
-        return self.head_loop.depth if self.loops[iteration if len(self.loops) > 1 else 0] else 0
+        softmax = self.softmax_at[iteration if len(self.softmax_at) > 1 else 0]
+        return self.head_loop.depth if softmax else 0
 
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
