@@ -93,6 +93,25 @@ def test_causality_and_cache_equivalence_with_loops(kind, variant):
     torch.testing.assert_close(tail, full[[2, 0], 6:], atol=2e-5, rtol=1e-5)
 
 
+def test_loop_level_hybrid_loops_only_its_softmax_iterations():
+    """A core block with attention at iteration 0 and GDN at iteration 1: the grown passes
+    run (and are counted) at iteration 0 only; decoding still equals the full forward."""
+    from looplm.accounting import count_flops
+    from tests.invariants import assert_decodes_like_full_forward, prefill_then_tokens
+
+    def grown(second: str):
+        torch.manual_seed(0)
+        model = LoopLM(_cfg(layout="1+1R2+1", loop_mixers=[{"kind": "attention"}, {"kind": second}])).eval()
+        plain = count_flops(model, 10).forward
+        model.core[0][0].head_loop.set(1, [1.0, 1.0, 0.0, 0.0])
+        return model, count_flops(model, 10).forward - plain
+
+    hybrid, extra = grown("gated_deltanet")
+    assert [hybrid.core[0][0].extra_passes(t) for t in range(2)] == [1, 0]
+    assert extra > 0 and 2 * extra == pytest.approx(grown("attention")[1])  # one of two iterations loops
+    assert_decodes_like_full_forward(hybrid, torch.randint(0, 40, (2, 10)), [prefill_then_tokens(3, 10)], atol=2e-5)
+
+
 def test_depth_zero_is_the_plain_model_and_loops_change_the_output():
     torch.manual_seed(0)
     plain = LoopLM(ModelConfig(vocab_size=40, d_model=32, n_heads=4, layout="1+2R2+1")).eval()
