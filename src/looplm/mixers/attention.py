@@ -139,7 +139,7 @@ class SoftmaxAttention(nn.Module):
 
         q: [B, T, H·D]; k, v: [B, T, H_kv·D] (H, H_kv: the heads projected, at most the
         layer's). kv_index: [H], the key/value head each query head reads; None: query
-        head n reads head n·H_kv / H (grouped in order). Returns (y [B, T, H·D] before
+        head n reads head ⌊n·H_kv / H⌋ (grouped in order). Returns (y [B, T, H·D] before
         W_O, the state holding these key/value heads)."""
         B, T, _ = q.shape
         D = self.head_dim
