@@ -11,11 +11,12 @@ from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
 TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Tiny models run fastest single-threaded, and do not fight other processes for cores:
     beside other busy processes on 2 cores, PyTorch's spinning intra-op threads made the
-    CPU tests 10-20× slower (tests/gpu and the invariants: 428 s, single-threaded 18 s)."""
+    CPU tests 10-20× slower (tests/gpu and the invariants: 428 s, single-threaded 18 s).
+    Session-wide, so that module fixtures (a trained ladder) run single-threaded too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
