@@ -44,7 +44,7 @@ def build(args, head_loop, depth) -> LoopLM:
         blocks = model.blocks()
         for layer in range(len(blocks) - 3, len(blocks)):  # L = 3, deepest first (deep-to-shallow)
             weights = None if head_loop["kind"] == "block" else [1.0, 1.0] + [0.0] * (args.heads - 2)
-            blocks[layer].loop.set(depth, weights)
+            blocks[layer].head_loop.set(depth, weights)
     return model
 
 

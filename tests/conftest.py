@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from looplm.ladder import RUNGS, rung_model
 from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
 
 TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models run fastest single-threaded, and do not fight other processes for cores:
+    beside other busy processes on 2 cores, PyTorch's spinning intra-op threads made the
+    CPU tests 10-20× slower (tests/gpu and the invariants: 428 s, single-threaded 18 s).
+    Session-wide, so that module fixtures (a trained ladder) run single-threaded too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(topology: str = "base", layout: str = "1+2R2+1", **overrides) -> ModelConfig:
@@ -84,7 +97,7 @@ def grow(name: str, model) -> None:
     """Set the grown SGT structure of ``all_configs`` entry ``name`` (no-op for others)."""
     blocks = model.blocks()
     for layer, (depth, weights) in GROWN.get(name, {}).items():
-        blocks[layer].loop.set(depth, weights)
+        blocks[layer].head_loop.set(depth, weights)
 
 
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:

@@ -69,7 +69,7 @@ def describe_source(source: Optional[str], overrides: Sequence[str] = (), verify
     config plus ``grown`` (block -> depth, heads) and ``step``."""
     if source is not None and Path(source).is_dir():
         from looplm.evaluation import load_run
-        from looplm.growth.structure import grown_structure
+        from looplm.head_loop.block import grown_structure
 
         run = load_run(source, verify=verify)
         info = describe(run.config.model)

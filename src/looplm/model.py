@@ -25,6 +25,7 @@ from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
 from looplm.generation import generate
 from looplm.halting import Halting, build_halting
+from looplm.head_loop.block import build_block
 from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
 from looplm.mixers.pattern import block_mixers
@@ -94,18 +95,19 @@ class LoopLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         plan = block_mixers(cfg)  # each block's mixer(s): depth- and loop-level hybrids
-        self.prelude = nn.ModuleList(Block(cfg, plan[("prelude", j)]) for j in range(layout.prelude))
+        # build_block: a plain block, or under model.head_loop one that grows SGT passes
+        self.prelude = nn.ModuleList(build_block(cfg, plan[("prelude", j)]) for j in range(layout.prelude))
         stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
         self.core = nn.ModuleList(
-            nn.ModuleList(Block(cfg, plan[("core", j)]) for j in range(layout.core)) for _ in range(stacks)
+            nn.ModuleList(build_block(cfg, plan[("core", j)]) for j in range(layout.core)) for _ in range(stacks)
         )
         self.topology: Optional[Topology] = build_topology(cfg) if layout.is_looped else None
         self.resolution: Optional[MultiResolution] = build_resolution(cfg)  # None: every iteration at full resolution
         self.step_embedding = StepEmbedding(cfg.iterations, cfg.d_model) if cfg.step_embeddings else None
         self.streams = build_streams(cfg.streams, cfg.d_model) if layout.is_looped else None
         self.halting: Optional[Halting] = build_halting(cfg.halting, cfg.d_model) if layout.is_looped else None
-        self.coda = nn.ModuleList(Block(cfg, plan[("coda", j)]) for j in range(layout.coda))
+        self.coda = nn.ModuleList(build_block(cfg, plan[("coda", j)]) for j in range(layout.coda))
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

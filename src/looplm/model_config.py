@@ -9,7 +9,7 @@ from typing import Literal, Optional, Union
 from looplm.config_base import Config, check
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
-from looplm.growth.config import HeadLoopConfig
+from looplm.head_loop.config import HeadLoopConfig
 from looplm.halting.config import HaltingConfig
 from looplm.mixers.pattern import HybridConfig
 from looplm.resolution.config import ResolutionConfig
@@ -111,7 +111,7 @@ class ModelConfig(Config):
     embed_scale: bool = False
     init_std: float = 0.02
     depth_scaled_init: bool = True
-    head_loop: Optional[HeadLoopConfig] = None  # SGT head looping grown in training (looplm.growth)
+    head_loop: Optional[HeadLoopConfig] = None  # SGT head looping grown in training (looplm.head_loop)
     position: Literal["rotary", "learned"] = "rotary"  # learned: absolute table added to the embeddings
     step_embeddings: bool = False  # UT: a learned e_t added to the core's input at macro step t
     streams: StreamsConfig = StreamsConfig()  # single state, or solution/reasoning streams (looplm.streams)

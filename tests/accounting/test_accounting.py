@@ -168,12 +168,12 @@ def test_head_loop_flops_from_grown_structure():
     model = build_meta_model(model_cfg("sgt-tiny-k1"))
     base = count_flops(model, 64, convention="torch").forward
     block = model.blocks()[2]
-    block.loop.set(1, [1.0] * model.cfg.n_heads)
+    block.head_loop.set(1, [1.0] * model.cfg.n_heads)
     one_all = count_flops(model, 64, convention="torch").forward - base
-    block.loop.set(2, [1.0] + [0.0] * (model.cfg.n_heads - 1))
+    block.head_loop.set(2, [1.0] + [0.0] * (model.cfg.n_heads - 1))
     two_one = count_flops(model, 64, convention="torch").forward - base
     assert two_one == pytest.approx(2 * one_all / model.cfg.n_heads)
-    block.loop.set(0)
+    block.head_loop.set(0)
 
 
 def measured(model, x, **kwargs):
@@ -192,7 +192,7 @@ def test_attention_models_match_flop_counter(name):
     torch.manual_seed(0)
     model = LoopLM(model_cfg(name)).eval()
     if model.cfg.head_loop is not None:
-        model.blocks()[2].loop.set(2, [1.0, 0.5] + [0.0] * (model.cfg.n_heads - 2))
+        model.blocks()[2].head_loop.set(2, [1.0, 0.5] + [0.0] * (model.cfg.n_heads - 2))
     x = torch.randint(0, model.cfg.vocab_size, (2, 48))
     counts = measured(model, x, output_attentions=True)
     assert count_flops(model, 48, batch=2, convention="torch").forward == sum(counts.values())

@@ -219,7 +219,9 @@ def test_adaptive_halting_keeps_cache_equivalence_when_positions_halt_at_differe
         hook = head.register_forward_hook(lambda m, i, o: first.append(o.detach()))
         model(x)
         hook.remove()
-        torch.nn.init.constant_(head.bias, -first[0].median().item())
+        # between the two middle values (median() is one of them): no position at q = 0 exactly,
+        # where decoding's rounding (it depends on shapes and thread count) could flip its halt
+        torch.nn.init.constant_(head.bias, -first[0].quantile(0.5).item())
     steps = model(x).halt_steps
     assert steps.unique().numel() > 1, "the check needs positions that halt at different steps"
     assert_decodes_like_full_forward(model, x, [prefill_then_tokens(4, 12), [3, 7, 12]], atol=2e-5)

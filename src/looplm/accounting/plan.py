@@ -64,7 +64,7 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     on the tokens of its L_t complete chunks, runs the core on L_t positions
     (:func:`~looplm.resolution.core_lengths`) and adds S↑ with the causal shift on all T
     positions; the topology step runs at full resolution. A block's grown loop (SGT) is
-    read from the block by its rule (:func:`rules.block_cost`)."""
+    read from the block by its type's rule (``rules.py``: plain or grown block)."""
     cfg = model.cfg
     full = Call(batch, seq_len, seq_len, width=cfg.d_model)
     plan = [Step("embedding", "embed", model.embed, full)]

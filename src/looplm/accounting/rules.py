@@ -8,11 +8,14 @@ recurrence. A new module type adds a rule here (or beside its module) with
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost, register_flop_rule
 from looplm.accounting.plan import BlockCall, PositionCall, ResolutionCall
 from looplm.halting import ACTHalting, QHalting
+from looplm.head_loop.block import BlockLoopBlock, HeadLoopBlock
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.mixers.deltanet import DeltaRuleMixer
 from looplm.mixers.dsa import DeepSeekSparseAttention
@@ -77,30 +80,49 @@ def _gated_rmsnorm(m: GatedRMSNorm, call: Call) -> Cost:
 
 @register_flop_rule(BlockCall)
 def _block_call(m: BlockCall, call: Call) -> Cost:
-    return block_cost(m.block, call, m.iteration)
+    """The block's rule (by its type: plain or grown) at the iteration it runs."""
+    return module_cost(m.block, dataclasses.replace(call, iteration=m.iteration))
 
 
-def block_cost(block: Block, call: Call, iteration: int = 0) -> Cost:
-    """norm -> mixer (this iteration's view) -> residual -> norm -> FFN -> residual, plus the
-    block's grown loop (SGT, read from ``block.loop``: depth K_l and the heads S with w_i > 0):
-    Block Loop re-applies the whole block K_l times; a head loop adds K_l passes of
-    norm -> S's slice of the attention -> residual (Eq. 6) before the FFN."""
-    mixer = block.per_iteration[iteration if len(block.per_iteration) > 1 else 0]
+def _sublayers(block: Block, call: Call) -> tuple[Cost, Cost]:
+    """norm -> mixer (this iteration's view) -> residual, and norm -> FFN -> residual."""
     d = block.attn_norm.weight.shape[0]
+    mixer = block.mixer_at(max(call.iteration, 0))
     attention = module_cost(block.attn_norm, call) + module_cost(mixer, call) + Cost(residual=call.rows * d)
     ffn = module_cost(block.ffn_norm, call) + module_cost(block.ffn, call) + Cost(residual=call.rows * d)
-    loop = block.loop
-    depth = loop.depth if loop is not None and isinstance(mixer, SoftmaxAttention) else 0
-    if depth == 0:
+    return attention, ffn
+
+
+@register_flop_rule(Block)
+def _block(m: Block, call: Call) -> Cost:
+    attention, ffn = _sublayers(m, call)
+    return attention + ffn
+
+
+@register_flop_rule(BlockLoopBlock)
+def _block_loop(m: BlockLoopBlock, call: Call) -> Cost:
+    """Block Loop: 1 + K_l applications of the whole block (K_l from ``m.head_loop``)."""
+    attention, ffn = _sublayers(m, call)
+    return (attention + ffn).scale(1 + m.extra_passes(max(call.iteration, 0)))
+
+
+@register_flop_rule(HeadLoopBlock)
+def _head_loop(m: HeadLoopBlock, call: Call) -> Cost:
+    """The block plus K_l passes of norm -> S's slice of the attention -> residual (Eq. 6)
+    before the FFN (K_l and the heads S with w_i > 0 from ``m.head_loop``)."""
+    attention, ffn = _sublayers(m, call)
+    iteration = max(call.iteration, 0)
+    depth = m.extra_passes(iteration)
+    if depth == 0:  # not grown, or this iteration's mixer does not loop
         return attention + ffn
-    if loop.kind == "block":  # Block Loop: 1 + K_l applications of the whole block
-        return (attention + ffn).scale(1 + depth)
-    passes = module_cost(block.attn_norm, call) + head_pass_cost(mixer, call, len(loop.heads)) + Cost(residual=call.rows * d)
+    d = m.attn_norm.weight.shape[0]
+    head_pass = head_pass_cost(m.mixer_at(iteration), call, len(m.head_loop.heads))
+    passes = module_cost(m.attn_norm, call) + head_pass + Cost(residual=call.rows * d)
     return attention + passes.scale(depth) + ffn
 
 
 def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int) -> Cost:
-    """One SGT head pass over ``heads`` = |S| query heads (``forward_heads``, Eq. 6): the
+    """One SGT head pass over ``heads`` = |S| query heads (``head_subset_attention``, Eq. 6): the
     rows of ``qkv`` for S and the kv heads S reads (all |S| of them under MHA; with GQA at
     most min(|S|, H_kv), counted as that bound), the gate's rows, the score/value products
     of |S| heads and S's columns of ``o_proj`` (no output bias)."""
@@ -113,11 +135,6 @@ def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int) -> Cost:
     full = call.batch * call.tokens * call.keys
     causal = call.batch * causal_pairs(call.tokens, call.keys, m.window)
     return cost + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
-
-
-@register_flop_rule(Block)
-def _block(m: Block, call: Call) -> Cost:
-    return block_cost(m, call, max(call.iteration, 0))
 
 
 # ------------------------------------------------------------------ multi-resolution (SpiralFormer)

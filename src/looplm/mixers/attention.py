@@ -124,45 +124,26 @@ class SoftmaxAttention(nn.Module):
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[KVState] = None
     ) -> tuple[torch.Tensor, KVState]:
         """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
-        return self._attend(x, ctx, state)
-
-    def forward_heads(
-        self, x: torch.Tensor, ctx: MixerContext, heads: tuple[int, ...],
-        weights: Optional[tuple[float, ...]] = None, state: Optional[KVState] = None,
-    ) -> tuple[torch.Tensor, KVState]:
-        """Σ_{i∈S} w_i · Attn^(i)(x), the update of SGT's head loop (sparse-growing-transformer.txt
-        Eq. 6, heads as in Eq. 2): only the query heads S = ``heads`` (ascending) and the
-        key/value heads they read are projected, through their rows of ``qkv`` (and ``gate``)
-        and their columns of ``o_proj``, so the cost scales with |S|. No output bias (Eq. 2 has
-        none per head). weights: [|S|] output scales (a fading head), None for ones.
-        x: [B, T, d] -> ([B, T, d], state holding the used key/value heads only)."""
-        return self._attend(x, ctx, state, tuple(heads), weights)
-
-    def _head_rows(self, heads: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
-        """Rows of ``qkv`` for query heads ``heads`` and the kv heads they read, the rows of
-        ``gate`` / columns of ``o_proj`` of those heads, each query head's index among the
-        kept kv heads (None when it is its own position) and the number of kept kv heads."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        group = H // Hkv
-        kv = sorted({i // group for i in heads})
-        dims = torch.arange(D)
-        cols = torch.cat([i * D + dims for i in heads])
-        rows = torch.cat([cols] + [H * D + j * D + dims for j in kv] + [(H + Hkv) * D + j * D + dims for j in kv])
-        kv_index = [kv.index(i // group) for i in heads]
-        same = kv_index == list(range(len(heads)))  # MHA: query head n reads kept kv head n
-        return rows.to(device), cols.to(device), None if same else torch.tensor(kv_index, device=device), len(kv)
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        y, new_state = self.attend(q, k, v, ctx, state)
+        if self.gate is not None:  # LT2 §4.4: head-specific elementwise output gate
+            y = y * torch.sigmoid(self.gate(x))
+        return self.o_proj(y), new_state
 
-    def _attend(self, x, ctx: MixerContext, state: Optional[KVState], heads: Optional[tuple[int, ...]] = None,
-                weights: Optional[tuple[float, ...]] = None) -> tuple[torch.Tensor, KVState]:
-        B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if heads is None:
-            q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        else:  # a slice of the same weights: gradients reach only these heads' rows
-            rows, cols, kv_index, n_kv = self._head_rows(heads, x.device)
-            bias = None if self.qkv.bias is None else self.qkv.bias[rows]
-            H, Hkv = len(heads), n_kv
-            q, k, v = F.linear(x, self.qkv.weight[rows], bias).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
+               state: Optional[KVState] = None, kv_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KVState]:
+        """Causal attention of projected queries over the cached and new keys: the layer's
+        core, shared with SGT's head passes (:mod:`looplm.head_loop.attention`), which
+        project a subset of the heads.
+
+        q: [B, T, H·D]; k, v: [B, T, H_kv·D] (H, H_kv: the heads projected, at most the
+        layer's). kv_index: [H], the key/value head each query head reads; None: query
+        head n reads head ⌊n·H_kv / H⌋ (grouped in order). Returns (y [B, T, H·D] before
+        W_O, the state holding these key/value heads)."""
+        B, T, _ = q.shape
+        D = self.head_dim
+        H, Hkv = q.shape[-1] // D, k.shape[-1] // D
         q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)
@@ -175,9 +156,8 @@ class SoftmaxAttention(nn.Module):
         if mask is not None:
             mask = mask[..., start:]  # only the kept keys
         keys, values = k, v
-        if heads is not None:
-            if kv_index is not None:
-                keys, values = k.index_select(1, kv_index), v.index_select(1, kv_index)
+        if kv_index is not None:
+            keys, values = k.index_select(1, kv_index), v.index_select(1, kv_index)
         elif Hkv != H:
             keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         if ctx.attentions is not None:  # probes want the probabilities: compute them explicitly
@@ -187,20 +167,8 @@ class SoftmaxAttention(nn.Module):
             y = blocked_window_attention(q, keys, values, self.window)
         else:  # mask None: the T queries are the last T of the keys and need only causality
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
-        y = y.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
-        if self.gate is not None:  # LT2 §4.4: head-specific elementwise output gate
-            if heads is None:
-                y = y * torch.sigmoid(self.gate(x))
-            else:
-                bias = None if self.gate.bias is None else self.gate.bias[cols]
-                y = y * torch.sigmoid(F.linear(x, self.gate.weight[cols], bias))
         new_state = KVState(k, v, start)
         if self.window is not None and k.shape[2] > self.window - 1:
             drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
             new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop)
-        if heads is None:
-            return self.o_proj(y), new_state
-        if weights is not None:  # fading heads: scale each head's output before W_O
-            scale = torch.tensor(weights, dtype=y.dtype, device=y.device).repeat_interleave(D)
-            y = y * scale
-        return F.linear(y, self.o_proj.weight[:, cols]), new_state
+        return y.transpose(1, 2).reshape(B, T, H * D), new_state

@@ -54,7 +54,7 @@ from torch import nn
 from looplm.config_base import ConfigError
 from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
-from looplm.growth.training import Growth
+from looplm.head_loop.training import Growth
 from looplm.model import LoopLM
 from looplm.tasks import task_evaluator
 from looplm.train.checkpoint import (

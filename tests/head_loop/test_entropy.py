@@ -8,7 +8,7 @@ import math
 import torch
 
 from looplm import LoopLM
-from looplm.growth.entropy import EntropyMeter, layer_entropy, normalized_entropy
+from looplm.head_loop.entropy import EntropyMeter, layer_entropy, normalized_entropy
 from looplm.model_config import ModelConfig
 
 

@@ -3,7 +3,7 @@ decoding state of its extra passes.
 
 The structure is not a parameter: growing it leaves the parameter set (and so the
 optimiser state) unchanged. It travels with the weights as the module's extra state
-(``<block>.loop._extra_state`` in ``model.safetensors``: a float tensor [1 + H] holding
+(``<block>.head_loop._extra_state`` in ``model.safetensors``: a float tensor [1 + H] holding
 K_l then the H head weights), so a saved or exported model reloads with its grown,
 static graph.
 """
@@ -20,12 +20,11 @@ from torch import nn
 class GrownLoop(nn.Module):
     """K_l (``depth``) and the loop weight w_i ∈ [0, 1] of every head of one block.
 
-    Heads with w_i = 0 are not computed at all; 0 < w_i < 1 while a head fades out.
-    ``kind`` is ``heads`` (Eq. 6 head passes) or ``block`` (the block re-applied)."""
+    Heads with w_i = 0 are not computed at all; 0 < w_i < 1 while a head fades out."""
 
-    def __init__(self, kind: str, n_heads: int):
+    def __init__(self, n_heads: int):
         super().__init__()
-        self.kind, self.n_heads = kind, n_heads
+        self.n_heads = n_heads
         self.depth = 0
         self.weights: tuple[float, ...] = (1.0,) * n_heads
 
@@ -50,7 +49,7 @@ class GrownLoop(nn.Module):
         return {"depth": self.depth, "heads": list(self.heads), "weights": list(self.weights)}
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, depth={self.depth}, heads={list(self.heads)}"
+        return f"depth={self.depth}, heads={list(self.heads)}"
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor([float(self.depth), *self.weights], dtype=torch.float32)
@@ -74,21 +73,3 @@ class LoopedState:
 
     def select(self, index: torch.Tensor) -> "LoopedState":
         return LoopedState(self.main.select(index), tuple(s.select(index) for s in self.passes))
-
-
-def block_names(model: nn.Module) -> list[str]:
-    """Names of ``model.blocks()`` in the same (depth) order: prelude.j, core.j (core[i].j
-    when each iteration has its own stack), coda.j."""
-    names = [f"prelude.{j}" for j in range(len(model.prelude))]
-    for i, stack in enumerate(model.core):
-        names += [f"core.{j}" if len(model.core) == 1 else f"core[{i}].{j}" for j in range(len(stack))]
-    return names + [f"coda.{j}" for j in range(len(model.coda))]
-
-
-def grown_structure(model: nn.Module) -> dict[str, dict]:
-    """{block name: {depth, heads, weights}} for every block whose loop depth is > 0."""
-    return {
-        name: block.loop.describe()
-        for name, block in zip(block_names(model), model.blocks())
-        if block.loop is not None and block.loop.depth > 0
-    }

@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from looplm.growth.entropy import EntropyMeter
-from looplm.growth.schedule import GrowthSchedule
-from looplm.growth.structure import block_names
+from looplm.head_loop.entropy import EntropyMeter
+from looplm.head_loop.schedule import GrowthSchedule
+from looplm.head_loop.block import block_names, grown_blocks
 
 
 class Growth:
@@ -24,11 +24,11 @@ class Growth:
 
     def __init__(self, model: nn.Module, device: torch.device):
         cfg = model.cfg.head_loop
-        self.blocks = model.blocks()
+        self.grown = grown_blocks(model)  # {layer: block}, layers indexing model.blocks()
         self.names = block_names(model)
-        eligible = [l for l, b in enumerate(self.blocks) if b.loop is not None and l not in cfg.exclude]
+        eligible = [l for l in self.grown if l not in cfg.exclude]
         self.schedule = GrowthSchedule(cfg, model.cfg.n_heads, eligible)
-        self.meter: Optional[EntropyMeter] = EntropyMeter(self.blocks, eligible, model.cfg.n_heads, device)
+        self.meter: Optional[EntropyMeter] = EntropyMeter(model.blocks(), eligible, model.cfg.n_heads, device)
 
     def after_step(self, step: int, distributed: bool = False) -> list[dict]:
         """Account step ``step`` (already completed) and return its growth events, each with
@@ -48,12 +48,11 @@ class Growth:
         return events
 
     def apply(self, step: int) -> None:
-        """Write Θ after step ``step`` into the blocks' loops."""
+        """Write Θ after step ``step`` into the grown blocks."""
         structure = self.schedule.structure(step)
-        for layer, block in enumerate(self.blocks):
-            if block.loop is not None:
-                depth, weights = structure.get(layer, (0, None))
-                block.loop.set(depth, weights)
+        for layer, block in self.grown.items():
+            depth, weights = structure.get(layer, (0, None))
+            block.head_loop.set(depth, weights)
 
     def state_dict(self) -> dict:
         return self.schedule.state_dict()

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from looplm import LoopCache, LoopLM
-from looplm.growth.structure import grown_structure
+from looplm.head_loop.attention import head_subset_attention
+from looplm.head_loop.block import grown_structure
 from looplm.model_config import ModelConfig
 
 VARIANTS = {
@@ -27,8 +28,8 @@ def _grown(cfg):
     torch.manual_seed(0)
     model = LoopLM(cfg).eval()
     blocks = model.blocks()
-    blocks[1].loop.set(2, [1.0, 0.0, 0.5, 1.0])  # a looped core block, one head fading, one dropped
-    blocks[3].loop.set(1, [0.0, 1.0, 0.0, 0.0])  # a coda block, one head
+    blocks[1].head_loop.set(2, [1.0, 0.0, 0.5, 1.0])  # a looped core block, one head fading, one dropped
+    blocks[3].head_loop.set(1, [0.0, 1.0, 0.0, 0.0])  # a coda block, one head
     return model
 
 
@@ -47,7 +48,7 @@ def test_sliced_heads_equal_masked_all_heads(variant):
     scale = torch.zeros(4)
     scale[list(heads)] = torch.tensor(weights)
     masked = F.linear(captured["y"] * scale.repeat_interleave(8), attn.o_proj.weight)  # Σ_i w_i y_i W_O^(i)
-    sliced, state = attn.forward_heads(x, ctx, heads, weights)
+    sliced, state = head_subset_attention(attn, x, ctx, heads, weights)
     torch.testing.assert_close(sliced, masked, atol=1e-6, rtol=1e-5)
     assert state.keys.shape[1] == (3 if attn.n_kv_heads == 4 else 2)  # only the kv heads S reads
 
@@ -92,6 +93,25 @@ def test_causality_and_cache_equivalence_with_loops(kind, variant):
     torch.testing.assert_close(tail, full[[2, 0], 6:], atol=2e-5, rtol=1e-5)
 
 
+def test_loop_level_hybrid_loops_only_its_softmax_iterations():
+    """A core block with attention at iteration 0 and GDN at iteration 1: the grown passes
+    run (and are counted) at iteration 0 only; decoding still equals the full forward."""
+    from looplm.accounting import count_flops
+    from tests.invariants import assert_decodes_like_full_forward, prefill_then_tokens
+
+    def grown(second: str):
+        torch.manual_seed(0)
+        model = LoopLM(_cfg(layout="1+1R2+1", loop_mixers=[{"kind": "attention"}, {"kind": second}])).eval()
+        plain = count_flops(model, 10).forward
+        model.core[0][0].head_loop.set(1, [1.0, 1.0, 0.0, 0.0])
+        return model, count_flops(model, 10).forward - plain
+
+    hybrid, extra = grown("gated_deltanet")
+    assert [hybrid.core[0][0].extra_passes(t) for t in range(2)] == [1, 0]
+    assert extra > 0 and 2 * extra == pytest.approx(grown("attention")[1])  # one of two iterations loops
+    assert_decodes_like_full_forward(hybrid, torch.randint(0, 40, (2, 10)), [prefill_then_tokens(3, 10)], atol=2e-5)
+
+
 def test_depth_zero_is_the_plain_model_and_loops_change_the_output():
     torch.manual_seed(0)
     plain = LoopLM(ModelConfig(vocab_size=40, d_model=32, n_heads=4, layout="1+2R2+1")).eval()
@@ -99,7 +119,7 @@ def test_depth_zero_is_the_plain_model_and_loops_change_the_output():
     looped = LoopLM(_cfg()).eval()
     x = torch.randint(0, 40, (2, 9))
     torch.testing.assert_close(looped(x).logits, plain(x).logits, atol=0, rtol=0)
-    looped.blocks()[2].loop.set(1, [0, 1, 1, 0])
+    looped.blocks()[2].head_loop.set(1, [0, 1, 1, 0])
     assert (looped(x).logits - plain(x).logits).abs().max() > 1e-4
     probs = looped(x, output_attentions=True).attentions
     assert probs[("core.1.loop1", 0)].shape[1] == 2  # the extra pass's own entry, |S| heads
@@ -115,6 +135,23 @@ def test_structure_is_saved_with_the_weights(tmp_path):
     torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
     assert sum(p.numel() for p in loaded.parameters()) == sum(
         p.numel() for p in LoopLM(ModelConfig(vocab_size=40, d_model=32, n_heads=4, layout="1+2R2+1")).parameters())
+
+
+def test_checkpoints_that_name_the_structure_loop_still_load(tmp_path):
+    """Before the head_loop package, a block's structure was saved as ``<block>.loop``."""
+    from safetensors.torch import load_file, save_file
+
+    model = _grown(_cfg())
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = {k.replace(".head_loop.", ".loop."): v for k, v in load_file(str(path)).items()}
+    assert "core.0.1.loop._extra_state" in state
+    save_file(state, str(path))
+    (tmp_path / "manifest.json").unlink()  # save_pretrained wrote none then: such directories load unverified
+    loaded = LoopLM.from_pretrained(tmp_path, verify=False).eval()
+    assert grown_structure(loaded) == grown_structure(model)
+    x = torch.randint(0, 40, (2, 9))
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
 
 
 def test_config_checks():

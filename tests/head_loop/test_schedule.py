@@ -3,8 +3,8 @@ the shallow-to-deep ablation, Block Loop, fade-out and the state round trip."""
 
 from __future__ import annotations
 
-from looplm.growth.config import HeadLoopConfig
-from looplm.growth.schedule import GrowthSchedule
+from looplm.head_loop.config import HeadLoopConfig
+from looplm.head_loop.schedule import GrowthSchedule
 
 N_LAYERS, N_HEADS = 8, 4
 

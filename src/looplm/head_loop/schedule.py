@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from looplm.growth.config import HeadLoopConfig
+from looplm.head_loop.config import HeadLoopConfig
 
 
 class GrowthSchedule:

@@ -33,7 +33,7 @@ def test_growth_resumed_mid_growth_continues_exactly(tmp_path):
     saved = torch.load(tmp_path / "split" / "checkpoints" / "step_0000003" / "trainer.pt", weights_only=True)
     assert saved["growth"]["active"] == [3] and not saved["growth"]["frozen"]
     resumed = Trainer(run_config(tmp_path / "split", **KW), resume=True, progress=False)
-    assert sorted(resumed.model.blocks()[3].loop.weights) == [0.5, 0.5, 1.0, 1.0]  # mid-fade
+    assert sorted(resumed.model.blocks()[3].head_loop.weights) == [0.5, 0.5, 1.0, 1.0]  # mid-fade
     resumed.fit()
 
     def losses(path):

@@ -1,0 +1,134 @@
+"""Blocks that grow extra passes during training (sparse-growing-transformer.txt §4).
+
+:func:`build_block` builds the plain :class:`~looplm.modules.block.Block`, or, under
+``model.head_loop`` and for a block with softmax attention (its entropy is what picks
+layers), the grown block of the configured kind: the plain block, the same parameters
+under the same names, plus its grown structure ``head_loop`` (K_l and the head weights,
+written by the trainer, :mod:`looplm.head_loop.training`). K_l = 0 (the start of
+training, a block never grown) runs the plain block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from looplm.head_loop.attention import head_subset_attention
+from looplm.head_loop.structure import GrownLoop, LoopedState
+from looplm.mixers import MixerConfig, MixerContext, MixerState
+from looplm.mixers.attention import SoftmaxAttention
+from looplm.model_config import ModelConfig
+from looplm.modules.block import Block
+
+
+class GrownBlock(Block):
+    """A block with K_l extra passes (``head_loop.depth``) after its first pass; a kind
+    says what the passes are. Only iterations whose mixer is softmax attention loop (the
+    passes slice its projections); in a loop-level hybrid the others run the plain block.
+    With K_l > 0 its decoding state is a :class:`LoopedState`: each pass attends over the
+    keys of its own input H^(k-1), so each has its own slot."""
+
+    def __init__(self, cfg: ModelConfig, mixers: Sequence[MixerConfig]):
+        super().__init__(cfg, mixers)
+        self.head_loop = GrownLoop(cfg.n_heads)
+        self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
+
+    def extra_passes(self, iteration: int = 0) -> int:
+        """K_l at loop iteration ``iteration``: 0 where that iteration's mixer does not loop."""
+        softmax = self.softmax_at[iteration if len(self.softmax_at) > 1 else 0]
+        return self.head_loop.depth if softmax else 0
+
+    def forward(
+        self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
+    ) -> tuple[torch.Tensor, MixerState]:
+        """x: [B, T, d] -> ([B, T, d], the mixer's state, or with K_l > 0 a :class:`LoopedState`)."""
+        depth = self.extra_passes(iteration)
+        if depth == 0:
+            return super().forward(x, ctx, state, iteration)
+        mixer = self.mixer_at(iteration)
+        main, passes = (None, (None,) * depth) if state is None else (state.main, state.passes)
+        x, main = self._first_pass(x, ctx, mixer, main)
+        location, new_passes = ctx.location, []
+        for k, pass_state in enumerate(passes):
+            ctx.location = (f"{location[0]}.loop{k + 1}", location[1])  # probes: one entry per pass
+            x, pass_state = self._extra_pass(x, ctx, mixer, pass_state)
+            new_passes.append(pass_state)
+        ctx.location = location
+        return self._last(x), LoopedState(main, tuple(new_passes))
+
+    def _first_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
+        raise NotImplementedError
+
+    def _extra_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
+        raise NotImplementedError
+
+    def _last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        """Checkpoints written before the structure was named ``head_loop`` hold it as
+        ``<block>.loop._extra_state``: read them under the current name."""
+        old = prefix + "loop._extra_state"
+        if old in state_dict:
+            state_dict[prefix + "head_loop._extra_state"] = state_dict.pop(old)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class HeadLoopBlock(GrownBlock):
+    """``kind: heads``: after the attention sub-layer, K_l pre-norm passes of the selected
+    heads S only (Eq. 6), then the FFN on H^(K_l)."""
+
+    def _first_pass(self, x, ctx, mixer, state):
+        mixed, state = mixer(self.attn_norm(x), ctx, state)
+        return x + mixed, state  # H^(0) = H_post, Eq. (3)
+
+    def _extra_pass(self, x, ctx, mixer, state):
+        loop = self.head_loop
+        update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, loop.heads, loop.head_weights, state)
+        return x + update, state  # Eq. (6): H^(k) = H^(k-1) + Σ_{i∈S} Attn^(i)(H^(k-1))
+
+    def _last(self, x):
+        return x + self.ffn(self.ffn_norm(x))  # the FFN reads H^(K_l) (Alg. 1 line 13)
+
+
+class BlockLoopBlock(GrownBlock):
+    """``kind: block``: Block Loop, the whole block re-applied K_l times (App. D.1)."""
+
+    def _first_pass(self, x, ctx, mixer, state):
+        return self._layer(x, ctx, state, mixer)
+
+    _extra_pass = _first_pass
+
+
+#: ``model.head_loop.kind`` -> the grown block it builds
+GROWN_BLOCKS = {"heads": HeadLoopBlock, "block": BlockLoopBlock}
+
+
+def build_block(cfg: ModelConfig, mixers: Sequence[MixerConfig]) -> Block:
+    """A block with ``mixers`` (one, or one per loop iteration): grown under
+    ``model.head_loop`` when some of them compute softmax attention, else plain."""
+    if cfg.head_loop is None or not any(spec.is_softmax for spec in mixers):
+        return Block(cfg, mixers)
+    return GROWN_BLOCKS[cfg.head_loop.kind](cfg, mixers)
+
+
+def grown_blocks(model: nn.Module) -> dict[int, GrownBlock]:
+    """{index in ``model.blocks()``: block} of the blocks that can grow."""
+    return {l: b for l, b in enumerate(model.blocks()) if isinstance(b, GrownBlock)}
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """Names of ``model.blocks()`` in the same (depth) order: prelude.j, core.j (core[i].j
+    when each iteration has its own stack), coda.j."""
+    names = [f"prelude.{j}" for j in range(len(model.prelude))]
+    for i, stack in enumerate(model.core):
+        names += [f"core.{j}" if len(model.core) == 1 else f"core[{i}].{j}" for j in range(len(stack))]
+    return names + [f"coda.{j}" for j in range(len(model.coda))]
+
+
+def grown_structure(model: nn.Module) -> dict[str, dict]:
+    """{block name: {depth, heads, weights}} for every block whose loop depth is > 0."""
+    names = block_names(model)
+    return {names[l]: b.head_loop.describe() for l, b in grown_blocks(model).items() if b.head_loop.depth > 0}
