@@ -19,6 +19,7 @@ from looplm.config_base import ConfigError, set_dotted
 from looplm.data import data_tokenizer, validation_batches
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
+from looplm.targets import IGNORE_INDEX
 
 
 @dataclasses.dataclass
@@ -93,7 +94,7 @@ def evaluate_run(
     total, count = 0.0, 0
     for inputs, targets in validation_batches(data_cfg, tokenizer, batch_size):
         out = run.model(inputs, targets, iterations=iterations)
-        n = int((targets != -100).sum())
+        n = int((targets != IGNORE_INDEX).sum())
         total, count = total + float(out.lm_loss) * n, count + n
     if count == 0:
         raise ValueError("the validation split is empty: set data.val_fraction > 0 or use more data")

@@ -2,21 +2,19 @@
 
 ``MixerConfig.from_dict({"kind": "sliding_window", "window": 512})`` returns the
 ``SlidingWindowConfig`` the registry (``looplm.mixers.registry``) names for that kind,
-so each kind validates its own fields and unknown keys are errors. ``build(model)``
-makes the layer, sized by the model's width and heads.
+so each kind validates its own fields and unknown keys are errors. ``build(shape)``
+makes the layer, sized by the block's :class:`~looplm.modules.shape.BlockShape`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Hashable, Optional
+from typing import Any, Hashable, Optional
 
 from torch import nn
 
 from looplm.config_base import Config, ConfigError, check
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
 
 
 _CANONICAL = "model.mixer"  # the field name mixer checks use, rewritten to where a spec sits
@@ -49,20 +47,20 @@ class MixerConfig(Config):
                 raise ConfigError(field, err.value, err.allowed) from None
             raise
 
-    def validate(self, model: "ModelConfig", field: str = "model.mixer") -> None:
-        """Check this spec against the model it sits in (head divisibility, rotary width...)
+    def validate(self, shape: BlockShape, field: str = "model.mixer") -> None:
+        """Check this spec against the block it sits in (head divisibility, rotary width...)
         by building its layer on the meta device, so such errors surface at config load."""
         import torch
 
         try:
             with torch.device("meta"):
-                self.build(model)
+                self.build(shape)
         except ConfigError as err:
             if err.field.startswith(_CANONICAL + ".") and field != _CANONICAL:
                 raise ConfigError(field + err.field[len(_CANONICAL):], err.value, err.allowed) from None
             raise
 
-    def build(self, model: "ModelConfig") -> nn.Module:
+    def build(self, shape: BlockShape) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} does not build a layer")
 
     def parameter_group(self) -> Hashable:
@@ -87,10 +85,10 @@ class AttentionConfig(MixerConfig):
     kind: str = "attention"
     output_gate: bool = False
 
-    def build(self, model: "ModelConfig") -> nn.Module:
+    def build(self, shape: BlockShape) -> nn.Module:
         from looplm.mixers.attention import SoftmaxAttention
 
-        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, self.window, self.output_gate)
+        return SoftmaxAttention(shape.d_model, shape.n_heads, shape.kv_heads, shape.bias, self.window, self.output_gate)
 
     @property
     def window(self) -> Optional[int]:

@@ -13,19 +13,15 @@ sigmoid of a low-rank g_proj.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config_base import check
-from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, whole_number
-from looplm.mixers.gated_deltanet import head_shape, init_dt_bias
+from looplm.mixers.deltanet import DeltaRuleMixer, HeadSizedDeltaRuleConfig
+from looplm.mixers.linear import init_dt_bias, whole
 from looplm.modules.norm import GatedRMSNorm
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
@@ -52,7 +48,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         chunk_size: int = 64,
     ):
         super().__init__(
-            hidden_size, num_heads, head_dim, whole_number(head_dim * expand_v, "expand_v"),
+            hidden_size, num_heads, head_dim, whole(head_dim * expand_v, "expand_v"),
             use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
             allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
         )
@@ -74,20 +70,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
 
 
 @dataclasses.dataclass(frozen=True)
-class KDAConfig(DeltaRuleConfig):
+class KDAConfig(HeadSizedDeltaRuleConfig):
     """Kimi Delta Attention (fla ``KimiDeltaAttention``). ``head_dim`` null: d_model /
     num_heads; value heads are head_dim·expand_v wide."""
 
     kind: str = "kda"
-    head_dim: Optional[int] = None
-    expand_v: float = 1.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.head_dim is None or self.head_dim >= 1, "model.mixer.head_dim", self.head_dim,
-              "null (d_model / num_heads) or an integer >= 1")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
-
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads, head_dim = head_shape(self, model)
-        return KimiDeltaAttention(model.d_model, heads, head_dim, self.expand_v, **self.common())
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, head_dim = self.head_shape(shape)
+        return KimiDeltaAttention(shape.d_model, heads, head_dim, self.expand_v, **self.common())

@@ -12,26 +12,28 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from looplm.growth.config import HeadLoopConfig
 from looplm.growth.structure import GrownLoop, LoopedState
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.mixers.attention import SoftmaxAttention
-from looplm.model_config import ModelConfig
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
+from looplm.modules.shape import BlockShape
 
 
 class Block(nn.Module):
     """Sequential: x + mix(n1(x)), then + ffn(n2(·)). Parallel (GPT-NeoX):
     x + mix(n1(x)) + ffn(n2(x)).
 
-    ``mixers``: one spec, or one per loop iteration (a loop-level hybrid). One layer is
+    ``shape``: widths and block options (``ModelConfig.block_shape``). ``mixers``: one
+    spec, or one per loop iteration (a loop-level hybrid). One layer is
     built per parameter group (``MixerConfig.parameter_group``) and held in ``attn`` (a
     ModuleList when there are several); each iteration runs its spec's view of it.
     """
 
-    def __init__(self, cfg: ModelConfig, mixers: Optional[Sequence[MixerConfig]] = None):
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig], head_loop: Optional[HeadLoopConfig] = None):
         super().__init__()
-        mixers = tuple(mixers or (cfg.mixer,))
+        mixers = tuple(mixers)
         self.parallel_residual = cfg.parallel_residual
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         owners: dict = {}
@@ -44,8 +46,8 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
         # SGT: only blocks with softmax attention can loop (their entropy picks them)
-        growable = cfg.head_loop is not None and any(spec.is_softmax for spec in mixers)
-        self.loop = GrownLoop(cfg.head_loop.kind, cfg.n_heads) if growable else None
+        growable = head_loop is not None and any(spec.is_softmax for spec in mixers)
+        self.loop = GrownLoop(head_loop.kind, cfg.n_heads) if growable else None
 
     def mixer_layers(self) -> list[nn.Module]:
         """The distinct mixer layers (parameter owners) of this block."""
