@@ -54,6 +54,7 @@ class DSAConfig(MixerConfig):
     index_loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.top_k >= 1, "model.mixer.top_k", self.top_k, "an integer >= 1")
         check(self.index_heads >= 1, "model.mixer.index_heads", self.index_heads, "an integer >= 1")
         check(self.index_head_dim >= 1, "model.mixer.index_head_dim", self.index_head_dim, "an integer >= 1")

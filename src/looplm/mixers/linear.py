@@ -89,6 +89,7 @@ class LinearMixerConfig(MixerConfig):
     chunk_rule: ClassVar[Callable[[int], Optional[str]]]
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.num_heads is None or self.num_heads >= 1, "model.mixer.num_heads", self.num_heads,
               "null (the model's n_heads) or an integer >= 1")
         check(self.norm_eps > 0, "model.mixer.norm_eps", self.norm_eps, "a number > 0")

@@ -57,6 +57,7 @@ class NSAConfig(MixerConfig):
     compression: Literal["mean", "mlp"] = "mean"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.block_size >= 1, "model.mixer.block_size", self.block_size, "an integer >= 1")
         check(
             self.block_stride is None or 1 <= self.block_stride <= self.block_size, "model.mixer.block_stride",
