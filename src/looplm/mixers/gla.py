@@ -67,13 +67,10 @@ class GatedLinearAttention(DecayMixer):
     ) -> tuple[torch.Tensor, DecayState]:
         """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
         B, T, _ = x.shape
-        H, Hkv = self.num_heads, self.num_kv_heads
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
         (q, k, v), new_conv = self.project(x, None if state is None else state.conv, valid)
-        q = q.view(B, T, H, self.head_k_dim)
-        k = repeat_kv(k.view(B, T, Hkv, self.head_k_dim), self.groups)
-        v = repeat_kv(v.view(B, T, Hkv, self.head_v_dim), self.groups)
-        gk = repeat_kv(self.gk_proj(x).view(B, T, Hkv, self.head_k_dim), self.groups)
+        q, k, v = self.split_heads(q, k, v)
+        gk = repeat_kv(self.gk_proj(x).view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
         log_alpha = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # [B, T, H, K]
         if self.clamp_min is not None:
             log_alpha = log_alpha.clamp(min=self.clamp_min)

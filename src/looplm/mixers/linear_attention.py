@@ -114,6 +114,17 @@ class DecayMixer(ProjectedMixer):
         else:
             self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
 
+    def split_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections [B, T, width] -> q, k [B, T, H, head_k_dim] and v [B, T, H,
+        head_v_dim], each key/value head repeated for its group of query heads."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.num_heads, self.head_k_dim)
+        k = repeat_kv(k.view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
+        v = repeat_kv(v.view(B, T, self.num_kv_heads, self.head_v_dim), self.groups)
+        return q, k, v
+
     def gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, V] -> o_proj of the per-head norm, gated by SiLU(g_proj(x)) with the
         output gate: [B, T, hidden]."""
@@ -259,9 +270,7 @@ class LinearAttention(DecayMixer):
         """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
         B, T, _ = x.shape
         (q, k, v), _ = self.project(x, None, None)
-        q = q.view(B, T, self.num_heads, self.head_k_dim)
-        k = repeat_kv(k.view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
-        v = repeat_kv(v.view(B, T, self.num_kv_heads, self.head_v_dim), self.groups)
+        q, k, v = self.split_heads(q, k, v)
         q, k = self.feature_map_q(q), self.feature_map_k(k)
         if self.norm_q:
             q = q / (q.sum(-1, keepdim=True) + 1e-4)

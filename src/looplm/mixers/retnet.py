@@ -20,7 +20,7 @@ from torch import nn
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import check_conv
-from looplm.mixers.linear_attention import DecayMixer, DecayState, GroupedDecayConfig, positions, repeat_kv
+from looplm.mixers.linear_attention import DecayMixer, DecayState, GroupedDecayConfig, positions
 from looplm.modules.rotary import Rotary, apply_rotary
 from looplm.modules.shape import BlockShape
 
@@ -71,15 +71,13 @@ class MultiScaleRetention(DecayMixer):
     ) -> tuple[torch.Tensor, DecayState]:
         """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
         B, T, _ = x.shape
-        H, Hkv = self.num_heads, self.num_kv_heads
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
         (q, k, v), new_conv = self.project(x, None if state is None else state.conv, valid)
-        cos, sin = self.rotary(positions(ctx), q.dtype)  # [B, T, head_k_dim]
-        q = apply_rotary(q.view(B, T, H, self.head_k_dim).transpose(1, 2), cos, sin).transpose(1, 2)
-        k = apply_rotary(k.view(B, T, Hkv, self.head_k_dim).transpose(1, 2), cos, sin).transpose(1, 2)
-        k = repeat_kv(k, self.groups)
-        v = repeat_kv(v.view(B, T, Hkv, self.head_v_dim), self.groups)
-        log_alpha = self.log_gamma.float().expand(B, T, H)  # γ_h, the same at every position
+        q, k, v = self.split_heads(q, k, v)
+        cos, sin = self.rotary(positions(ctx), q.dtype)  # [B, T, head_k_dim]; the same for every head
+        q = apply_rotary(q.transpose(1, 2), cos, sin).transpose(1, 2)
+        k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        log_alpha = self.log_gamma.float().expand(B, T, self.num_heads)  # γ_h, the same at every position
         k, log_alpha = self.mask_padding(valid, k, log_alpha)
         o, S = self.decay(q, k, v, log_alpha, None, None if state is None else state.recurrent)
         return self.gated_output(o, x), DecayState(S, new_conv, ctx.valid.shape[1])

@@ -45,6 +45,10 @@ class TopologyConfig(KindConfig):
     def build(self, d_model: int, iterations: int) -> Topology:
         raise NotImplementedError(f"{type(self).__name__} builds no topology")
 
+    def summary(self, iterations: int) -> str:
+        """The kind, with what sets it apart, for ``looplm info``."""
+        return self.kind
+
 
 @dataclasses.dataclass(frozen=True)
 class FixedSupplementConfig(TopologyConfig):
@@ -109,6 +113,9 @@ class AdditiveTopologyConfig(TopologyConfig):
     def build(self, d_model: int, iterations: int) -> Topology:
         return AdditiveTopology(self.supplements)
 
+    def summary(self, iterations: int) -> str:
+        return f"{self.kind} ({' + '.join(self.supplements)})"
+
 
 @dataclasses.dataclass(frozen=True)
 class GatedResidualTopologyConfig(TopologyConfig):
@@ -164,6 +171,9 @@ class MeshTopologyConfig(TopologyConfig):
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return MeshTopology(d_model, iterations, self.slots(iterations))
+
+    def summary(self, iterations: int) -> str:
+        return f"{self.kind} (B={self.slots(iterations)})"
 
 
 #: The topology kinds: ``kind`` -> config class. One line per kind.
