@@ -24,7 +24,15 @@ from torch import nn
 from looplm.config_base import check
 from looplm.mixers.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import LinearMixerConfig, ProjectedMixer, check_conv, check_expands_positive, is_whole, whole
+from looplm.mixers.linear import (
+    LinearMixerConfig,
+    ProjectedMixer,
+    check_conv,
+    check_expands_positive,
+    init_dt_bias,
+    is_whole,
+    whole,
+)
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.shape import BlockShape
 from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, recurrent_delta_rule
@@ -147,6 +155,26 @@ class DeltaRuleMixer(ProjectedMixer):
         return chunk_delta_rule(
             q, k, v, beta, log_alpha, initial_state=initial_state, output_final_state=True, chunk_size=self.chunk_size
         )
+
+
+class MambaDecayDeltaRule(DeltaRuleMixer):
+    """The delta-rule layers sized per head with Mamba2's Δ-discretised decay (GDN, KDA):
+    q, k num_heads × head_dim, v num_heads × head_dim·expand_v; log α_t = -exp(A_log) ·
+    softplus(· + dt_bias), with A ~ U(A_min, 16) per head and dt_bias from
+    :func:`~looplm.mixers.linear.init_dt_bias`."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, expand_v: float, use_short_conv: bool,
+                 conv_size: int, conv_bias: bool, allow_neg_eigval: bool, chunk_size: int):
+        super().__init__(
+            hidden_size, num_heads, head_dim, whole(head_dim * expand_v, "expand_v"),
+            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
+            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
+        )
+
+    def add_decay(self, A_min: float, dt_channels: int) -> None:
+        """A_log (A ~ U(A_min, 16), one per head) and dt_bias (``dt_channels`` of them)."""
+        self.A_log = nn.Parameter(torch.empty(self.num_heads).uniform_(A_min, 16).log())
+        self.dt_bias = nn.Parameter(init_dt_bias(dt_channels))
 
 
 def fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step: bool) -> tuple[torch.Tensor, torch.Tensor]:

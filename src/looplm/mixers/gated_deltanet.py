@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.mixers.deltanet import DeltaRuleMixer, HeadSizedDeltaRuleConfig
-from looplm.mixers.linear import init_dt_bias, whole
+from looplm.mixers.deltanet import HeadSizedDeltaRuleConfig, MambaDecayDeltaRule
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.shape import BlockShape
 
 
-class GatedDeltaNet(DeltaRuleMixer):
+class GatedDeltaNet(MambaDecayDeltaRule):
     """fla's ``GatedDeltaNet`` layer (value heads = heads).
 
     q, k: num_heads × head_dim; v: num_heads × head_dim·expand_v. ``use_gate``: output
@@ -46,14 +45,10 @@ class GatedDeltaNet(DeltaRuleMixer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
     ):
-        super().__init__(
-            hidden_size, num_heads, head_dim, whole(head_dim * expand_v, "expand_v"),
-            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
-            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
-        )
+        super().__init__(hidden_size, num_heads, head_dim, expand_v, use_short_conv, conv_size, conv_bias,
+                         allow_neg_eigval, chunk_size)
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(0, 16).log())  # A ~ U(0, 16)
-        self.dt_bias = nn.Parameter(init_dt_bias(num_heads))
+        self.add_decay(A_min=0, dt_channels=num_heads)  # A ~ U(0, 16), dt per head
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
             self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, activation="swish")

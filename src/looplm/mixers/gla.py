@@ -19,8 +19,7 @@ from torch import nn
 
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import check_conv
-from looplm.mixers.linear_attention import DecayMixer, DecayState, GroupedDecayConfig, repeat_kv
+from looplm.mixers.linear_attention import DecayMixer, DecayState, GatedDecayConfig, repeat_kv
 from looplm.modules.shape import BlockShape
 
 
@@ -80,23 +79,18 @@ class GatedLinearAttention(DecayMixer):
 
 
 @dataclasses.dataclass(frozen=True)
-class GLAConfig(GroupedDecayConfig):
+class GLAConfig(GatedDecayConfig):
     """GLA (fla ``GatedLinearAttention``): key/value widths d_model·expand_k /
     d_model·expand_v (default 0.5 and 1); ``num_kv_heads`` null: the model's kv heads."""
 
     kind: str = "gla"
     expand_k: float = 0.5
-    use_short_conv: bool = False
-    conv_size: int = 4
-    conv_bias: bool = False
-    use_output_gate: bool = True
     gate_logit_normalizer: float = 16.0
     gate_low_rank_dim: int = 16
     clamp_min: Optional[float] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_conv(self.conv_size)
         check(self.gate_logit_normalizer > 0, "model.mixer.gate_logit_normalizer", self.gate_logit_normalizer,
               "a number > 0")
         check(self.gate_low_rank_dim >= 1, "model.mixer.gate_low_rank_dim", self.gate_low_rank_dim, "an integer >= 1")

@@ -18,13 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.mixers.deltanet import DeltaRuleMixer, HeadSizedDeltaRuleConfig
-from looplm.mixers.linear import init_dt_bias, whole
+from looplm.mixers.deltanet import HeadSizedDeltaRuleConfig, MambaDecayDeltaRule
 from looplm.modules.norm import GatedRMSNorm
 from looplm.modules.shape import BlockShape
 
 
-class KimiDeltaAttention(DeltaRuleMixer):
+class KimiDeltaAttention(MambaDecayDeltaRule):
     """fla's ``KimiDeltaAttention`` layer (value heads = heads, no safe_gate/lower_bound).
 
     q, k: num_heads × head_dim; v: num_heads × head_dim·expand_v. f_proj: hidden ->
@@ -47,16 +46,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
     ):
-        super().__init__(
-            hidden_size, num_heads, head_dim, whole(head_dim * expand_v, "expand_v"),
-            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
-            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
-        )
+        super().__init__(hidden_size, num_heads, head_dim, expand_v, use_short_conv, conv_size, conv_bias,
+                         allow_neg_eigval, chunk_size)
         self.f_proj = nn.Sequential(
             nn.Linear(hidden_size, self.head_v_dim, bias=False), nn.Linear(self.head_v_dim, self.key_dim, bias=False)
         )
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())  # A ~ U(1, 16)
-        self.dt_bias = nn.Parameter(init_dt_bias(self.key_dim))
+        self.add_decay(A_min=1, dt_channels=self.key_dim)  # A ~ U(1, 16), dt per key channel
         self.g_proj = nn.Sequential(
             nn.Linear(hidden_size, self.head_v_dim, bias=False), nn.Linear(self.head_v_dim, self.value_dim, bias=True)
         )

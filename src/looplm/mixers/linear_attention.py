@@ -29,7 +29,7 @@ from torch import nn
 from looplm.config_base import check
 from looplm.mixers.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import LinearMixerConfig, ProjectedMixer, check_expands_positive, whole
+from looplm.mixers.linear import LinearMixerConfig, ProjectedMixer, check_conv, check_expands_positive, whole
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.shape import BlockShape
 from looplm.ops.decay import chunk_decay, chunk_size_rule, fla_decay, recurrent_decay
@@ -312,6 +312,21 @@ class GroupedDecayConfig(DecayMixerConfig):
         check(heads % kv_heads == 0, "model.mixer.num_kv_heads", kv_heads, f"a divisor of num_heads={heads}")
         self.check_expands(shape, heads, expand_k=self.expand_k, expand_v=self.expand_v)
         return heads, kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDecayConfig(GroupedDecayConfig):
+    """The layer fla's GLA and RetNet share (:meth:`DecayMixer.add_gated_layer`): optional
+    SiLU short convolutions on q, k, v, and the output gate."""
+
+    use_short_conv: bool = False
+    conv_size: int = 4
+    conv_bias: bool = False
+    use_output_gate: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_conv(self.conv_size)
 
 
 @dataclasses.dataclass(frozen=True)

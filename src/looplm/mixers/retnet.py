@@ -19,8 +19,7 @@ from torch import nn
 
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import check_conv
-from looplm.mixers.linear_attention import DecayMixer, DecayState, GroupedDecayConfig, positions
+from looplm.mixers.linear_attention import DecayMixer, DecayState, GatedDecayConfig, positions
 from looplm.modules.rotary import Rotary, apply_rotary
 from looplm.modules.shape import BlockShape
 
@@ -84,21 +83,13 @@ class MultiScaleRetention(DecayMixer):
 
 
 @dataclasses.dataclass(frozen=True)
-class RetNetConfig(GroupedDecayConfig):
+class RetNetConfig(GatedDecayConfig):
     """RetNet (fla ``MultiScaleRetention``): key/value widths d_model·expand_k /
     d_model·expand_v (default 1 and 2); ``num_kv_heads`` null: the model's kv heads; rotary
     base from the model's ``rope_theta``."""
 
     kind: str = "retnet"
     expand_v: float = 2.0
-    use_short_conv: bool = False
-    conv_size: int = 4
-    conv_bias: bool = False
-    use_output_gate: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_conv(self.conv_size)
 
     def build(self, shape: BlockShape) -> nn.Module:
         heads, kv_heads = self.head_counts(shape)
