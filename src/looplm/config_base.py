@@ -151,8 +151,8 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class KindConfig(Config):
-    """Base of an axis whose ``kind`` key picks one config class per value (topology,
-    halting, streams).
+    """Base of an axis whose ``kind`` key picks one config class per value (mixers,
+    topology, halting, streams).
 
     The axis's base class names its registry (:meth:`kinds`, kind -> class) and where it
     sits (``FIELD``, e.g. ``model.halting``); ``from_dict`` on it dispatches on ``kind``
