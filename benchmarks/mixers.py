@@ -72,7 +72,7 @@ def _layer(kind: str, heads: int, head_dim: int, device: str):
 
     spec = MixerConfig.from_dict({"kind": kind, **BENCH_OPTIONS.get(kind, {})})
     model_cfg = ModelConfig(d_model=heads * head_dim, n_heads=heads, layout="1", max_seq_len=1 << 20, bias=False)
-    return spec.build(model_cfg).to(device), model_cfg
+    return spec.build(model_cfg.block_shape).to(device), model_cfg
 
 
 def _context(model_cfg, batch: int, length: int, past: int, device: str):

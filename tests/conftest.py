@@ -25,13 +25,15 @@ def _one_thread():
 
 def tiny_config(topology: str = "base", layout: str = "1+2R2+1", **overrides) -> ModelConfig:
     """A CPU-sized model; ``topology`` may be any kind ('additive' sums anchor+anchor*)."""
-    supplements = ("anchor", "anchor_embedding") if topology == "additive" else ()
     fields = dict(
         vocab_size=61,
         d_model=32,
         n_heads=4,
         layout=layout,
-        topology=TopologyConfig(kind=topology, supplements=supplements),
+        topology=TopologyConfig.from_dict(
+            {"kind": "additive", "supplements": ["anchor", "anchor_embedding"]} if topology == "additive"
+            else {"kind": topology}
+        ),
         max_seq_len=128,
     )
     fields.update(overrides)

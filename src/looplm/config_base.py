@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import math
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
 from looplm.errors import LoopLMError
 
@@ -155,6 +155,79 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindConfig(Config):
+    """Base of an axis whose ``kind`` key picks one config class per value (mixers,
+    topology, halting, streams).
+
+    The axis's base class names its registry (:meth:`kinds`, kind -> class) and where it
+    sits (``FIELD``, e.g. ``model.halting``); ``from_dict`` on it dispatches on ``kind``
+    (missing: the base's default kind), so each kind checks only its own fields and a field
+    of another kind is refused as an unknown key. Constructing a class under another kind's
+    name is refused too.
+    """
+
+    kind: str = ""
+
+    #: where configs of this axis sit, for error messages (``model.topology``)
+    FIELD: ClassVar[str] = ""
+    #: keys the axis's former single flat config wrote for every kind (so checkpoints' and
+    #: runs' config.json carry them), with that config's defaults: read back and dropped
+    #: when a kind without the field holds exactly that default.
+    FLAT_DEFAULTS: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def kinds(cls) -> dict[str, type["KindConfig"]]:
+        raise NotImplementedError(f"{cls.__name__} names no registry of kinds")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The keys a mapping for this kind may have."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        check(self.kind in kinds, f"{self.FIELD}.kind", self.kind, f"one of {', '.join(kinds)}")
+        owner = kinds[self.kind]
+        check(owner is type(self), f"{self.FIELD}.kind", self.kind,
+              f"{type(self).__name__}'s own kind: kind={self.kind} is built by {owner.__name__} "
+              f"(or by from_dict({{'kind': {self.kind!r}, ...}}))")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "KindConfig":
+        prefix = prefix or cls.FIELD
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(prefix, data, "a mapping with a kind, e.g. {kind: " + cls.default_kind() + "}")
+        kinds = cls.kinds()
+        kind = data.get("kind", cls.default_kind())
+        if kind not in kinds:
+            raise ConfigError(f"{prefix}.kind", kind, f"one of {', '.join(kinds)}")
+        target = kinds[kind]
+        if not issubclass(target, cls):
+            raise ConfigError(f"{prefix}.kind", kind, f"a kind of {cls.__name__}")
+        data = {key: value for key, value in data.items() if key in target.keys() or not cls._flat_default(key, value)}
+        for key, value in data.items():
+            if key not in target.keys():
+                owners = [name for name, other in kinds.items() if key in other.keys()]
+                why = f"; {key} is refused unless kind={' or '.join(owners)}" if owners else ""
+                raise ConfigError(f"{prefix}.{key}", value,
+                                  f"unknown key for kind={kind}; allowed keys: {', '.join(target.keys())}{why}")
+        return Config.from_dict.__func__(target, data, prefix)
+
+    @classmethod
+    def default_kind(cls) -> str:
+        """The kind a mapping without ``kind`` gets: this class's default."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == "kind")
+
+    @classmethod
+    def _flat_default(cls, key: str, value: Any) -> bool:
+        if key not in cls.FLAT_DEFAULTS:
+            return False
+        default = cls.FLAT_DEFAULTS[key]
+        return value == default or (isinstance(value, list) and tuple(value) == default)
 
 
 def check(condition: bool, field: str, value: Any, allowed: str) -> None:

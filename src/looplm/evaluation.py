@@ -20,6 +20,7 @@ from looplm.config_base import ConfigError, set_dotted
 from looplm.data import DataConfig, data_tokenizer, validation_batches
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
+from looplm.targets import IGNORE_INDEX
 
 log = logging.getLogger("looplm")
 
@@ -87,7 +88,7 @@ def evaluate_run(
     total, count = 0.0, 0
     for inputs, targets in validation_batches(data_cfg, tokenizer, batch_size):
         out = run.model(inputs, targets, iterations=iterations)
-        n = int((targets != -100).sum())
+        n = int((targets != IGNORE_INDEX).sum())
         total, count = total + float(out.lm_loss) * n, count + n
     if count == 0:
         raise ConfigError("data.val_fraction", data_cfg.val_fraction,

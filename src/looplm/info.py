@@ -21,11 +21,7 @@ def describe(cfg: ModelConfig) -> dict[str, Any]:
     with torch.device("meta"):
         model = LoopLM(cfg)
     layout = cfg.loop
-    topology = cfg.topology.kind if layout.is_looped else "none (dense)"
-    if cfg.topology.kind == "mesh" and layout.is_looped:
-        topology += f" (B={cfg.buffer_slots})"
-    if cfg.topology.kind == "additive":
-        topology += " (" + " + ".join(cfg.topology.supplements) + ")"
+    topology = cfg.topology.summary(layout.iterations) if layout.is_looped else "none (dense)"
     return {
         "layout": str(layout),
         "prelude_blocks": layout.prelude,

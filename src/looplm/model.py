@@ -28,7 +28,6 @@ from looplm.halting import Halting, build_halting
 from looplm.head_loop.block import build_block
 from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
-from looplm.mixers.pattern import block_mixers
 from looplm.model_config import ModelConfig
 from looplm.modules.block import Block
 from looplm.modules.norm import build_norm
@@ -36,9 +35,8 @@ from looplm.modules.rotary import Rotary
 from looplm.modules.step import StepEmbedding
 from looplm.resolution import MultiResolution, build_resolution
 from looplm.streams import build_streams, freeze
+from looplm.targets import IGNORE_INDEX
 from looplm.topology import Topology, build_topology
-
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass
@@ -94,20 +92,23 @@ class LoopLM(nn.Module):
         layout = cfg.loop
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
-        plan = block_mixers(cfg)  # each block's mixer(s): depth- and loop-level hybrids
-        # build_block: a plain block, or under model.head_loop one that grows SGT passes
-        self.prelude = nn.ModuleList(build_block(cfg, plan[("prelude", j)]) for j in range(layout.prelude))
+        plan = cfg.block_mixers()  # each block's mixer(s): depth- and loop-level hybrids
+        shape, head_loop = cfg.block_shape, cfg.head_loop
+        self.prelude = nn.ModuleList(build_block(shape, plan[("prelude", j)], head_loop) for j in range(layout.prelude))
         stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
         self.core = nn.ModuleList(
-            nn.ModuleList(build_block(cfg, plan[("core", j)]) for j in range(layout.core)) for _ in range(stacks)
+            nn.ModuleList(build_block(shape, plan[("core", j)], head_loop) for j in range(layout.core)) for _ in range(stacks)
         )
-        self.topology: Optional[Topology] = build_topology(cfg) if layout.is_looped else None
-        self.resolution: Optional[MultiResolution] = build_resolution(cfg)  # None: every iteration at full resolution
+        self.topology: Optional[Topology] = (
+            build_topology(cfg.topology, cfg.d_model, cfg.iterations) if layout.is_looped else None
+        )
+        # None: every iteration at full resolution
+        self.resolution: Optional[MultiResolution] = build_resolution(cfg.resolution, layout, cfg.d_model)
         self.step_embedding = StepEmbedding(cfg.iterations, cfg.d_model) if cfg.step_embeddings else None
         self.streams = build_streams(cfg.streams, cfg.d_model) if layout.is_looped else None
         self.halting: Optional[Halting] = build_halting(cfg.halting, cfg.d_model) if layout.is_looped else None
-        self.coda = nn.ModuleList(build_block(cfg, plan[("coda", j)]) for j in range(layout.coda))
+        self.coda = nn.ModuleList(build_block(shape, plan[("coda", j)], head_loop) for j in range(layout.coda))
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -1,4 +1,8 @@
-"""Configuration of a looped language model: block shape, layout and state-passing topology."""
+"""Configuration of a looped language model: the block, the layout, and the loop's axes.
+
+The model config sits above the axes: it composes their configs (mixers, topology,
+resolution, streams, halting, head loop), checks how they combine, and hands the layers
+what they are sized by (:attr:`ModelConfig.block_shape`); no axis imports it."""
 
 from __future__ import annotations
 
@@ -7,75 +11,18 @@ import functools
 from typing import Literal, Optional, Union
 
 from looplm.config_base import Config, check
+from looplm.head_loop.config import HeadLoopConfig
+from looplm.halting.config import HaltingConfig, NoHaltingConfig
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
-from looplm.head_loop.config import HeadLoopConfig
-from looplm.halting.config import HaltingConfig
-from looplm.mixers.pattern import HybridConfig
+from looplm.mixers.pattern import HybridConfig, block_mixers, hybrid_positions
+from looplm.modules.shape import BlockShape
 from looplm.resolution.config import ResolutionConfig
-from looplm.streams.config import StreamsConfig
+from looplm.resolution import schedule
+from looplm.streams.config import SingleStreamConfig, StreamsConfig
+from looplm.topology.config import SUPPLEMENTS, TOPOLOGIES, BaseTopologyConfig, TopologyConfig
 
-#: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
-SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
-
-#: Topology kinds, one value of one axis each (see ``looplm.topology``).
-TOPOLOGIES = (
-    "base",
-    "residual",
-    "anchor",
-    "anchor_embedding",
-    "additive",
-    "gated_residual",
-    "static_combination",
-    "dynamic_combination",
-    "mesh",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class TopologyConfig(Config):
-    """How an iteration's core output enters the loop state.
-
-    ``additive`` sums the core output with every entry of ``supplements`` (MeSH
-    Appendix E.3's fixed combinations, e.g. ``[anchor, anchor_embedding]``);
-    ``buffer_slots`` is MeSH's B (default T + 3, Appendix E.2).
-    """
-
-    kind: str = "base"
-    supplements: tuple[str, ...] = ()
-    buffer_slots: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        check(self.kind in TOPOLOGIES, "model.topology.kind", self.kind, f"one of {', '.join(TOPOLOGIES)}")
-        if self.kind == "additive":
-            check(
-                len(self.supplements) > 0 and all(s in SUPPLEMENTS for s in self.supplements)
-                and len(set(self.supplements)) == len(self.supplements),
-                "model.topology.supplements",
-                list(self.supplements),
-                f"a non-empty list of distinct entries from {', '.join(SUPPLEMENTS)} (needed by kind=additive)",
-            )
-        else:
-            check(
-                not self.supplements,
-                "model.topology.supplements",
-                list(self.supplements),
-                "empty unless kind=additive",
-            )
-        if self.kind == "mesh":
-            check(
-                self.buffer_slots is None or self.buffer_slots >= 2,
-                "model.topology.buffer_slots",
-                self.buffer_slots,
-                "an integer >= 2 (slot 0 holds the embeddings), or null for T + 3",
-            )
-        else:
-            check(
-                self.buffer_slots is None,
-                "model.topology.buffer_slots",
-                self.buffer_slots,
-                "null unless kind=mesh",
-            )
+__all__ = ["ModelConfig", "SUPPLEMENTS", "TOPOLOGIES", "TopologyConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +40,7 @@ class ModelConfig(Config):
     n_kv_heads: Optional[int] = None
     layout: Union[str, int] = "2+4R2+2"
     share_core: bool = True
-    topology: TopologyConfig = TopologyConfig()
+    topology: TopologyConfig = BaseTopologyConfig()
     resolution: ResolutionConfig = ResolutionConfig()
     mixer: MixerConfig = AttentionConfig()
     hybrid: Optional[HybridConfig] = None
@@ -114,8 +61,8 @@ class ModelConfig(Config):
     head_loop: Optional[HeadLoopConfig] = None  # SGT head looping grown in training (looplm.head_loop)
     position: Literal["rotary", "learned"] = "rotary"  # learned: absolute table added to the embeddings
     step_embeddings: bool = False  # UT: a learned e_t added to the core's input at macro step t
-    streams: StreamsConfig = StreamsConfig()  # single state, or solution/reasoning streams (looplm.streams)
-    halting: HaltingConfig = HaltingConfig()  # none, ACT or Q-halt (looplm.halting)
+    streams: StreamsConfig = SingleStreamConfig()  # single state, or solution/reasoning streams (looplm.streams)
+    halting: HaltingConfig = NoHaltingConfig()  # none, ACT or Q-halt (looplm.halting)
 
     def __post_init__(self) -> None:
         for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
@@ -164,14 +111,12 @@ class ModelConfig(Config):
             check(self.hybrid is None, "model.loop_mixers", [m.kind for m in self.loop_mixers],
                   "null when model.hybrid is set: choose a depth-level or a loop-level hybrid")
         if self.hybrid is not None:
-            from looplm.mixers.pattern import hybrid_positions
-
             hybrid_positions(self.hybrid, layout.prelude + (layout.core if layout.is_looped else 0) + layout.coda)
-        self.mixer.validate(self, "model.mixer")
+        self.mixer.validate(self.block_shape, "model.mixer")
         if self.hybrid is not None:
-            self.hybrid.mixer.validate(self, "model.hybrid.mixer")
+            self.hybrid.mixer.validate(self.block_shape, "model.hybrid.mixer")
         for t, spec in enumerate(self.loop_mixers or ()):
-            spec.validate(self, f"model.loop_mixers[{t}]")
+            spec.validate(self.block_shape, f"model.loop_mixers[{t}]")
         if self.head_loop is not None:
             object.__setattr__(self, "head_loop", HeadLoopConfig.checked(self.head_loop, self))
         self._check_loop_axes(layout)
@@ -183,7 +128,7 @@ class ModelConfig(Config):
                 f"the defaults for the dense layout {self.layout!r}: resolutions act on a loop such as 4+8x{{1/2,1}}+4",
             )
             check(
-                self.topology.kind == "base",
+                not self.topology.defines_update,
                 "model.topology.kind",
                 self.topology.kind,
                 f"'base' for the dense layout {self.layout!r}: topologies act on a loop such as 4+8R2+4",
@@ -191,35 +136,37 @@ class ModelConfig(Config):
 
     def _check_loop_axes(self, layout: Layout) -> None:
         """Step embeddings, streams and halting act on a loop, and on what they can freeze."""
-        loop_only = {"step_embeddings": (self.step_embeddings, False), "streams.kind": (self.streams.kind, "single"),
-                     "halting.kind": (self.halting.kind, "none")}
         if not layout.is_looped:
-            for name, (value, default) in loop_only.items():
-                check(value == default, f"model.{name}", value,
+            for name, ok, value, default in (
+                ("step_embeddings", not self.step_embeddings, self.step_embeddings, False),
+                ("streams.kind", not self.streams.defines_update, self.streams.kind, "single"),
+                ("halting.kind", not self.halting.adaptive, self.halting.kind, "none"),
+            ):
+                check(ok, f"model.{name}", value,
                       f"{default!r} for the dense layout {self.layout!r}: it acts on a loop such as 1R12")
             return
         multires = any(r != 1 for r in layout.resolutions)
-        if self.streams.kind == "two":
-            for name, ok, allowed in (
-                ("topology.kind", self.topology.kind == "base", "'base' (the streams define the update)"),
-                ("share_core", self.share_core, "true (every pass reuses the one core)"),
-                ("layout", not multires, "a full-resolution loop such as 1R6"),
-                ("loop_mixers", self.loop_mixers is None, "null"),
-                ("head_loop", self.head_loop is None, "null"),
+        if self.streams.defines_update:
+            for name, ok, value, allowed in (
+                ("topology.kind", not self.topology.defines_update, self.topology.kind,
+                 "'base' (the streams define the update)"),
+                ("share_core", self.share_core, self.share_core, "true (every pass reuses the one core)"),
+                ("layout", not multires, self.layout, "a full-resolution loop such as 1R6"),
+                ("loop_mixers", self.loop_mixers is None, self.loop_mixers, "null"),
+                ("head_loop", self.head_loop is None, self.head_loop, "null"),
             ):
-                value = getattr(self, name.split(".")[0])
-                value = value.kind if name == "topology.kind" else value
-                check(ok, f"model.{name}", value, f"{allowed} with model.streams.kind=two")
-        if self.halting.kind != "none":
+                check(ok, f"model.{name}", value, f"{allowed} with model.streams.kind={self.streams.kind}")
+        if self.halting.adaptive:
             kind = self.halting.kind
-            check(self.topology.kind != "mesh", "model.topology.kind", self.topology.kind,
-                  f"not 'mesh' with model.halting.kind={kind} (a halted position cannot freeze the shared buffer)")
+            check(self.topology.can_freeze_positions, "model.topology.kind", self.topology.kind,
+                  f"not {self.topology.kind!r} with model.halting.kind={kind} (a halted position cannot freeze "
+                  "the shared buffer)")
             check(not multires, "model.layout", self.layout, f"a full-resolution loop with model.halting.kind={kind}")
             check(self.head_loop is None, "model.head_loop", self.head_loop, f"null with model.halting.kind={kind}")
-        if self.halting.kind == "qhalt":
+        if self.halting.needs_no_coda:
             check(layout.coda == 0, "model.layout", self.layout,
-                  "a layout ending in the loop (no coda) with model.halting.kind=qhalt: its target reads logits "
-                  "straight from the solution stream")
+                  f"a layout ending in the loop (no coda) with model.halting.kind={self.halting.kind}: its target "
+                  "reads logits straight from the solution stream")
 
     @property
     def passes_per_step(self) -> int:
@@ -246,17 +193,13 @@ class ModelConfig(Config):
     @property
     def resolution_schedule(self):
         """Per iteration (g_t, ω_t, s_t) with defaults resolved (``looplm.resolution.schedule``)."""
-        from looplm.resolution.schedule import iteration_resolutions
-
-        return iteration_resolutions(self.loop.resolutions, self.resolution.offsets, self.resolution.shifts)
+        return schedule.iteration_resolutions(self.loop.resolutions, self.resolution.offsets, self.resolution.shifts)
 
     def core_lengths(self, length: int) -> list[int]:
         """L_t: positions the looped core processes at each iteration of a length-``length``
         training forward (= length at full resolution, the complete chunks otherwise); the
         core's token passes per iteration are L_t times its block count."""
-        from looplm.resolution.schedule import core_lengths
-
-        return core_lengths(self.resolution_schedule, length)
+        return schedule.core_lengths(self.resolution_schedule, length)
 
     @property
     def head_dim(self) -> int:
@@ -282,5 +225,19 @@ class ModelConfig(Config):
 
     @property
     def buffer_slots(self) -> int:
-        """MeSH buffer length B (default T + 3, MeSH Appendix E.2)."""
-        return self.topology.buffer_slots or self.iterations + 3
+        """MeSH buffer length B (default T + 3, MeSH Appendix E.2); kind mesh only."""
+        return self.topology.slots(self.iterations)
+
+    @functools.cached_property
+    def block_shape(self) -> BlockShape:
+        """What every block and mixer is sized by (handed down, so they need not import this)."""
+        return BlockShape(
+            d_model=self.d_model, n_heads=self.n_heads, kv_heads=self.kv_heads, rotary_dim=self.rotary_dim,
+            rope_theta=self.rope_theta, bias=self.bias, norm=self.norm, norm_eps=self.norm_eps, mlp=self.mlp,
+            ffn_hidden=self.ffn_hidden, parallel_residual=self.parallel_residual,
+        )
+
+    def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
+        """``(part, j) -> mixers`` of every block: depth- and loop-level hybrids
+        (:func:`looplm.mixers.pattern.block_mixers`)."""
+        return block_mixers(self.loop, self.mixer, self.hybrid, self.loop_mixers)

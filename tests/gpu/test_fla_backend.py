@@ -47,7 +47,7 @@ CFG = ModelConfig(d_model=256, n_heads=4, layout="1", max_seq_len=4096, bias=Fal
 
 
 def make_layer(kind: str) -> torch.nn.Module:
-    return MixerConfig.from_dict({"kind": kind}).build(CFG).cuda()
+    return MixerConfig.from_dict({"kind": kind}).build(CFG.block_shape).cuda()
 
 
 def context(length: int, past: int = 0, batch: int = 2) -> MixerContext:

@@ -113,7 +113,7 @@ def _ctx(B, T, past=0, valid=None) -> MixerContext:
 
 
 def _layer(mixer: dict) -> nn.Module:
-    layer = MixerConfig.from_dict(mixer).build(ModelConfig(d_model=32, n_heads=4))
+    layer = MixerConfig.from_dict(mixer).build(ModelConfig(d_model=32, n_heads=4).block_shape)
     _strengthen(layer)
     return layer
 
@@ -185,18 +185,18 @@ def test_retnet_decay_and_hgrn2_tied_gate():
 
 def test_builds_from_the_model_and_its_own_fields():
     model = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2)
-    la = MixerConfig.from_dict({"kind": "linear_attention"}).build(model)
+    la = MixerConfig.from_dict({"kind": "linear_attention"}).build(model.block_shape)
     assert isinstance(la, LinearAttention) and (la.num_heads, la.num_kv_heads, la.head_k_dim) == (4, 2, 16)
-    gla = MixerConfig.from_dict({"kind": "gla", "num_heads": 2, "expand_v": 2.0}).build(model)
+    gla = MixerConfig.from_dict({"kind": "gla", "num_heads": 2, "expand_v": 2.0}).build(model.block_shape)
     assert isinstance(gla, GatedLinearAttention) and (gla.num_heads, gla.num_kv_heads) == (2, 2)
     assert (gla.head_k_dim, gla.head_v_dim) == (16, 64)
-    retnet = MixerConfig.from_dict({"kind": "retnet"}).build(model)
+    retnet = MixerConfig.from_dict({"kind": "retnet"}).build(model.block_shape)
     assert (retnet.head_k_dim, retnet.head_v_dim, retnet.num_kv_heads) == (16, 32, 2)
-    hgrn2 = MixerConfig.from_dict({"kind": "hgrn2", "expand_ratio": 32}).build(model)
+    hgrn2 = MixerConfig.from_dict({"kind": "hgrn2", "expand_ratio": 32}).build(model.block_shape)
     assert (hgrn2.num_heads, hgrn2.head_f_dim) == (2, 32)
-    mamba = MixerConfig.from_dict({"kind": "mamba2", "head_dim": 32, "state_size": 16}).build(model)
+    mamba = MixerConfig.from_dict({"kind": "mamba2", "head_dim": 32, "state_size": 16}).build(model.block_shape)
     assert isinstance(mamba, Mamba2) and (mamba.num_heads, mamba.head_dim, mamba.ssm_state_size) == (4, 32, 16)
-    assert MixerConfig.from_dict({"kind": "mamba2"}).build(model).head_dim == 32  # 2·64 / n_heads
+    assert MixerConfig.from_dict({"kind": "mamba2"}).build(model.block_shape).head_dim == 32  # 2·64 / n_heads
     for kind in KINDS:  # kind defaults to the registry name and round-trips
         spec = MixerConfig.from_dict({"kind": kind})
         assert spec.kind == kind and MixerConfig.from_dict(spec.to_dict()) == spec
@@ -223,7 +223,7 @@ def test_builds_from_the_model_and_its_own_fields():
 def test_config_errors_name_the_field(mixer, field):
     with pytest.raises(ConfigError) as err:
         ModelConfig.from_dict({"d_model": 32, "n_heads": 4, "mixer": mixer}, prefix="model")
-        MixerConfig.from_dict(mixer).build(ModelConfig(d_model=32, n_heads=4))
+        MixerConfig.from_dict(mixer).build(ModelConfig(d_model=32, n_heads=4).block_shape)
     assert err.value.field == field
 
 

@@ -72,7 +72,7 @@ def _ctx(B, T, past=0, valid=None) -> MixerContext:
 def test_layer_prefill_chunks_and_steps_across_chunk_boundaries(kind):
     """chunk_size 16: a 45-position forward spans three chunks; prefill 20 (two chunks from
     an empty state), 17 more from a state, then the recurrent step for the rest."""
-    layer = MixerConfig.from_dict({"kind": kind, "chunk_size": 16}).build(ModelConfig(d_model=32, n_heads=4))
+    layer = MixerConfig.from_dict({"kind": kind, "chunk_size": 16}).build(ModelConfig(d_model=32, n_heads=4).block_shape)
     if hasattr(layer, "dt_bias"):
         layer.dt_bias.data.normal_(0.0, 1.0)
     x = torch.randn(2, 45, 32)
@@ -135,11 +135,11 @@ def test_training_path_reaches_every_parameter_and_logs_the_backend(kind, caplog
 
 def test_configs_default_to_the_model_shape_and_follow_fla_defaults():
     model = ModelConfig(d_model=32, n_heads=4)
-    gdn = MixerConfig.from_dict({"kind": "gated_deltanet"}).build(model)
+    gdn = MixerConfig.from_dict({"kind": "gated_deltanet"}).build(model.block_shape)
     assert isinstance(gdn, GatedDeltaNet) and (gdn.num_heads, gdn.head_k_dim, gdn.head_v_dim) == (4, 8, 16)
-    kda = MixerConfig.from_dict({"kind": "kda", "num_heads": 2, "head_dim": 12}).build(model)
+    kda = MixerConfig.from_dict({"kind": "kda", "num_heads": 2, "head_dim": 12}).build(model.block_shape)
     assert isinstance(kda, KimiDeltaAttention) and (kda.num_heads, kda.head_k_dim, kda.head_v_dim) == (2, 12, 12)
-    dn = MixerConfig.from_dict({"kind": "deltanet", "expand_v": 2.0}).build(model)
+    dn = MixerConfig.from_dict({"kind": "deltanet", "expand_v": 2.0}).build(model.block_shape)
     assert isinstance(dn, DeltaNet) and (dn.head_k_dim, dn.head_v_dim) == (8, 16)
     assert MixerConfig.from_dict({"kind": "kda"}).to_dict()["chunk_size"] == 64
 

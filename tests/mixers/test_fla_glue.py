@@ -156,7 +156,7 @@ def test_fla_backend_glue_matches_pytorch_path(kind, fla_on_cpu, monkeypatch):
     """Training forward + backward and prefill + steps through the glue (float64, so that
     float32 DeltaNet also takes fla's chunk path) equal looplm's own ops."""
     torch.manual_seed(0)
-    layer = MixerConfig.from_dict({"kind": kind}).build(CFG).double()
+    layer = MixerConfig.from_dict({"kind": kind}).build(CFG.block_shape).double()
     x = torch.randn(2, 24, CFG.d_model, dtype=torch.float64)
     for ends in ([24], prefill_then_tokens(20, 24)):
         via_fla = run_layer(layer, x, ends)

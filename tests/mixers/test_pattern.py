@@ -7,7 +7,7 @@ import torch
 
 from looplm import LoopLM
 from looplm.config_base import ConfigError
-from looplm.mixers.pattern import HybridConfig, block_mixers, hybrid_positions
+from looplm.mixers.pattern import HybridConfig, hybrid_positions
 from looplm.model_config import ModelConfig
 from tests.conftest import random_ids, tiny_config
 
@@ -54,7 +54,7 @@ def test_hybrid_config_errors(model, field, fragment):
 def test_depth_hybrid_places_mixers_in_prelude_core_coda_order():
     cfg = tiny_config("anchor", layout="2+2R3+2", mixer={"kind": "sliding_window", "window": 2},
                       hybrid={"mixer": {"kind": "attention"}, "ratio": "1:1", "placement": "interleave"})
-    plan = block_mixers(cfg)
+    plan = cfg.block_mixers()
     kinds = [plan[k][0].kind for k in [("prelude", 0), ("prelude", 1), ("core", 0), ("core", 1), ("coda", 0), ("coda", 1)]]
     assert kinds == ["sliding_window", "attention"] * 3
     model = LoopLM(cfg)

@@ -377,9 +377,9 @@ def test_sparse_configs_round_trip_and_build():
         cfg = ModelConfig.from_dict({"mixer": mixer, "d_model": 32, "n_heads": 4}, prefix="model")
         assert cfg.mixer.to_dict() == {**type(cfg.mixer)().to_dict(), **mixer}
         assert cfg.mixer.is_softmax
-    assert isinstance(NSAConfig(block_size=8).build(tiny_config()), NativeSparseAttention)
+    assert isinstance(NSAConfig(block_size=8).build(tiny_config().block_shape), NativeSparseAttention)
     with pytest.raises(ConfigError, match="model.mixer.index_head_dim"):
-        DSAConfig(index_head_dim=4).build(tiny_config())  # rotary dim 8
+        DSAConfig(index_head_dim=4).build(tiny_config().block_shape)  # rotary dim 8
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from looplm.resolution import (
     UniformBroadcast,
     causal_right_shift,
 )
+from looplm.resolution.config import ResolutionConfig
 from looplm.resolution.recursion import MultiResolution
-from tests.conftest import tiny_config
 
 D = 8
 
@@ -52,7 +52,7 @@ def _reference(h, it: IterationResolution, down, up, core):
 
 def _fused(h, it, down, up, core):
     """The model's path: MultiResolution.down -> core -> up on one iteration."""
-    res = MultiResolution(tiny_config("base", layout="1x{1}+0"))
+    res = MultiResolution(ResolutionConfig(), (1,), 32)
     res.schedule = (it,)
     res.down_ops = torch.nn.ModuleDict({"0": down})
     res.up_ops = torch.nn.ModuleDict({"0": up})

@@ -67,7 +67,7 @@ def mixer_parameters(spec, cfg: ModelConfig) -> int:
     import torch
 
     with torch.device("meta"):
-        return sum(p.numel() for p in spec.build(cfg).parameters())
+        return sum(p.numel() for p in spec.build(cfg.block_shape).parameters())
 
 
 def _topology(cfg: ModelConfig) -> int:
@@ -127,8 +127,6 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1; the
     loop axes' parameters (:func:`_loop_axes`). SGT's grown loop adds no parameters (its
     structure is extra state)."""
-    from looplm.mixers.pattern import block_mixers
-
     layout, d, V = cfg.loop, cfg.d_model, cfg.vocab_size
 
     def block(specs) -> int:
@@ -137,7 +135,7 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
             groups.setdefault(spec.parameter_group(), spec)
         return 2 * _norm(cfg) + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values())
 
-    plan = block_mixers(cfg)
+    plan = cfg.block_mixers()
     prelude = sum(block(plan[("prelude", j)]) for j in range(layout.prelude))
     stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
     core = stacks * sum(block(plan[("core", j)]) for j in range(layout.core if layout.is_looped else 0))

@@ -46,4 +46,4 @@ class DataConfig(Config):
         check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
         check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in [0, 1)")
         check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
-        object.__setattr__(self, "task", validate_task_data(self))  # None unless source is task:NAME
+        object.__setattr__(self, "task", validate_task_data(self.source, self.tokenizer, self.seq_len, self.task))  # None unless source is task:NAME

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting, HaltState
-from looplm.halting.config import HaltingConfig
+from looplm.halting.config import HALTING_CONFIGS, HaltingConfig
 from looplm.halting.qhalt import QHalting
 
 
 def build_halting(cfg: HaltingConfig, d_model: int) -> Halting:
-    if cfg.kind == "act":
-        return ACTHalting(d_model, cfg.epsilon, cfg.ponder_cost, cfg.full_compute,
-                          1.0 if cfg.init_bias is None else cfg.init_bias)
-    if cfg.kind == "qhalt":
-        return QHalting(d_model, cfg.loss_weight, cfg.full_compute, -5.0 if cfg.init_bias is None else cfg.init_bias)
-    return Halting()
+    """The halting rule ``cfg`` describes, for states of width ``d_model``."""
+    return cfg.build(d_model)
 
 
-__all__ = ["ACTHalting", "Halting", "HaltState", "HaltingConfig", "QHalting", "build_halting"]
+__all__ = ["ACTHalting", "HALTING_CONFIGS", "Halting", "HaltState", "HaltingConfig", "QHalting", "build_halting"]

@@ -1,52 +1,144 @@
-"""When each position stops iterating, and what the loop hands on (its readout)."""
+"""``model.halting``: one config class per halting rule, chosen by the ``kind`` key.
+
+When each position stops iterating, and what the loop hands on (its readout).
+``HaltingConfig.from_dict({"kind": "act", "epsilon": 0.05})`` returns the
+``ACTHaltingConfig`` that :data:`HALTING_CONFIGS` names, so a field of another rule
+(``ponder_cost`` under ``qhalt``) is refused.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import ClassVar, Optional
 
-from looplm.config_base import Config, check
+from looplm.config_base import KindConfig, check
+from looplm.halting.act import ACTHalting
+from looplm.halting.base import Halting
+from looplm.halting.qhalt import QHalting
 
 
 @dataclasses.dataclass(frozen=True)
-class HaltingConfig(Config):
-    """``none``: every position runs every macro step; the readout is the last state.
+class HaltingConfig(KindConfig):
+    """The base of every halting rule."""
 
-    ``act``: Graves' adaptive computation time (LT2 App. "Adaptive Computation Time", Eqs.
+    kind: str = "none"
+
+    FIELD = "model.halting"
+    FLAT_DEFAULTS = {"epsilon": 0.01, "ponder_cost": 0.01, "loss_weight": 1.0, "full_compute": False,
+                     "init_bias": None}
+
+    #: whether a learned rule decides per position how many macro steps it runs; depth that
+    #: varies by position rules out MeSH's buffer, multi-resolution and head loops.
+    adaptive: ClassVar[bool] = True
+    #: whether the rule reads its target straight from the loop's output (no coda after it).
+    needs_no_coda: ClassVar[bool] = False
+
+    @classmethod
+    def kinds(cls) -> dict[str, type[KindConfig]]:
+        return HALTING_CONFIGS
+
+    @property
+    def full_compute(self) -> bool:
+        """Whether every position runs every step although a rule could stop it (false
+        without a halting head: there is nothing to force)."""
+        return False
+
+    @property
+    def init_bias(self) -> Optional[float]:
+        """The halting head's starting bias (None without a head)."""
+        return None
+
+    def build(self, d_model: int) -> Halting:
+        raise NotImplementedError(f"{type(self).__name__} builds no halting rule")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoHaltingConfig(HaltingConfig):
+    """Every position runs every macro step; the readout is the last state."""
+
+    kind: str = "none"
+    adaptive = False
+
+    def build(self, d_model: int) -> Halting:
+        return Halting()
+
+
+@dataclasses.dataclass(frozen=True)
+class HaltingHeadConfig(HaltingConfig):
+    """What the rules with a learned halting head share.
+
+    ``init_bias``: the head's starting bias; null is each rule's source default
+    (``default_bias``). ``full_compute``: no position ever stops (every forward runs all C
+    block passes) and the ponder cost is dropped: the compute-matched regime of
+    autoregressive-trm.txt App. B.1. ACT still reads out its weighted sum; Q-halt reads
+    out the final solution. Without it, halted positions are frozen (later passes leave
+    them unchanged, as in UT's ACT), and a forward without a cache stops once every
+    position has halted.
+    """
+
+    full_compute: bool = False
+    init_bias: Optional[float] = None
+
+    default_bias: ClassVar[float] = 0.0
+
+    @property
+    def bias(self) -> float:
+        """The starting bias the head is built with."""
+        return self.default_bias if self.init_bias is None else self.init_bias
+
+
+@dataclasses.dataclass(frozen=True)
+class ACTHaltingConfig(HaltingHeadConfig):
+    """Graves' adaptive computation time (LT2 App. "Adaptive Computation Time", Eqs.
     halting-prob / halting-rule): p = σ(wᵀh + b) per position and macro step; a position
     halts at the first step where Σp ≥ 1 − ``epsilon`` (or at the last); the readout is
     Σ_τ w_τ h^(τ) with w_τ = p_τ before halting and the remainder R = 1 − Σ_{τ<N} p_τ at N;
     the ponder cost ``ponder_cost``·(N + R), averaged over real positions, joins the loss.
-
-    ``qhalt``: TRM's binary halt head q = wᵀY + b on the solution; a position halts where
-    σ(q) > 0.5 and reads out its terminal solution. The head learns by binary cross-entropy
-    (weight ``loss_weight``) against whether the prediction read from the current solution
-    is correct (TRM's Q-halt target), at every macro step, on positions with targets.
-
-    ``init_bias``: the halting unit's (or Q head's) starting bias; null is each rule's
-    source default: ACT 1.0 (UT's, p ≈ 0.73, so the readout starts on the first two
-    iterates), Q-halt −5.0 (TRM's, "do not halt"). A negative ACT bias (e.g. −3) starts the
-    readout spread over all steps.
-
-    ``full_compute``: no position ever stops (every forward runs all C block passes) and
-    the ponder cost is dropped: the compute-matched regime of autoregressive-trm.txt App.
-    B.1. ACT still reads out its weighted sum; Q-halt reads out the final solution.
-    Without it, halted positions are frozen (later passes leave them unchanged, as in UT's
-    ACT), and a forward without a cache stops once every position has halted.
+    Default bias 1.0 (UT's, p ≈ 0.73, so the readout starts on the first two iterates); a
+    negative one (e.g. −3) starts the readout spread over all steps.
     """
 
-    kind: Literal["none", "act", "qhalt"] = "none"
+    kind: str = "act"
     epsilon: float = 0.01
     ponder_cost: float = 0.01
-    loss_weight: float = 1.0
-    full_compute: bool = False
-    init_bias: Optional[float] = None
+
+    default_bias = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(0.0 < self.epsilon < 1.0, "model.halting.epsilon", self.epsilon, "a number in (0, 1)")
         check(self.ponder_cost >= 0.0, "model.halting.ponder_cost", self.ponder_cost, "a number >= 0")
+
+    def build(self, d_model: int) -> Halting:
+        return ACTHalting(d_model, self.epsilon, self.ponder_cost, self.full_compute, self.bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class QHaltingConfig(HaltingHeadConfig):
+    """TRM's binary halt head q = wᵀY + b on the solution; a position halts where σ(q) >
+    0.5 and reads out its terminal solution. The head learns by binary cross-entropy
+    (weight ``loss_weight``) against whether the prediction read from the current solution
+    is correct (TRM's Q-halt target), at every macro step, on positions with targets.
+    Default bias −5.0 (TRM's, "do not halt").
+    """
+
+    kind: str = "qhalt"
+    loss_weight: float = 1.0
+
+    default_bias = -5.0
+    needs_no_coda = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.loss_weight >= 0.0, "model.halting.loss_weight", self.loss_weight, "a number >= 0")
-        check(self.kind != "none" or not self.full_compute, "model.halting.full_compute", self.full_compute,
-              "false for kind=none (there is nothing to force)")
-        check(self.kind != "none" or self.init_bias is None, "model.halting.init_bias", self.init_bias,
-              "null for kind=none (there is no halting head)")
+
+    def build(self, d_model: int) -> Halting:
+        return QHalting(d_model, self.loss_weight, self.full_compute, self.bias)
+
+
+#: The halting rules: ``kind`` -> config class. One line per kind.
+HALTING_CONFIGS: dict[str, type[KindConfig]] = {
+    "none": NoHaltingConfig,
+    "act": ACTHaltingConfig,
+    "qhalt": QHaltingConfig,
+}

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.halting.base import Halting, HaltState, ReadLogits
-
-IGNORE_INDEX = -100
+from looplm.targets import IGNORE_INDEX
 
 
 class QHalting(Halting):

@@ -19,8 +19,9 @@ from looplm.head_loop.attention import head_subset_attention
 from looplm.head_loop.structure import GrownLoop, LoopedState
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.mixers.attention import SoftmaxAttention
-from looplm.model_config import ModelConfig
+from looplm.head_loop.config import HeadLoopConfig
 from looplm.modules.block import Block
+from looplm.modules.shape import BlockShape
 
 
 class GrownBlock(Block):
@@ -30,7 +31,7 @@ class GrownBlock(Block):
     With K_l > 0 its decoding state is a :class:`LoopedState`: each pass attends over the
     keys of its own input H^(k-1), so each has its own slot."""
 
-    def __init__(self, cfg: ModelConfig, mixers: Sequence[MixerConfig]):
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
         super().__init__(cfg, mixers)
         self.head_loop = GrownLoop(cfg.n_heads)
         self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
@@ -106,12 +107,12 @@ class BlockLoopBlock(GrownBlock):
 GROWN_BLOCKS = {"heads": HeadLoopBlock, "block": BlockLoopBlock}
 
 
-def build_block(cfg: ModelConfig, mixers: Sequence[MixerConfig]) -> Block:
+def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], head_loop: Optional[HeadLoopConfig]) -> Block:
     """A block with ``mixers`` (one, or one per loop iteration): grown under
     ``model.head_loop`` when some of them compute softmax attention, else plain."""
-    if cfg.head_loop is None or not any(spec.is_softmax for spec in mixers):
-        return Block(cfg, mixers)
-    return GROWN_BLOCKS[cfg.head_loop.kind](cfg, mixers)
+    if head_loop is None or not any(spec.is_softmax for spec in mixers):
+        return Block(shape, mixers)
+    return GROWN_BLOCKS[head_loop.kind](shape, mixers)
 
 
 def grown_blocks(model: nn.Module) -> dict[int, GrownBlock]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from looplm.ladder.runner import Ladder
+from looplm.ladder.results import Ladder
 
 logger = logging.getLogger("looplm")
 

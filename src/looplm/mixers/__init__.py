@@ -1,7 +1,7 @@
 """Token mixers: one interface (``forward(x, ctx, state) -> (out, state)``), one file per kind.
 
 Every kind has a config class (``looplm.mixers.config`` and beside each layer) listed in
-``looplm.mixers.registry``; ``spec.build(model_config)`` makes the layer.
+``looplm.mixers.registry``; ``spec.build(model_config.block_shape)`` makes the layer.
 
 | kind | mixer | decoding state |
 | --- | --- | --- |

@@ -2,67 +2,67 @@
 
 ``MixerConfig.from_dict({"kind": "sliding_window", "window": 512})`` returns the
 ``SlidingWindowConfig`` the registry (``looplm.mixers.registry``) names for that kind,
-so each kind validates its own fields and unknown keys are errors. ``build(model)``
-makes the layer, sized by the model's width and heads.
+so each kind validates its own fields and unknown keys are errors. ``build(shape)``
+makes the layer, sized by the block's :class:`~looplm.modules.shape.BlockShape`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Hashable, Optional
+from typing import Any, Hashable, Optional
 
+import torch
 from torch import nn
 
-from looplm.config_base import Config, ConfigError, check
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.config_base import ConfigError, KindConfig, check
+from looplm.mixers.attention import SoftmaxAttention
+from looplm.modules.shape import BlockShape
 
 
 _CANONICAL = "model.mixer"  # the field name mixer checks use, rewritten to where a spec sits
 
 
+def _placed(err: ConfigError, field: str) -> ConfigError:
+    """``err`` with its ``model.mixer.*`` field moved to ``field``, where this spec sits
+    (``model.hybrid.mixer``, ``model.loop_mixers[2]``)."""
+    if err.field.startswith(_CANONICAL + ".") and field != _CANONICAL:
+        return ConfigError(field + err.field[len(_CANONICAL):], err.value, err.allowed)
+    return err
+
+
 @dataclasses.dataclass(frozen=True)
-class MixerConfig(Config):
-    """Base of every mixer config; ``kind`` selects the subclass."""
+class MixerConfig(KindConfig):
+    """Base of every mixer config; ``kind`` selects the subclass (``looplm.mixers.registry``)."""
 
     kind: str = "attention"
 
+    FIELD = _CANONICAL
+
     @classmethod
-    def from_dict(cls, data: Optional[dict[str, Any]], prefix: str = "model.mixer") -> "MixerConfig":
+    def kinds(cls) -> dict[str, type[KindConfig]]:
+        # Imported here: the registry imports every kind's module, and each of those imports
+        # this base class, so the base can reach its kinds only once they are all defined.
         from looplm.mixers.registry import MIXER_CONFIGS
 
-        data = {} if data is None else data
-        if not isinstance(data, dict):
-            raise ConfigError(prefix, data, "a mapping with a kind, e.g. {kind: attention}")
-        kind = data.get("kind", "attention")
-        if kind not in MIXER_CONFIGS:
-            raise ConfigError(f"{prefix}.kind", kind, f"one of {', '.join(MIXER_CONFIGS)}")
-        target = MIXER_CONFIGS[kind]
-        if cls is not MixerConfig and not issubclass(target, cls):
-            raise ConfigError(f"{prefix}.kind", kind, f"a kind of {cls.__name__}")
+        return MIXER_CONFIGS
+
+    @classmethod
+    def from_dict(cls, data: Optional[dict[str, Any]], prefix: str = _CANONICAL) -> "MixerConfig":
         try:
-            return Config.from_dict.__func__(target, data, prefix)
+            return super().from_dict(data, prefix)
         except ConfigError as err:  # checks name fields model.mixer.*; this spec may sit elsewhere
-            if err.field.startswith(_CANONICAL + ".") and prefix != _CANONICAL:
-                field = prefix + err.field[len(_CANONICAL):]
-                raise ConfigError(field, err.value, err.allowed) from None
-            raise
+            raise _placed(err, prefix) from None
 
-    def validate(self, model: "ModelConfig", field: str = "model.mixer") -> None:
-        """Check this spec against the model it sits in (head divisibility, rotary width...)
+    def validate(self, shape: BlockShape, field: str = _CANONICAL) -> None:
+        """Check this spec against the block it sits in (head divisibility, rotary width...)
         by building its layer on the meta device, so such errors surface at config load."""
-        import torch
-
         try:
             with torch.device("meta"):
-                self.build(model)
+                self.build(shape)
         except ConfigError as err:
-            if err.field.startswith(_CANONICAL + ".") and field != _CANONICAL:
-                raise ConfigError(field + err.field[len(_CANONICAL):], err.value, err.allowed) from None
-            raise
+            raise _placed(err, field) from None
 
-    def build(self, model: "ModelConfig") -> nn.Module:
+    def build(self, shape: BlockShape) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} does not build a layer")
 
     def parameter_group(self) -> Hashable:
@@ -87,10 +87,8 @@ class AttentionConfig(MixerConfig):
     kind: str = "attention"
     output_gate: bool = False
 
-    def build(self, model: "ModelConfig") -> nn.Module:
-        from looplm.mixers.attention import SoftmaxAttention
-
-        return SoftmaxAttention(model.d_model, model.n_heads, model.kv_heads, model.bias, self.window, self.output_gate)
+    def build(self, shape: BlockShape) -> nn.Module:
+        return SoftmaxAttention(shape.d_model, shape.n_heads, shape.kv_heads, shape.bias, self.window, self.output_gate)
 
     @property
     def window(self) -> Optional[int]:
@@ -115,4 +113,5 @@ class SlidingWindowConfig(AttentionConfig):
     window: int = 512
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.window >= 1, "model.mixer.window", self.window, "an integer >= 1")

@@ -15,22 +15,27 @@ the recurrent matrix and the short-convolution inputs in :class:`DeltaRuleState`
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config_base import ConfigError, check
+from looplm.config_base import check
 from looplm.mixers.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
-from looplm.mixers.config import MixerConfig
+from looplm.mixers.linear import (
+    LinearMixerConfig,
+    ProjectedMixer,
+    check_conv,
+    check_expands_positive,
+    init_dt_bias,
+    is_whole,
+    whole,
+)
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
-from looplm.modules.short_conv import ShortConvolution
-from looplm.ops.delta import chunk_delta_rule, recurrent_delta_rule
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
+from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, recurrent_delta_rule
 
 
 @dataclasses.dataclass
@@ -63,7 +68,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class DeltaRuleMixer(nn.Module):
+class DeltaRuleMixer(ProjectedMixer):
     """What DeltaNet, Gated DeltaNet and KDA share: q/k/v projections and short
     convolutions, L2-normalised q and k, β, the delta-rule op on the right backend, the
     per-head output norm and o_proj. A subclass sets ``kind``, ``o_norm`` and ``g_proj``
@@ -91,15 +96,11 @@ class DeltaRuleMixer(nn.Module):
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_heads * head_k_dim, num_heads * head_v_dim
-        self.use_short_conv, self.allow_neg_eigval, self.chunk_size = use_short_conv, allow_neg_eigval, chunk_size
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.allow_neg_eigval, self.chunk_size = allow_neg_eigval, chunk_size
+        widths = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim}
+        self.add_projections(hidden_size, widths)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False) if use_beta else None
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
+        self.add_short_convs(widths, use_short_conv, conv_size, conv_bias, activation="silu")
         self.g_proj: Optional[nn.Module] = None
         self.o_norm: nn.Module = RMSNorm(head_v_dim)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
@@ -115,15 +116,9 @@ class DeltaRuleMixer(nn.Module):
         B, T, _ = x.shape
         H = self.num_heads
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
-        conv_q = conv_k = conv_v = None
-        if state is not None and state.conv is not None:
-            conv_q, conv_k, conv_v = state.conv
-        if self.use_short_conv:
-            q, conv_q = self.q_conv1d(self.q_proj(x), conv_q, valid)
-            k, conv_k = self.k_conv1d(self.k_proj(x), conv_k, valid)
-            v, conv_v = self.v_conv1d(self.v_proj(x), conv_v, valid)
-        else:
-            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
+        (q, k, v), conv = self.project(x, None if state is None else state.conv, valid)
+        if not self.use_short_conv:  # the convolutions apply SiLU themselves
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = l2_normalize(q.view(B, T, H, self.head_k_dim))
         k = l2_normalize(k.view(B, T, H, self.head_k_dim))
         v = v.view(B, T, H, self.head_v_dim)
@@ -144,8 +139,7 @@ class DeltaRuleMixer(nn.Module):
         else:
             o = self.o_norm(o)
         length = T if state is None else state.length + T
-        conv = (conv_q, conv_k, conv_v) if self.use_short_conv else None
-        return self.o_proj(o.reshape(B, T, self.value_dim)), DeltaRuleState(S, conv, length)
+        return self.o_proj(o.reshape(B, T, self.value_dim)), DeltaRuleState(S, conv or None, length)
 
     def _delta_rule(self, q, k, v, beta, log_alpha, initial_state) -> tuple[torch.Tensor, torch.Tensor]:
         """fla's Triton kernels on CUDA when installed, else looplm's ops: the recurrent
@@ -161,6 +155,26 @@ class DeltaRuleMixer(nn.Module):
         return chunk_delta_rule(
             q, k, v, beta, log_alpha, initial_state=initial_state, output_final_state=True, chunk_size=self.chunk_size
         )
+
+
+class MambaDecayDeltaRule(DeltaRuleMixer):
+    """The delta-rule layers sized per head with Mamba2's Δ-discretised decay (GDN, KDA):
+    q, k num_heads × head_dim, v num_heads × head_dim·expand_v; log α_t = -exp(A_log) ·
+    softplus(· + dt_bias), with A ~ U(A_min, 16) per head and dt_bias from
+    :func:`~looplm.mixers.linear.init_dt_bias`."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, expand_v: float, use_short_conv: bool,
+                 conv_size: int, conv_bias: bool, allow_neg_eigval: bool, chunk_size: int):
+        super().__init__(
+            hidden_size, num_heads, head_dim, whole(head_dim * expand_v, "expand_v"),
+            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
+            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
+        )
+
+    def add_decay(self, A_min: float, dt_channels: int) -> None:
+        """A_log (A ~ U(A_min, 16), one per head) and dt_bias (``dt_channels`` of them)."""
+        self.A_log = nn.Parameter(torch.empty(self.num_heads).uniform_(A_min, 16).log())
+        self.dt_bias = nn.Parameter(init_dt_bias(dt_channels))
 
 
 def fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +226,8 @@ class DeltaNet(DeltaRuleMixer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
     ):
-        key_dim = whole_number(hidden_size * expand_k, "expand_k")
-        value_dim = whole_number(hidden_size * expand_v, "expand_v")
+        key_dim = whole(hidden_size * expand_k, "expand_k")
+        value_dim = whole(hidden_size * expand_v, "expand_v")
         if key_dim % num_heads or value_dim % num_heads:
             raise ValueError(f"key_dim={key_dim} and value_dim={value_dim} must be divisible by num_heads={num_heads}")
         super().__init__(
@@ -228,37 +242,22 @@ class DeltaNet(DeltaRuleMixer):
             self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
 
 
-def whole_number(value: float, name: str) -> int:
-    """``value`` (hidden_size * name) as an int, or ValueError when it is not whole."""
-    if abs(value - round(value)) > 1e-6:
-        raise ValueError(f"hidden_size * {name} = {value} must be a whole number")
-    return round(value)
-
-
 # ----------------------------------------------------------------------------- configs
 @dataclasses.dataclass(frozen=True)
-class DeltaRuleConfig(MixerConfig):
-    """Fields every delta-rule mixer config shares. ``num_heads`` null: the model's n_heads;
-    ``chunk_size``: positions per chunk of the training op (a power of two >= 16)."""
+class DeltaRuleConfig(LinearMixerConfig):
+    """Fields every delta-rule mixer config shares; the chunk size is the delta-rule op's
+    (a power of two >= 16)."""
 
-    num_heads: Optional[int] = None
     use_short_conv: bool = True
     conv_size: int = 4
     conv_bias: bool = False
     allow_neg_eigval: bool = False
-    norm_eps: float = 1e-5
-    chunk_size: int = 64
+
+    chunk_rule = staticmethod(chunk_size_rule)
 
     def __post_init__(self) -> None:
-        check(self.num_heads is None or self.num_heads >= 1, "model.mixer.num_heads", self.num_heads,
-              "null (the model's n_heads) or an integer >= 1")
-        check(self.conv_size >= 1, "model.mixer.conv_size", self.conv_size, "an integer >= 1")
-        check(self.norm_eps > 0, "model.mixer.norm_eps", self.norm_eps, "a number > 0")
-        check(self.chunk_size >= 16 and self.chunk_size & (self.chunk_size - 1) == 0, "model.mixer.chunk_size",
-              self.chunk_size, "a power of two >= 16, e.g. 64")
-
-    def heads(self, model: "ModelConfig") -> int:
-        return self.num_heads or model.n_heads
+        super().__post_init__()
+        check_conv(self.conv_size)
 
     def common(self) -> dict:
         """The layer keyword arguments these shared fields give."""
@@ -278,15 +277,36 @@ class DeltaNetConfig(DeltaRuleConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
+        check_expands_positive(expand_k=self.expand_k, expand_v=self.expand_v)
 
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads = self.heads(model)
-        for name, expand in (("expand_k", self.expand_k), ("expand_v", self.expand_v)):
-            width = model.d_model * expand
-            if abs(width - round(width)) > 1e-6 or round(width) % heads:
-                raise ConfigError(f"model.mixer.{name}", expand,
-                                  f"a factor making d_model·{name} = {width:g} a whole multiple of num_heads={heads}")
-        return DeltaNet(model.d_model, heads, self.expand_k, self.expand_v, use_beta=self.use_beta,
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads = self.heads(shape)
+        self.check_expands(shape, heads, expand_k=self.expand_k, expand_v=self.expand_v)
+        return DeltaNet(shape.d_model, heads, self.expand_k, self.expand_v, use_beta=self.use_beta,
                         use_gate=self.use_gate, **self.common())
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSizedDeltaRuleConfig(DeltaRuleConfig):
+    """The delta-rule kinds sized per head (GDN, KDA): ``head_dim`` null: d_model /
+    num_heads; value heads head_dim·expand_v wide."""
+
+    head_dim: Optional[int] = None
+    expand_v: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.head_dim is None or self.head_dim >= 1, "model.mixer.head_dim", self.head_dim,
+              "null (d_model / num_heads) or an integer >= 1")
+        check_expands_positive(expand_v=self.expand_v)
+
+    def head_shape(self, shape: BlockShape) -> tuple[int, int]:
+        """(num_heads, head_dim) on ``shape``, checked."""
+        heads = self.heads(shape)
+        check(self.head_dim is not None or shape.d_model % heads == 0, "model.mixer.num_heads", heads,
+              f"a divisor of d_model={shape.d_model}, or set head_dim")
+        head_dim = self.head_dim or shape.d_model // heads
+        width = head_dim * self.expand_v
+        check(is_whole(width), "model.mixer.expand_v", self.expand_v,
+              f"a factor making head_dim·expand_v = {width:g} whole")
+        return heads, head_dim

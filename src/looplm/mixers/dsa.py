@@ -20,7 +20,7 @@ and loop iterations) into ``ModelOutput.aux_losses`` and its training loss. Dens
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -30,10 +30,8 @@ from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.modules.rotary import apply_rotary
+from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.dsa import dsa_attention
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,19 +54,20 @@ class DSAConfig(MixerConfig):
     index_loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.top_k >= 1, "model.mixer.top_k", self.top_k, "an integer >= 1")
         check(self.index_heads >= 1, "model.mixer.index_heads", self.index_heads, "an integer >= 1")
         check(self.index_head_dim >= 1, "model.mixer.index_head_dim", self.index_head_dim, "an integer >= 1")
         check(self.index_loss_weight >= 0, "model.mixer.index_loss_weight", self.index_loss_weight, "a number >= 0")
 
-    def build(self, model: "ModelConfig") -> nn.Module:
-        if self.index_head_dim < model.rotary_dim:
+    def build(self, shape: BlockShape) -> nn.Module:
+        if self.index_head_dim < shape.rotary_dim:
             raise ConfigError(
                 "model.mixer.index_head_dim", self.index_head_dim,
-                f"an integer >= the rotary dim {model.rotary_dim} (head_dim × rotary_pct): the indexer is rotary too",
+                f"an integer >= the rotary dim {shape.rotary_dim} (head_dim × rotary_pct): the indexer is rotary too",
             )
         return DeepSeekSparseAttention(
-            model.d_model, model.n_heads, model.kv_heads, model.bias,
+            shape.d_model, shape.n_heads, shape.kv_heads, shape.bias,
             top_k=self.top_k, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
             index_loss_weight=self.index_loss_weight, output_gate=self.output_gate,
         )

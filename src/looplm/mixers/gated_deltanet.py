@@ -12,28 +12,17 @@ an output RMSNorm gated by SiLU(g_proj(x)) when ``use_gate``.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config_base import ConfigError, check
-from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, whole_number
+from looplm.mixers.deltanet import HeadSizedDeltaRuleConfig, MambaDecayDeltaRule
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
 
 
-def init_dt_bias(n: int, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
-    """softplus⁻¹(dt) with dt log-uniform in [dt_min, dt_max] (Mamba2, fla)."""
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
-    return dt + torch.log(-torch.expm1(-dt))
-
-
-class GatedDeltaNet(DeltaRuleMixer):
+class GatedDeltaNet(MambaDecayDeltaRule):
     """fla's ``GatedDeltaNet`` layer (value heads = heads).
 
     q, k: num_heads × head_dim; v: num_heads × head_dim·expand_v. ``use_gate``: output
@@ -56,14 +45,10 @@ class GatedDeltaNet(DeltaRuleMixer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
     ):
-        super().__init__(
-            hidden_size, num_heads, head_dim, whole_number(head_dim * expand_v, "expand_v"),
-            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
-            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
-        )
+        super().__init__(hidden_size, num_heads, head_dim, expand_v, use_short_conv, conv_size, conv_bias,
+                         allow_neg_eigval, chunk_size)
         self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(0, 16).log())  # A ~ U(0, 16)
-        self.dt_bias = nn.Parameter(init_dt_bias(num_heads))
+        self.add_decay(A_min=0, dt_channels=num_heads)  # A ~ U(0, 16), dt per head
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
             self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, activation="swish")
@@ -76,33 +61,14 @@ class GatedDeltaNet(DeltaRuleMixer):
 
 
 @dataclasses.dataclass(frozen=True)
-class GatedDeltaNetConfig(DeltaRuleConfig):
+class GatedDeltaNetConfig(HeadSizedDeltaRuleConfig):
     """Gated DeltaNet (fla ``GatedDeltaNet``). ``head_dim`` null: d_model / num_heads;
     value heads are head_dim·expand_v wide (fla's default 2)."""
 
     kind: str = "gated_deltanet"
-    head_dim: Optional[int] = None
     expand_v: float = 2.0
     use_gate: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.head_dim is None or self.head_dim >= 1, "model.mixer.head_dim", self.head_dim,
-              "null (d_model / num_heads) or an integer >= 1")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
-
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads, head_dim = head_shape(self, model)
-        return GatedDeltaNet(model.d_model, heads, head_dim, self.expand_v, use_gate=self.use_gate, **self.common())
-
-
-def head_shape(cfg, model: "ModelConfig") -> tuple[int, int]:
-    """(num_heads, head_dim) of a GDN/KDA config on ``model``, checked."""
-    heads = cfg.heads(model)
-    if cfg.head_dim is None and model.d_model % heads:
-        raise ConfigError("model.mixer.num_heads", heads, f"a divisor of d_model={model.d_model}, or set head_dim")
-    head_dim = cfg.head_dim or model.d_model // heads
-    width = head_dim * cfg.expand_v
-    if abs(width - round(width)) > 1e-6:
-        raise ConfigError("model.mixer.expand_v", cfg.expand_v, f"a factor making head_dim·expand_v = {width:g} whole")
-    return heads, head_dim
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, head_dim = self.head_shape(shape)
+        return GatedDeltaNet(shape.d_model, heads, head_dim, self.expand_v, use_gate=self.use_gate, **self.common())

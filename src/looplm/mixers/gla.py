@@ -11,7 +11,7 @@ scale 1/√K, a per-head RMSNorm of o gated by SiLU(g_proj(x)) and o_proj.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +19,8 @@ from torch import nn
 
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear_attention import (
-    DecayMixer,
-    DecayMixerConfig,
-    DecayState,
-    check_conv,
-    check_widths,
-    repeat_kv,
-)
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.mixers.linear_attention import DecayMixer, DecayState, GatedDecayConfig, repeat_kv
+from looplm.modules.shape import BlockShape
 
 
 class GatedLinearAttention(DecayMixer):
@@ -75,68 +66,41 @@ class GatedLinearAttention(DecayMixer):
     ) -> tuple[torch.Tensor, DecayState]:
         """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
         B, T, _ = x.shape
-        H, Hkv = self.num_heads, self.num_kv_heads
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        conv = state.conv if state is not None else (None, None, None)
-        new_conv: tuple[torch.Tensor, ...] = ()
-        if self.use_short_conv:
-            q, conv_q = self.q_conv1d(q, conv[0], valid)
-            k, conv_k = self.k_conv1d(k, conv[1], valid)
-            v, conv_v = self.v_conv1d(v, conv[2], valid)
-            new_conv = (conv_q, conv_k, conv_v)
-        q = q.view(B, T, H, self.head_k_dim)
-        k = repeat_kv(k.view(B, T, Hkv, self.head_k_dim), self.groups)
-        v = repeat_kv(v.view(B, T, Hkv, self.head_v_dim), self.groups)
-        gk = repeat_kv(self.gk_proj(x).view(B, T, Hkv, self.head_k_dim), self.groups)
+        (q, k, v), new_conv = self.project(x, None if state is None else state.conv, valid)
+        q, k, v = self.split_heads(q, k, v)
+        gk = repeat_kv(self.gk_proj(x).view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
         log_alpha = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # [B, T, H, K]
         if self.clamp_min is not None:
             log_alpha = log_alpha.clamp(min=self.clamp_min)
         k, log_alpha = self.mask_padding(valid, k, log_alpha)
         o, S = self.decay(q, k, v, log_alpha, None, None if state is None else state.recurrent)
-        if self.use_output_gate:
-            o = self.g_norm_swish_gate(o, self.g_proj(x).view(B, T, H, self.head_v_dim))
-        else:
-            o = self.g_norm(o)
-        return self.o_proj(o.reshape(B, T, self.value_dim)), DecayState(S, new_conv, ctx.valid.shape[1])
+        return self.gated_output(o, x), DecayState(S, new_conv, ctx.valid.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
-class GLAConfig(DecayMixerConfig):
+class GLAConfig(GatedDecayConfig):
     """GLA (fla ``GatedLinearAttention``): key/value widths d_model·expand_k /
     d_model·expand_v (default 0.5 and 1); ``num_kv_heads`` null: the model's kv heads."""
 
     kind: str = "gla"
     expand_k: float = 0.5
-    expand_v: float = 1.0
-    num_kv_heads: Optional[int] = None
-    use_short_conv: bool = False
-    conv_size: int = 4
-    conv_bias: bool = False
-    use_output_gate: bool = True
     gate_logit_normalizer: float = 16.0
     gate_low_rank_dim: int = 16
     clamp_min: Optional[float] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
-        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
-              "null (the model's kv heads) or an integer >= 1")
-        check_conv(self)
         check(self.gate_logit_normalizer > 0, "model.mixer.gate_logit_normalizer", self.gate_logit_normalizer,
               "a number > 0")
         check(self.gate_low_rank_dim >= 1, "model.mixer.gate_low_rank_dim", self.gate_low_rank_dim, "an integer >= 1")
         check(self.clamp_min is None or self.clamp_min < 0, "model.mixer.clamp_min", self.clamp_min,
               "null or a number < 0 (a lower bound on log α)")
 
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads = self.heads(model)
-        kv_heads = self.num_kv_heads or (model.kv_heads if heads == model.n_heads else heads)
-        check_widths(model, heads, kv_heads, expand_k=self.expand_k, expand_v=self.expand_v)
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, kv_heads = self.head_counts(shape)
         return GatedLinearAttention(
-            model.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads,
+            shape.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads,
             use_short_conv=self.use_short_conv, conv_size=self.conv_size, conv_bias=self.conv_bias,
             use_output_gate=self.use_output_gate, norm_eps=self.norm_eps,
             gate_logit_normalizer=self.gate_logit_normalizer, gate_low_rank_dim=self.gate_low_rank_dim,

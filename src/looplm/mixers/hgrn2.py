@@ -12,7 +12,7 @@ over the whole output (``g_norm``) and o_proj.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,17 +20,10 @@ from torch import nn
 
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear_attention import (
-    DecayMixer,
-    DecayMixerConfig,
-    DecayState,
-    check_conv,
-)
+from looplm.mixers.linear import check_conv
+from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState
 from looplm.modules.norm import RMSNorm
-from looplm.modules.short_conv import ShortConvolution
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
 
 
 class HGRN2Attention(DecayMixer):
@@ -68,14 +61,10 @@ class HGRN2Attention(DecayMixer):
         self.hidden_size, self.num_heads, self.expand_ratio = hidden_size, num_heads, expand_ratio
         self.forget_dim, self.input_dim = num_heads * expand_ratio, hidden_size
         self.head_f_dim, self.head_i_dim = expand_ratio, hidden_size // num_heads
-        self.use_short_conv, self.chunk_size = use_short_conv, chunk_size
-        self.q_proj = nn.Linear(hidden_size, self.forget_dim, bias=False)
-        self.f_proj = nn.Linear(hidden_size, self.forget_dim, bias=False)
-        self.i_proj = nn.Linear(hidden_size, self.input_dim, bias=False)
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.forget_dim, conv_size, bias=conv_bias, activation=None)
-            self.f_conv1d = ShortConvolution(self.forget_dim, conv_size, bias=conv_bias, activation=None)
-            self.i_conv1d = ShortConvolution(self.input_dim, conv_size, bias=conv_bias, activation=None)
+        self.chunk_size = chunk_size
+        widths = {"q": self.forget_dim, "f": self.forget_dim, "i": self.input_dim}
+        self.add_projections(hidden_size, widths)
+        self.add_short_convs(widths, use_short_conv, conv_size, conv_bias, activation=None)
         self.g_norm = RMSNorm(hidden_size, eps=norm_eps)
         self.o_proj = nn.Linear(self.input_dim, hidden_size, bias=False)
 
@@ -86,14 +75,7 @@ class HGRN2Attention(DecayMixer):
         B, T, _ = x.shape
         H = self.num_heads
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
-        q, f, i = self.q_proj(x), self.f_proj(x), self.i_proj(x)
-        conv = state.conv if state is not None else (None, None, None)
-        new_conv: tuple[torch.Tensor, ...] = ()
-        if self.use_short_conv:
-            q, conv_q = self.q_conv1d(q, conv[0], valid)
-            f, conv_f = self.f_conv1d(f, conv[1], valid)
-            i, conv_i = self.i_conv1d(i, conv[2], valid)
-            new_conv = (conv_q, conv_f, conv_i)
+        (q, f, i), new_conv = self.project(x, None if state is None else state.conv, valid)
         q = F.silu(q).view(B, T, H, self.head_f_dim)
         log_alpha = F.logsigmoid(f.float()).view(B, T, H, self.head_f_dim)  # log α_t
         k = (-torch.expm1(log_alpha)).to(x.dtype)  # k_t = 1 - α_t
@@ -122,19 +104,19 @@ class HGRN2Config(DecayMixerConfig):
               "null (d_model / num_heads) or an integer >= 1")
         check(self.expand_ratio is None or self.num_heads is None, "model.mixer.num_heads", self.num_heads,
               "null when expand_ratio is set (num_heads = d_model / expand_ratio)")
-        check_conv(self)
+        check_conv(self.conv_size)
 
-    def build(self, model: "ModelConfig") -> nn.Module:
+    def build(self, shape: BlockShape) -> nn.Module:
         if self.expand_ratio is not None:
-            if model.d_model % self.expand_ratio:
+            if shape.d_model % self.expand_ratio:
                 raise ConfigError("model.mixer.expand_ratio", self.expand_ratio,
-                                  f"a divisor of d_model={model.d_model}")
+                                  f"a divisor of d_model={shape.d_model}")
             heads = None
         else:
-            heads = self.heads(model)
-            if model.d_model % heads:
-                raise ConfigError("model.mixer.num_heads", heads, f"a divisor of d_model={model.d_model}")
+            heads = self.heads(shape)
+            if shape.d_model % heads:
+                raise ConfigError("model.mixer.num_heads", heads, f"a divisor of d_model={shape.d_model}")
         return HGRN2Attention(
-            model.d_model, heads, self.expand_ratio, use_short_conv=self.use_short_conv, conv_size=self.conv_size,
+            shape.d_model, heads, self.expand_ratio, use_short_conv=self.use_short_conv, conv_size=self.conv_size,
             conv_bias=self.conv_bias, norm_eps=self.norm_eps, chunk_size=self.chunk_size,
         )

@@ -13,22 +13,17 @@ sigmoid of a low-rank g_proj.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config_base import check
-from looplm.mixers.deltanet import DeltaRuleConfig, DeltaRuleMixer, whole_number
-from looplm.mixers.gated_deltanet import head_shape, init_dt_bias
+from looplm.mixers.deltanet import HeadSizedDeltaRuleConfig, MambaDecayDeltaRule
 from looplm.modules.norm import GatedRMSNorm
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
 
 
-class KimiDeltaAttention(DeltaRuleMixer):
+class KimiDeltaAttention(MambaDecayDeltaRule):
     """fla's ``KimiDeltaAttention`` layer (value heads = heads, no safe_gate/lower_bound).
 
     q, k: num_heads × head_dim; v: num_heads × head_dim·expand_v. f_proj: hidden ->
@@ -51,16 +46,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
         norm_eps: float = 1e-5,
         chunk_size: int = 64,
     ):
-        super().__init__(
-            hidden_size, num_heads, head_dim, whole_number(head_dim * expand_v, "expand_v"),
-            use_short_conv=use_short_conv, conv_size=conv_size, conv_bias=conv_bias,
-            allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size,
-        )
+        super().__init__(hidden_size, num_heads, head_dim, expand_v, use_short_conv, conv_size, conv_bias,
+                         allow_neg_eigval, chunk_size)
         self.f_proj = nn.Sequential(
             nn.Linear(hidden_size, self.head_v_dim, bias=False), nn.Linear(self.head_v_dim, self.key_dim, bias=False)
         )
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())  # A ~ U(1, 16)
-        self.dt_bias = nn.Parameter(init_dt_bias(self.key_dim))
+        self.add_decay(A_min=1, dt_channels=self.key_dim)  # A ~ U(1, 16), dt per key channel
         self.g_proj = nn.Sequential(
             nn.Linear(hidden_size, self.head_v_dim, bias=False), nn.Linear(self.head_v_dim, self.value_dim, bias=True)
         )
@@ -74,20 +65,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
 
 
 @dataclasses.dataclass(frozen=True)
-class KDAConfig(DeltaRuleConfig):
+class KDAConfig(HeadSizedDeltaRuleConfig):
     """Kimi Delta Attention (fla ``KimiDeltaAttention``). ``head_dim`` null: d_model /
     num_heads; value heads are head_dim·expand_v wide."""
 
     kind: str = "kda"
-    head_dim: Optional[int] = None
-    expand_v: float = 1.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.head_dim is None or self.head_dim >= 1, "model.mixer.head_dim", self.head_dim,
-              "null (d_model / num_heads) or an integer >= 1")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
-
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads, head_dim = head_shape(self, model)
-        return KimiDeltaAttention(model.d_model, heads, head_dim, self.expand_v, **self.common())
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, head_dim = self.head_shape(shape)
+        return KimiDeltaAttention(shape.d_model, heads, head_dim, self.expand_v, **self.common())

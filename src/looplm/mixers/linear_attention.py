@@ -20,22 +20,19 @@ included, so weights move between the two): q/k/v projections, a feature map on 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config_base import ConfigError, check
+from looplm.config_base import check
 from looplm.mixers.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
-from looplm.mixers.config import MixerConfig
+from looplm.mixers.linear import LinearMixerConfig, ProjectedMixer, check_conv, check_expands_positive, whole
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
-from looplm.modules.short_conv import ShortConvolution
-from looplm.ops.decay import chunk_decay, fla_decay, recurrent_decay
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
+from looplm.ops.decay import chunk_decay, chunk_size_rule, fla_decay, recurrent_decay
 
 FEATURE_MAPS = ("elementwise_product", "elu", "relu", "identity")
 
@@ -70,7 +67,7 @@ def positions(ctx: MixerContext) -> torch.Tensor:
     return (ctx.valid.long().cumsum(1) - 1).clamp(min=0)[:, ctx.past :]
 
 
-class DecayMixer(nn.Module):
+class DecayMixer(ProjectedMixer):
     """Base of the diagonal-decay layers: the op on its backend and left padding.
 
     A subclass sets ``kind`` and ``chunk_size`` and names its output projection
@@ -97,30 +94,46 @@ class DecayMixer(nn.Module):
         self.head_k_dim, self.head_v_dim = self.key_dim // num_heads, self.value_dim // num_heads
         self.groups = num_heads // self.num_kv_heads
 
-    def add_qkv(self, hidden_size: int) -> None:
-        """q over every head; k and v over the key/value heads; no bias (fla's layers)."""
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim // self.groups, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim // self.groups, bias=False)
+    def qkv_widths(self) -> dict[str, int]:
+        """q over every head; k and v over the key/value heads (fla's layers)."""
+        return {"q": self.key_dim, "k": self.key_dim // self.groups, "v": self.value_dim // self.groups}
 
     def add_gated_layer(self, hidden_size: int, use_short_conv: bool, conv_size: int, conv_bias: bool,
                         use_output_gate: bool, norm_eps: float) -> None:
         """The layer fla's GLA and RetNet share around their op: q/k/v, optional SiLU short
         convolutions on them, o_proj, and a per-head RMSNorm of o, gated by SiLU(g_proj(x))
         with ``use_output_gate``."""
-        self.use_short_conv, self.use_output_gate = use_short_conv, use_output_gate
-        self.add_qkv(hidden_size)
+        self.use_output_gate = use_output_gate
+        self.add_projections(hidden_size, self.qkv_widths())
         if use_output_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-        if use_short_conv:
-            widths = {"q": self.key_dim, "k": self.key_dim // self.groups, "v": self.value_dim // self.groups}
-            for name, width in widths.items():
-                setattr(self, f"{name}_conv1d", ShortConvolution(width, conv_size, bias=conv_bias, activation="silu"))
+        self.add_short_convs(self.qkv_widths(), use_short_conv, conv_size, conv_bias, activation="silu")
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         if use_output_gate:
             self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         else:
             self.g_norm = RMSNorm(self.head_v_dim, eps=norm_eps)
+
+    def split_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections [B, T, width] -> q, k [B, T, H, head_k_dim] and v [B, T, H,
+        head_v_dim], each key/value head repeated for its group of query heads."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.num_heads, self.head_k_dim)
+        k = repeat_kv(k.view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
+        v = repeat_kv(v.view(B, T, self.num_kv_heads, self.head_v_dim), self.groups)
+        return q, k, v
+
+    def gated_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, V] -> o_proj of the per-head norm, gated by SiLU(g_proj(x)) with the
+        output gate: [B, T, hidden]."""
+        B, T = x.shape[:2]
+        if self.use_output_gate:
+            o = self.g_norm_swish_gate(o, self.g_proj(x).view(B, T, self.num_heads, self.head_v_dim))
+        else:
+            o = self.g_norm(o)
+        return self.o_proj(o.reshape(B, T, self.value_dim))
 
     @staticmethod
     def mask_padding(
@@ -202,13 +215,6 @@ class _Function(nn.Module):
         return self.fn(x)
 
 
-def whole(value: float, name: str) -> int:
-    """``value`` as an int, or ValueError naming the argument when it is not whole."""
-    if abs(value - round(value)) > 1e-6:
-        raise ValueError(f"hidden_size * {name} = {value} must be a whole number")
-    return round(value)
-
-
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, T, H_kv, D] -> [B, T, H_kv·groups, D], each key/value head serving ``groups``
     consecutive query heads (fla's ``repeat(... '(h d) -> (h g) d')``)."""
@@ -249,7 +255,7 @@ class LinearAttention(DecayMixer):
         self.feature_map_k = (
             self.feature_map_q if tie_feature_map_qk else build_feature_map(feature_map, self.head_k_dim)
         )
-        self.add_qkv(hidden_size)
+        self.add_projections(hidden_size, self.qkv_widths())
         if output_norm == "rmsnorm":
             self.norm: nn.Module = RMSNorm(self.head_v_dim, eps=norm_eps)
         elif output_norm == "identity":
@@ -263,9 +269,8 @@ class LinearAttention(DecayMixer):
     ) -> tuple[torch.Tensor, DecayState]:
         """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_k_dim)
-        k = repeat_kv(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_k_dim), self.groups)
-        v = repeat_kv(self.v_proj(x).view(B, T, self.num_kv_heads, self.head_v_dim), self.groups)
+        (q, k, v), _ = self.project(x, None, None)
+        q, k, v = self.split_heads(q, k, v)
         q, k = self.feature_map_q(q), self.feature_map_k(k)
         if self.norm_q:
             q = q / (q.sum(-1, keepdim=True) + 1e-4)
@@ -279,47 +284,56 @@ class LinearAttention(DecayMixer):
 
 # ----------------------------------------------------------------------------- configs
 @dataclasses.dataclass(frozen=True)
-class DecayMixerConfig(MixerConfig):
-    """Fields the diagonal-decay mixer configs share. ``num_heads`` null: the model's
-    n_heads; ``chunk_size``: positions per chunk of the training op."""
+class DecayMixerConfig(LinearMixerConfig):
+    """A diagonal-decay mixer config: its chunk size is the decay op's (any integer >= 1)."""
 
-    num_heads: Optional[int] = None
-    norm_eps: float = 1e-5
-    chunk_size: int = 64
-
-    def __post_init__(self) -> None:
-        check(self.num_heads is None or self.num_heads >= 1, "model.mixer.num_heads", self.num_heads,
-              "null (the model's n_heads) or an integer >= 1")
-        check(self.norm_eps > 0, "model.mixer.norm_eps", self.norm_eps, "a number > 0")
-        check(self.chunk_size >= 1, "model.mixer.chunk_size", self.chunk_size, "an integer >= 1, e.g. 64")
-
-    def heads(self, model: "ModelConfig") -> int:
-        return self.num_heads or model.n_heads
-
-
-def check_widths(model: "ModelConfig", heads: int, kv_heads: int, **expands: float) -> None:
-    """ConfigError unless d_model·expand is a whole multiple of ``heads`` for each expand."""
-    check(heads % kv_heads == 0, "model.mixer.num_kv_heads", kv_heads, f"a divisor of num_heads={heads}")
-    for name, expand in expands.items():
-        width = model.d_model * expand
-        if abs(width - round(width)) > 1e-6 or round(width) % heads:
-            raise ConfigError(f"model.mixer.{name}", expand,
-                              f"a factor making d_model·{name} = {width:g} a whole multiple of num_heads={heads}")
-
-
-def check_conv(cfg) -> None:
-    check(cfg.conv_size >= 1, "model.mixer.conv_size", cfg.conv_size, "an integer >= 1")
+    chunk_rule = staticmethod(chunk_size_rule)
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearAttentionConfig(DecayMixerConfig):
-    """Linear attention (fla ``LinearAttention``): key/value widths d_model·expand_k /
-    d_model·expand_v; ``num_kv_heads`` null: the model's kv heads."""
+class GroupedDecayConfig(DecayMixerConfig):
+    """The decay kinds with fla's multi-head shape (LA, RetNet, GLA): key/value widths
+    d_model·expand_k / d_model·expand_v over num_heads; ``num_kv_heads`` null: the model's
+    kv heads (see :meth:`LinearMixerConfig.kv_heads`)."""
 
-    kind: str = "linear_attention"
     expand_k: float = 1.0
     expand_v: float = 1.0
     num_kv_heads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_expands_positive(expand_k=self.expand_k, expand_v=self.expand_v)
+        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
+              "null (the model's kv heads) or an integer >= 1")
+
+    def head_counts(self, shape: BlockShape) -> tuple[int, int]:
+        """(num_heads, num_kv_heads) on ``shape``, checked against the widths."""
+        heads, kv_heads = self.heads(shape), self.kv_heads(shape, self.num_kv_heads)
+        check(heads % kv_heads == 0, "model.mixer.num_kv_heads", kv_heads, f"a divisor of num_heads={heads}")
+        self.check_expands(shape, heads, expand_k=self.expand_k, expand_v=self.expand_v)
+        return heads, kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDecayConfig(GroupedDecayConfig):
+    """The layer fla's GLA and RetNet share (:meth:`DecayMixer.add_gated_layer`): optional
+    SiLU short convolutions on q, k, v, and the output gate."""
+
+    use_short_conv: bool = False
+    conv_size: int = 4
+    conv_bias: bool = False
+    use_output_gate: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_conv(self.conv_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig(GroupedDecayConfig):
+    """Linear attention (fla ``LinearAttention``)."""
+
+    kind: str = "linear_attention"
     feature_map: str = "elementwise_product"
     tie_feature_map_qk: bool = False
     output_norm: str = "rmsnorm"
@@ -328,21 +342,15 @@ class LinearAttentionConfig(DecayMixerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
-        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
-              "null (the model's kv heads) or an integer >= 1")
         check(self.feature_map in FEATURE_MAPS, "model.mixer.feature_map", self.feature_map,
               f"one of {', '.join(FEATURE_MAPS)}")
         check(self.output_norm in ("rmsnorm", "identity"), "model.mixer.output_norm", self.output_norm,
               "'rmsnorm' or 'identity'")
 
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads = self.heads(model)
-        kv_heads = self.num_kv_heads or (model.kv_heads if heads == model.n_heads else heads)
-        check_widths(model, heads, kv_heads, expand_k=self.expand_k, expand_v=self.expand_v)
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, kv_heads = self.head_counts(shape)
         return LinearAttention(
-            model.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads, feature_map=self.feature_map,
+            shape.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads, feature_map=self.feature_map,
             tie_feature_map_qk=self.tie_feature_map_qk, output_norm=self.output_norm, norm_q=self.norm_q,
             norm_k=self.norm_k, norm_eps=self.norm_eps, chunk_size=self.chunk_size,
         )

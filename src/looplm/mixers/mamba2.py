@@ -14,8 +14,7 @@ out_proj.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,23 +22,11 @@ from torch import nn
 
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear_attention import (
-    DecayMixer,
-    DecayMixerConfig,
-    DecayState,
-    repeat_kv,
-)
+from looplm.mixers.linear import init_dt_bias
+from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState, repeat_kv
 from looplm.modules.norm import GatedRMSNorm
+from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import ShortConvolution
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
-
-
-def inverse_softplus_dt(n: int, dt_min: float, dt_max: float, floor: float) -> torch.Tensor:
-    """softplus⁻¹(Δ) with Δ log-uniform in [dt_min, dt_max], at least ``floor`` (Mamba2, fla)."""
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
-    return dt + torch.log(-torch.expm1(-dt))
 
 
 class Mamba2(DecayMixer):
@@ -95,7 +82,7 @@ class Mamba2(DecayMixer):
         self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
         self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=use_bias)
         self.conv1d = ShortConvolution(self.conv_dim, conv_kernel, bias=use_conv_bias, activation="silu")
-        self.dt_bias = nn.Parameter(inverse_softplus_dt(self.num_heads, dt_min, dt_max, dt_init_floor))
+        self.dt_bias = nn.Parameter(init_dt_bias(self.num_heads, dt_min, dt_max, dt_init_floor))
         self.dt_bias._no_weight_decay = True
         self.A_log = nn.Parameter(torch.empty(self.num_heads).uniform_(*A_init_range).log())
         self.A_log._no_weight_decay = True
@@ -174,11 +161,11 @@ class Mamba2Config(DecayMixerConfig):
               f"a number in (0, dt_max={self.dt_max}]")
         check(self.dt_init_floor > 0, "model.mixer.dt_init_floor", self.dt_init_floor, "a number > 0")
 
-    def shape(self, model: "ModelConfig") -> tuple[int, int]:
-        """(num_heads, head_dim) on ``model``, checked."""
-        width = self.expand * model.d_model
+    def head_shape(self, shape: BlockShape) -> tuple[int, int]:
+        """(num_heads, head_dim) on ``shape``, checked."""
+        width = self.expand * shape.d_model
         if self.head_dim is None:
-            heads = self.heads(model)
+            heads = self.heads(shape)
             if width % heads:
                 raise ConfigError("model.mixer.num_heads", heads,
                                   f"a divisor of expand·d_model={width}, or set head_dim")
@@ -192,10 +179,10 @@ class Mamba2Config(DecayMixerConfig):
         check(heads % self.n_groups == 0, "model.mixer.n_groups", self.n_groups, f"a divisor of num_heads={heads}")
         return heads, head_dim
 
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads, head_dim = self.shape(model)
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, head_dim = self.head_shape(shape)
         return Mamba2(
-            model.d_model, heads, head_dim, self.state_size, self.expand, n_groups=self.n_groups,
+            shape.d_model, heads, head_dim, self.state_size, self.expand, n_groups=self.n_groups,
             conv_kernel=self.conv_kernel, use_conv_bias=self.use_conv_bias, A_init_range=tuple(self.A_init_range),
             D_has_hdim=self.D_has_hdim, rmsnorm=self.rmsnorm, norm_before_gate=self.norm_before_gate,
             dt_min=self.dt_min, dt_max=self.dt_max, dt_init_floor=self.dt_init_floor, use_bias=self.use_bias,

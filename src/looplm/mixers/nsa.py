@@ -18,7 +18,7 @@ compression block read the most recent ones) plus the compressed blocks complete
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -28,10 +28,8 @@ from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.modules.rotary import apply_rotary
+from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.nsa import compressed_block_count, nsa_attention
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +57,7 @@ class NSAConfig(MixerConfig):
     compression: Literal["mean", "mlp"] = "mean"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.block_size >= 1, "model.mixer.block_size", self.block_size, "an integer >= 1")
         check(
             self.block_stride is None or 1 <= self.block_stride <= self.block_size, "model.mixer.block_stride",
@@ -75,9 +74,9 @@ class NSAConfig(MixerConfig):
         )
         check(self.window >= 0, "model.mixer.window", self.window, "an integer >= 0 (0: no sliding-window branch)")
 
-    def build(self, model: "ModelConfig") -> nn.Module:
+    def build(self, shape: BlockShape) -> nn.Module:
         return NativeSparseAttention(
-            model.d_model, model.n_heads, model.kv_heads, model.bias,
+            shape.d_model, shape.n_heads, shape.kv_heads, shape.bias,
             block_size=self.block_size, block_stride=self.stride,
             select_block_size=self.select_size, select_blocks=self.select_blocks,
             window=self.window, compression=self.compression, output_gate=self.output_gate,

@@ -17,13 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from looplm.config_base import Config, ConfigError, check
+from looplm.layout import Layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
 
 PLACEMENTS = ("interleave", "bookend", "front", "back")
 
@@ -81,18 +79,19 @@ def hybrid_positions(hybrid: HybridConfig, n_blocks: int) -> list[int]:
     return [*range(bottom), *range(n_blocks - (count - bottom), n_blocks)]
 
 
-def block_mixers(cfg: "ModelConfig") -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
+def block_mixers(
+    layout: Layout, mixer: MixerConfig, hybrid: Optional[HybridConfig], loop_mixers: Optional[Sequence[MixerConfig]]
+) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
     """``(part, j) -> mixers``: one spec for prelude/coda blocks and unscheduled core
     blocks, one per iteration for core blocks under ``loop_mixers``."""
-    layout = cfg.loop
     positions = [("prelude", j) for j in range(layout.prelude)]
     positions += [("core", j) for j in range(layout.core if layout.is_looped else 0)]
     positions += [("coda", j) for j in range(layout.coda)]
-    chosen = set(hybrid_positions(cfg.hybrid, len(positions))) if cfg.hybrid is not None else set()
+    chosen = set(hybrid_positions(hybrid, len(positions))) if hybrid is not None else set()
     plan = {}
     for index, (part, j) in enumerate(positions):
-        if part == "core" and cfg.loop_mixers is not None:
-            plan[(part, j)] = tuple(cfg.loop_mixers)
+        if part == "core" and loop_mixers is not None:
+            plan[(part, j)] = tuple(loop_mixers)
         else:
-            plan[(part, j)] = (cfg.hybrid.mixer if index in chosen else cfg.mixer,)
+            plan[(part, j)] = (hybrid.mixer if index in chosen else mixer,)
     return plan

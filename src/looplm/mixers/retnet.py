@@ -12,26 +12,16 @@ k, the retention op, a per-head RMSNorm of o gated by SiLU(g_proj(x)) (fla's fus
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from looplm.config_base import check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear_attention import (
-    DecayMixer,
-    DecayMixerConfig,
-    DecayState,
-    check_conv,
-    check_widths,
-    positions,
-    repeat_kv,
-)
+from looplm.mixers.linear_attention import DecayMixer, DecayState, GatedDecayConfig, positions
 from looplm.modules.rotary import Rotary, apply_rotary
-
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
+from looplm.modules.shape import BlockShape
 
 
 def retention_log_decay(num_heads: int) -> torch.Tensor:
@@ -80,64 +70,35 @@ class MultiScaleRetention(DecayMixer):
     ) -> tuple[torch.Tensor, DecayState]:
         """x: [B, T, hidden] -> ([B, T, hidden], state after these T positions)."""
         B, T, _ = x.shape
-        H, Hkv = self.num_heads, self.num_kv_heads
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        conv = state.conv if state is not None else (None, None, None)
-        new_conv: tuple[torch.Tensor, ...] = ()
-        if self.use_short_conv:
-            q, conv_q = self.q_conv1d(q, conv[0], valid)
-            k, conv_k = self.k_conv1d(k, conv[1], valid)
-            v, conv_v = self.v_conv1d(v, conv[2], valid)
-            new_conv = (conv_q, conv_k, conv_v)
-        cos, sin = self.rotary(positions(ctx), q.dtype)  # [B, T, head_k_dim]
-        q = apply_rotary(q.view(B, T, H, self.head_k_dim).transpose(1, 2), cos, sin).transpose(1, 2)
-        k = apply_rotary(k.view(B, T, Hkv, self.head_k_dim).transpose(1, 2), cos, sin).transpose(1, 2)
-        k = repeat_kv(k, self.groups)
-        v = repeat_kv(v.view(B, T, Hkv, self.head_v_dim), self.groups)
-        log_alpha = self.log_gamma.float().expand(B, T, H)  # γ_h, the same at every position
+        (q, k, v), new_conv = self.project(x, None if state is None else state.conv, valid)
+        q, k, v = self.split_heads(q, k, v)
+        cos, sin = self.rotary(positions(ctx), q.dtype)  # [B, T, head_k_dim]; the same for every head
+        q = apply_rotary(q.transpose(1, 2), cos, sin).transpose(1, 2)
+        k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        log_alpha = self.log_gamma.float().expand(B, T, self.num_heads)  # γ_h, the same at every position
         k, log_alpha = self.mask_padding(valid, k, log_alpha)
         o, S = self.decay(q, k, v, log_alpha, None, None if state is None else state.recurrent)
-        if self.use_output_gate:
-            o = self.g_norm_swish_gate(o, self.g_proj(x).view(B, T, H, self.head_v_dim))
-        else:
-            o = self.g_norm(o)
-        return self.o_proj(o.reshape(B, T, self.value_dim)), DecayState(S, new_conv, ctx.valid.shape[1])
+        return self.gated_output(o, x), DecayState(S, new_conv, ctx.valid.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
-class RetNetConfig(DecayMixerConfig):
+class RetNetConfig(GatedDecayConfig):
     """RetNet (fla ``MultiScaleRetention``): key/value widths d_model·expand_k /
     d_model·expand_v (default 1 and 2); ``num_kv_heads`` null: the model's kv heads; rotary
     base from the model's ``rope_theta``."""
 
     kind: str = "retnet"
-    expand_k: float = 1.0
     expand_v: float = 2.0
-    num_kv_heads: Optional[int] = None
-    use_short_conv: bool = False
-    conv_size: int = 4
-    conv_bias: bool = False
-    use_output_gate: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check(self.expand_k > 0, "model.mixer.expand_k", self.expand_k, "a number > 0")
-        check(self.expand_v > 0, "model.mixer.expand_v", self.expand_v, "a number > 0")
-        check(self.num_kv_heads is None or self.num_kv_heads >= 1, "model.mixer.num_kv_heads", self.num_kv_heads,
-              "null (the model's kv heads) or an integer >= 1")
-        check_conv(self)
-
-    def build(self, model: "ModelConfig") -> nn.Module:
-        heads = self.heads(model)
-        kv_heads = self.num_kv_heads or (model.kv_heads if heads == model.n_heads else heads)
-        check_widths(model, heads, kv_heads, expand_k=self.expand_k, expand_v=self.expand_v)
-        head_k_dim = round(model.d_model * self.expand_k) // heads
+    def build(self, shape: BlockShape) -> nn.Module:
+        heads, kv_heads = self.head_counts(shape)
+        head_k_dim = round(shape.d_model * self.expand_k) // heads
         check(head_k_dim % 2 == 0, "model.mixer.expand_k", self.expand_k,
               f"a factor giving an even head_k_dim for rotary embeddings (got {head_k_dim})")
         return MultiScaleRetention(
-            model.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads,
+            shape.d_model, heads, self.expand_k, self.expand_v, num_kv_heads=kv_heads,
             use_short_conv=self.use_short_conv, conv_size=self.conv_size, conv_bias=self.conv_bias,
-            use_output_gate=self.use_output_gate, norm_eps=self.norm_eps, rope_theta=model.rope_theta,
+            use_output_gate=self.use_output_gate, norm_eps=self.norm_eps, rope_theta=shape.rope_theta,
             chunk_size=self.chunk_size,
         )

@@ -11,23 +11,24 @@ import torch
 from torch import nn
 
 from looplm.mixers import MixerConfig, MixerContext, MixerState
-from looplm.model_config import ModelConfig
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
+from looplm.modules.shape import BlockShape
 
 
 class Block(nn.Module):
     """Sequential: x + mix(n1(x)), then + ffn(n2(·)). Parallel (GPT-NeoX):
     x + mix(n1(x)) + ffn(n2(x)).
 
-    ``mixers``: one spec, or one per loop iteration (a loop-level hybrid). One layer is
+    ``shape``: widths and block options (``ModelConfig.block_shape``). ``mixers``: one
+    spec, or one per loop iteration (a loop-level hybrid). One layer is
     built per parameter group (``MixerConfig.parameter_group``) and held in ``attn`` (a
     ModuleList when there are several); each iteration runs its spec's view of it.
     """
 
-    def __init__(self, cfg: ModelConfig, mixers: Optional[Sequence[MixerConfig]] = None):
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
         super().__init__()
-        mixers = tuple(mixers or (cfg.mixer,))
+        mixers = tuple(mixers)
         self.parallel_residual = cfg.parallel_residual
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         owners: dict = {}

@@ -27,12 +27,14 @@ generated one row at a time.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import nn
 
+from looplm.layout import Layout
 from looplm.mixers.base import MixerContext
+from looplm.resolution.config import ResolutionConfig
 from looplm.resolution.downscale import build_down
 from looplm.resolution.schedule import IterationResolution, iteration_resolutions
 from looplm.resolution.state import ChunkState
@@ -40,7 +42,6 @@ from looplm.resolution.upscale import build_up
 
 if TYPE_CHECKING:
     from looplm.cache import LoopCache
-    from looplm.model_config import ModelConfig
     from looplm.modules.rotary import Rotary
 
 
@@ -68,15 +69,14 @@ class MultiResolution(nn.Module):
     schedule (g_t, ω_t, s_t). Iterations at full resolution without shift are the identity
     and own no modules. ``down[str(t)]`` holds A^(t), ``up[str(t)]`` holds B^(t)."""
 
-    def __init__(self, cfg: "ModelConfig"):
+    def __init__(self, cfg: ResolutionConfig, resolutions: Sequence[float], d_model: int):
+        """cfg: ``model.resolution``; resolutions: r_t per iteration (the layout's);
+        d_model: the state width."""
         super().__init__()
-        res = cfg.resolution
-        self.schedule: tuple[IterationResolution, ...] = iteration_resolutions(
-            cfg.loop.resolutions, res.offsets, res.shifts
-        )
+        self.schedule: tuple[IterationResolution, ...] = iteration_resolutions(resolutions, cfg.offsets, cfg.shifts)
         active = [t for t, it in enumerate(self.schedule) if not it.identity]
-        self.down_ops = nn.ModuleDict({str(t): build_down(res.down, cfg.d_model, self.schedule[t].chunk) for t in active})
-        self.up_ops = nn.ModuleDict({str(t): build_up(res.up, cfg.d_model, self.schedule[t].chunk) for t in active})
+        self.down_ops = nn.ModuleDict({str(t): build_down(cfg.down, d_model, self.schedule[t].chunk) for t in active})
+        self.up_ops = nn.ModuleDict({str(t): build_up(cfg.up, d_model, self.schedule[t].chunk) for t in active})
 
     def extra_repr(self) -> str:
         return "schedule=[" + ", ".join(f"(g={i.chunk}, ω={i.offset}, s={i.shift})" for i in self.schedule) + "]"
@@ -149,9 +149,10 @@ class MultiResolution(nn.Module):
         return u
 
 
-def build_resolution(cfg: "ModelConfig") -> Optional[MultiResolution]:
-    """The resolution axis of a looped model, or None when every iteration is the identity."""
-    if not cfg.loop.is_looped:
+def build_resolution(cfg: ResolutionConfig, layout: Layout, d_model: int) -> Optional[MultiResolution]:
+    """The resolution axis of ``layout``'s loop, or None without a loop or when every
+    iteration is the identity."""
+    if not layout.is_looped:
         return None
-    schedule = iteration_resolutions(cfg.loop.resolutions, cfg.resolution.offsets, cfg.resolution.shifts)
-    return None if all(it.identity for it in schedule) else MultiResolution(cfg)
+    schedule = iteration_resolutions(layout.resolutions, cfg.offsets, cfg.shifts)
+    return None if all(it.identity for it in schedule) else MultiResolution(cfg, layout.resolutions, d_model)

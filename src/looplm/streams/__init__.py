@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from looplm.streams.config import StreamsConfig
+from looplm.streams.config import STREAMS_CONFIGS, StreamsConfig
 from looplm.streams.single import CorePass, SingleStream, freeze
 from looplm.streams.two import TwoStream
 
 
 def build_streams(cfg: StreamsConfig, d_model: int) -> nn.Module:
-    if cfg.kind == "two":
-        return TwoStream(d_model, cfg.outer, cfg.inner, cfg.init == "learned", cfg.no_grad_cycles)
-    return SingleStream()
+    """The streams ``cfg`` describes, for states of width ``d_model``."""
+    return cfg.build(d_model)
 
 
-__all__ = ["CorePass", "SingleStream", "StreamsConfig", "TwoStream", "build_streams", "freeze"]
+__all__ = ["CorePass", "STREAMS_CONFIGS", "SingleStream", "StreamsConfig", "TwoStream", "build_streams", "freeze"]

@@ -1,19 +1,61 @@
-"""What the loop iterates: one hidden state, or a solution and a reasoning stream."""
+"""``model.streams``: what the loop iterates, one config class per kind.
+
+``StreamsConfig.from_dict({"kind": "two", "outer": 2})`` returns the ``TwoStreamsConfig``
+that :data:`STREAMS_CONFIGS` names, so H and L are refused for a single stream.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
-from looplm.config_base import Config, check
+from torch import nn
+
+from looplm.config_base import KindConfig, check
+from looplm.streams.single import SingleStream
+from looplm.streams.two import TwoStream
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamsConfig(Config):
-    """``single``: one state h, updated by the topology (UT: h ← f(h + e_t)).
+class StreamsConfig(KindConfig):
+    """The base of every stream layout."""
 
-    ``two``: a fixed input stream X (the loop input), a solution stream Y and a reasoning
-    stream Z (autoregressive-trm.txt App. B.1). Each macro step runs ``outer`` = H cycles of
+    kind: str = "single"
+
+    FIELD = "model.streams"
+    FLAT_DEFAULTS = {"outer": 1, "inner": 1, "init": "learned", "no_grad_cycles": False}
+
+    #: whether the streams, not the topology, define how a macro step updates the state:
+    #: several passes of the one shared core per step, at full resolution, with one mixer.
+    defines_update: ClassVar[bool] = False
+
+    @classmethod
+    def kinds(cls) -> dict[str, type[KindConfig]]:
+        return STREAMS_CONFIGS
+
+    @property
+    def passes(self) -> int:
+        """Block passes of the core per macro step."""
+        return 1
+
+    def build(self, d_model: int) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} builds no streams")
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleStreamConfig(StreamsConfig):
+    """One state h, updated by the topology (UT: h ← f(h + e_t))."""
+
+    kind: str = "single"
+
+    def build(self, d_model: int) -> nn.Module:
+        return SingleStream()
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoStreamsConfig(StreamsConfig):
+    """A fixed input stream X (the loop input), a solution stream Y and a reasoning stream
+    Z (autoregressive-trm.txt App. B.1). Each macro step runs ``outer`` = H cycles of
     ``inner`` = L reasoning updates Z ← f(X + Y + Z) and one solution update Y ← f(Y + Z):
     H·(L + 1) block passes. H = L = 1 is the Dual UT (Z' = f(X+Y+Z), Y' = f(Y+Z')); larger
     H or L the Dual Nested UT. ``init``: Y⁰ and Z⁰ are learned vectors (default) or zeros.
@@ -21,21 +63,30 @@ class StreamsConfig(Config):
     (the original TRM recipe); false backpropagates through every pass.
     """
 
-    kind: Literal["single", "two"] = "single"
+    kind: str = "two"
     outer: int = 1
     inner: int = 1
     init: Literal["learned", "zeros"] = "learned"
     no_grad_cycles: bool = False
 
+    defines_update = True
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.outer >= 1, "model.streams.outer", self.outer, "an integer >= 1 (H outer cycles)")
         check(self.inner >= 1, "model.streams.inner", self.inner, "an integer >= 1 (L reasoning updates)")
-        if self.kind == "single":
-            for name, default in (("outer", 1), ("inner", 1), ("no_grad_cycles", False)):
-                check(getattr(self, name) == default, f"model.streams.{name}", getattr(self, name),
-                      f"{default!r} for kind=single (it applies to kind=two)")
 
     @property
     def passes(self) -> int:
-        """Block passes of the core per macro step: 1, or H·(L + 1)."""
-        return 1 if self.kind == "single" else self.outer * (self.inner + 1)
+        """H·(L + 1)."""
+        return self.outer * (self.inner + 1)
+
+    def build(self, d_model: int) -> nn.Module:
+        return TwoStream(d_model, self.outer, self.inner, self.init == "learned", self.no_grad_cycles)
+
+
+#: The stream layouts: ``kind`` -> config class. One line per kind.
+STREAMS_CONFIGS: dict[str, type[KindConfig]] = {
+    "single": SingleStreamConfig,
+    "two": TwoStreamsConfig,
+}

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from looplm.config_base import Config, ConfigError, check
 from looplm.tasks.character import example_tokens
 from looplm.tasks.state_tracking import program_tokens
-
-if TYPE_CHECKING:
-    from looplm.data.config import DataConfig
 
 TASK_PREFIX = "task:"
 CHARACTER_TASKS = ("copy", "reverse", "addition")
@@ -95,29 +92,29 @@ def longest_training_tokens(name: str, task: TaskConfig) -> int:
     return example_tokens(name, task.train_length)
 
 
-def validate_task_data(cfg: "DataConfig") -> Optional[TaskConfig]:
-    """Check the task fields of a data config; return its TaskConfig (defaults filled in for
-    a task source without ``data.task``), or None for other sources.
+def validate_task_data(source: str, tokenizer: str, seq_len: int, task: Any) -> Optional[TaskConfig]:
+    """Check the task fields of a data config (``data.source``, ``data.tokenizer``,
+    ``data.seq_len``, ``data.task``); return its TaskConfig (defaults filled in for a task
+    source without ``data.task``), or None for other sources.
 
     Called from ``DataConfig.__post_init__``, so every error names a ``data.*`` field.
     """
-    task: Any = cfg.task
     if isinstance(task, dict):  # a mapping from YAML, or DataConfig(task={...}) from Python
         task = TaskConfig.from_dict(task, prefix="data.task")
     elif task is not None and not isinstance(task, TaskConfig):
         raise ConfigError("data.task", task, "null or a mapping with keys "
                           + ", ".join(f.name for f in dataclasses.fields(TaskConfig)))
-    name = task_name(cfg.source)
+    name = task_name(source)
     if name is None:
         check(task is None, "data.task", task.to_dict() if isinstance(task, Config) else task,
               "null unless data.source is task:NAME (" + ", ".join(TASK_PREFIX + n for n in TASK_NAMES) + ")")
         return None
     if name not in TASK_NAMES:
-        raise ConfigError("data.source", cfg.source, "one of " + ", ".join(TASK_PREFIX + n for n in TASK_NAMES)
+        raise ConfigError("data.source", source, "one of " + ", ".join(TASK_PREFIX + n for n in TASK_NAMES)
                           + " for a generated task")
     task = task if task is not None else TaskConfig()
     check(
-        cfg.tokenizer in TASK_TOKENIZER_SPECS, "data.tokenizer", cfg.tokenizer,
+        tokenizer in TASK_TOKENIZER_SPECS, "data.tokenizer", tokenizer,
         "'byte' (the default) or 'task' with a task source: a task defines its own vocabulary "
         "(looplm.tasks), so data.tokenizer is not used",
     )
@@ -125,8 +122,8 @@ def validate_task_data(cfg: "DataConfig") -> Optional[TaskConfig]:
     where = (f"n = m = {max(task.curriculum)} (the last stage of data.task.curriculum)" if name == "state_tracking"
              else f"data.task.train_length={task.train_length}")
     check(
-        cfg.seq_len >= need, "data.seq_len", cfg.seq_len,
-        f"an integer >= {need}: the longest training example of {cfg.source} at {where} has {need + 1} tokens, "
+        seq_len >= need, "data.seq_len", seq_len,
+        f"an integer >= {need}: the longest training example of {source} at {where} has {need + 1} tokens, "
         f"one per row (lower the task size or raise data.seq_len)",
     )
     return task

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from looplm.targets import IGNORE_INDEX
 from looplm.tasks.character import Problem, encode_problem, make_problem
 from looplm.tasks.config import TaskConfig, task_name
 from looplm.tasks.state_tracking import Curriculum, encode_program, make_program
@@ -33,7 +34,6 @@ from looplm.tasks.tokenizers import CharacterTokenizer, ProgramTokenizer
 if TYPE_CHECKING:
     from looplm.data.config import DataConfig
 
-IGNORE_INDEX = -100
 Batch = tuple[Tensor, Tensor]
 Example = tuple[list[int], list[bool]]  # token ids; per token, whether it is a training target
 

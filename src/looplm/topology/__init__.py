@@ -1,6 +1,7 @@
 """State-passing topologies: how a core iteration's output enters the loop state.
 
-One value of the ``model.topology.kind`` field each; :func:`build_topology` is the registry.
+One value of the ``model.topology.kind`` field each, with its config class in
+``looplm.topology.config`` (the registry :data:`~looplm.topology.config.TOPOLOGY_CONFIGS`).
 
 | kind | update | source |
 | --- | --- | --- |
@@ -17,33 +18,17 @@ One value of the ``model.topology.kind`` field each; :func:`build_topology` is t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.base import LoopState, Topology
 from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
+from looplm.topology.config import TOPOLOGY_CONFIGS, TopologyConfig
 from looplm.topology.gated import GatedResidualTopology
 from looplm.topology.mesh import MeshTopology
 
-if TYPE_CHECKING:
-    from looplm.model_config import ModelConfig
 
-_SINGLE = {"base": (), "residual": ("residual",), "anchor": ("anchor",), "anchor_embedding": ("anchor_embedding",)}
-
-
-def build_topology(cfg: "ModelConfig") -> Topology:
-    kind, d, T = cfg.topology.kind, cfg.d_model, cfg.iterations
-    if kind in _SINGLE:
-        return AdditiveTopology(_SINGLE[kind])
-    if kind == "additive":
-        return AdditiveTopology(cfg.topology.supplements)
-    if kind == "gated_residual":
-        return GatedResidualTopology(d, T)
-    if kind == "static_combination":
-        return StaticCombinationTopology(T)
-    if kind == "dynamic_combination":
-        return DynamicCombinationTopology(d, T)
-    return MeshTopology(d, T, cfg.buffer_slots)
+def build_topology(cfg: TopologyConfig, d_model: int, iterations: int) -> Topology:
+    """The topology of a loop of ``iterations`` iterations at width ``d_model``."""
+    return cfg.build(d_model, iterations)
 
 
 __all__ = [
@@ -53,6 +38,8 @@ __all__ = [
     "LoopState",
     "MeshTopology",
     "StaticCombinationTopology",
+    "TOPOLOGY_CONFIGS",
     "Topology",
+    "TopologyConfig",
     "build_topology",
 ]

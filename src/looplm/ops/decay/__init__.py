@@ -13,9 +13,9 @@ channel: GLA, HGRN2); fla calls it ``g`` / ``gk``.
 * :func:`fla_decay` — flash-linear-attention's Triton kernels for the same op (CUDA).
 """
 
-from looplm.ops.decay.chunk import chunk_decay
+from looplm.ops.decay.chunk import chunk_decay, chunk_size_rule
 from looplm.ops.decay.fla import fla_decay
 from looplm.ops.decay.naive import naive_recurrent_decay
 from looplm.ops.decay.recurrent import decay_step, recurrent_decay
 
-__all__ = ["chunk_decay", "decay_step", "fla_decay", "naive_recurrent_decay", "recurrent_decay"]
+__all__ = ["chunk_decay", "chunk_size_rule", "decay_step", "fla_decay", "naive_recurrent_decay", "recurrent_decay"]

@@ -46,6 +46,12 @@ SUB_CHUNK = 16
 SAFE_LOG_DECAY = 20.0
 
 
+def chunk_size_rule(chunk_size: int) -> Optional[str]:
+    """None when ``chunk_size`` suits :func:`chunk_decay` (any T, any C), else what is
+    allowed (the op and the mixer configs read this one rule)."""
+    return None if chunk_size >= 1 else "an integer >= 1"
+
+
 def chunk_decay(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,8 +66,9 @@ def chunk_decay(
     (q, k [B, T, H, K]; v [B, T, H, V]; log_alpha [B, T, H, K], [B, T, H] or None;
     initial_state [B, H, K, V]), plus ``chunk_size`` C; any T, not only multiples of C."""
     check_inputs(q, k, v, log_alpha, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} is invalid: an integer >= 1")
+    allowed = chunk_size_rule(chunk_size)
+    if allowed is not None:
+        raise ValueError(f"chunk_size={chunk_size} is invalid: {allowed}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     out_dtype, acc = q.dtype, accumulation_dtype(q.dtype)

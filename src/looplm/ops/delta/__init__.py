@@ -11,8 +11,8 @@ gate is given in log space, ``log_alpha`` = log α_t: None (α = 1, DeltaNet), `
 * :func:`recurrent_delta_rule` / :func:`delta_rule_step` — O(1)-state decoding.
 """
 
-from looplm.ops.delta.chunk import chunk_delta_rule
+from looplm.ops.delta.chunk import chunk_delta_rule, chunk_size_rule
 from looplm.ops.delta.naive import naive_recurrent_delta_rule
 from looplm.ops.delta.recurrent import delta_rule_step, recurrent_delta_rule
 
-__all__ = ["chunk_delta_rule", "delta_rule_step", "naive_recurrent_delta_rule", "recurrent_delta_rule"]
+__all__ = ["chunk_delta_rule", "chunk_size_rule", "delta_rule_step", "naive_recurrent_delta_rule", "recurrent_delta_rule"]

@@ -39,6 +39,14 @@ from looplm.ops.delta.naive import check_inputs, compute_dtype
 MIN_CHUNK = 16
 
 
+def chunk_size_rule(chunk_size: int) -> Optional[str]:
+    """None when ``chunk_size`` suits :func:`chunk_delta_rule`, else what is allowed (the
+    op and the mixer configs read this one rule)."""
+    if chunk_size < MIN_CHUNK or chunk_size & (chunk_size - 1):
+        return f"a power of two >= {MIN_CHUNK}"
+    return None
+
+
 def chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,8 +76,9 @@ def chunk_delta_rule(
         inputs) when ``output_final_state``, else None.
     """
     check_inputs(q, k, v, beta, log_alpha, initial_state)
-    if chunk_size < MIN_CHUNK or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size={chunk_size} is invalid: a power of two >= {MIN_CHUNK}")
+    allowed = chunk_size_rule(chunk_size)
+    if allowed is not None:
+        raise ValueError(f"chunk_size={chunk_size} is invalid: {allowed}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     dtype, out_dtype = compute_dtype(v), v.dtype

@@ -1,0 +1,35 @@
+"""The widths and block options every layer of a block is sized by.
+
+``ModelConfig.block_shape`` hands this down, so mixers and blocks (lower layers) are built
+from plain numbers and never import the model's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """d_model: the residual width. n_heads / kv_heads: query and key/value heads of
+    softmax attention (and the default head count of the linear mixers). rotary_dim:
+    rotary channels per head (0 with learned positions); rope_theta: their base. bias:
+    biases on projections. norm, norm_eps, mlp, ffn_hidden, parallel_residual: the block
+    around the mixer (GPT-NeoX or LLaMA style)."""
+
+    d_model: int
+    n_heads: int
+    kv_heads: int
+    rotary_dim: int
+    rope_theta: float
+    bias: bool
+    norm: Literal["rmsnorm", "layernorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    ffn_hidden: int = 0
+    parallel_residual: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads

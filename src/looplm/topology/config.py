@@ -1,0 +1,193 @@
+"""``model.topology``: one config class per topology kind, chosen by the ``kind`` key.
+
+``TopologyConfig.from_dict({"kind": "mesh", "buffer_slots": 6})`` returns the
+``MeshTopologyConfig`` that :data:`TOPOLOGY_CONFIGS` names for that kind, so each kind
+checks its own fields and a field of another kind is refused. ``build(d_model,
+iterations)`` makes the :class:`~looplm.topology.base.Topology`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+from looplm.config_base import KindConfig, check
+from looplm.topology.additive import AdditiveTopology
+from looplm.topology.base import Topology
+from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
+from looplm.topology.gated import GatedResidualTopology
+from looplm.topology.mesh import MeshTopology
+
+#: Supplements h_sup of MeSH Eq. (1) that an ``additive`` topology can sum (Appendix E.3).
+SUPPLEMENTS = ("residual", "anchor", "anchor_embedding")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyConfig(KindConfig):
+    """How an iteration's core output enters the loop state (the base of every kind)."""
+
+    kind: str = "base"
+
+    FIELD = "model.topology"
+    FLAT_DEFAULTS = {"supplements": (), "buffer_slots": None}
+
+    #: whether U does more than hand on the core's output (every kind but ``base``,
+    #: h ← f(h)): a dense stack has no loop to update, and two streams define their own.
+    defines_update: ClassVar[bool] = True
+    #: whether one position can stop iterating while others go on: not when positions
+    #: write per-step state that later steps read (MeSH's buffer).
+    can_freeze_positions: ClassVar[bool] = True
+
+    @classmethod
+    def kinds(cls) -> dict[str, type[KindConfig]]:
+        return TOPOLOGY_CONFIGS
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        raise NotImplementedError(f"{type(self).__name__} builds no topology")
+
+    def summary(self, iterations: int) -> str:
+        """The kind, with what sets it apart, for ``looplm info``."""
+        return self.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSupplementConfig(TopologyConfig):
+    """h ← f(h) + h_sup with one fixed supplement, or none (MeSH Eq. 1)."""
+
+    supplement: ClassVar[tuple[str, ...]] = ()
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return AdditiveTopology(self.supplement)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseTopologyConfig(FixedSupplementConfig):
+    """h ← f(h) (MeSH Eq. 1, Alg. 1)."""
+
+    kind: str = "base"
+    defines_update = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualTopologyConfig(FixedSupplementConfig):
+    """h ← f(h) + h (MeSH Eq. 1)."""
+
+    kind: str = "residual"
+    supplement = ("residual",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorTopologyConfig(FixedSupplementConfig):
+    """h ← f(h) + h⁽⁰⁾, the loop's input (MeSH Eq. 1)."""
+
+    kind: str = "anchor"
+    supplement = ("anchor",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorEmbeddingTopologyConfig(FixedSupplementConfig):
+    """h ← f(h) + h_emb, the embeddings (MeSH Eq. 1, anchor*)."""
+
+    kind: str = "anchor_embedding"
+    supplement = ("anchor_embedding",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditiveTopologyConfig(TopologyConfig):
+    """h ← f(h) + Σ supplements, e.g. ``[anchor, anchor_embedding]`` (MeSH Appendix E.3's
+    fixed combinations)."""
+
+    kind: str = "additive"
+    supplements: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(
+            len(self.supplements) > 0 and all(s in SUPPLEMENTS for s in self.supplements)
+            and len(set(self.supplements)) == len(self.supplements),
+            "model.topology.supplements",
+            list(self.supplements),
+            f"a non-empty list of distinct entries from {', '.join(SUPPLEMENTS)} (needed by kind=additive)",
+        )
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return AdditiveTopology(self.supplements)
+
+    def summary(self, iterations: int) -> str:
+        return f"{self.kind} ({' + '.join(self.supplements)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedResidualTopologyConfig(TopologyConfig):
+    """h ← f(h) + ρ_τ ⊙ h with a learned gate per loop (LT2 §2.1)."""
+
+    kind: str = "gated_residual"
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return GatedResidualTopology(d_model, iterations)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticCombinationTopologyConfig(TopologyConfig):
+    """h ← α_t·(f(h), h⁽⁰⁾, h_emb, h), learned α_t per iteration (MeSH Appendix E.3)."""
+
+    kind: str = "static_combination"
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return StaticCombinationTopology(iterations)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicCombinationTopologyConfig(TopologyConfig):
+    """α_t = Linear_t(h) per token (MeSH Appendix E.3)."""
+
+    kind: str = "dynamic_combination"
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return DynamicCombinationTopology(d_model, iterations)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshTopologyConfig(TopologyConfig):
+    """MeSH's memory buffer with per-iteration read/write routers (MeSH §3.2, Alg. 2);
+    ``buffer_slots`` is B, null for T + 3 (Appendix E.2)."""
+
+    kind: str = "mesh"
+    buffer_slots: Optional[int] = None
+    can_freeze_positions = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(
+            self.buffer_slots is None or self.buffer_slots >= 2,
+            "model.topology.buffer_slots",
+            self.buffer_slots,
+            "an integer >= 2 (slot 0 holds the embeddings), or null for T + 3",
+        )
+
+    def slots(self, iterations: int) -> int:
+        """B: ``buffer_slots``, or T + 3 (MeSH Appendix E.2)."""
+        return self.buffer_slots or iterations + 3
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return MeshTopology(d_model, iterations, self.slots(iterations))
+
+    def summary(self, iterations: int) -> str:
+        return f"{self.kind} (B={self.slots(iterations)})"
+
+
+#: The topology kinds: ``kind`` -> config class. One line per kind.
+TOPOLOGY_CONFIGS: dict[str, type[KindConfig]] = {
+    "base": BaseTopologyConfig,
+    "residual": ResidualTopologyConfig,
+    "anchor": AnchorTopologyConfig,
+    "anchor_embedding": AnchorEmbeddingTopologyConfig,
+    "additive": AdditiveTopologyConfig,
+    "gated_residual": GatedResidualTopologyConfig,
+    "static_combination": StaticCombinationTopologyConfig,
+    "dynamic_combination": DynamicCombinationTopologyConfig,
+    "mesh": MeshTopologyConfig,
+}
+
+#: The topology kinds, in the registry's order.
+TOPOLOGIES = tuple(TOPOLOGY_CONFIGS)

@@ -1,0 +1,120 @@
+"""The import graph runs one way: the model's config composes the axes from above.
+
+Read from the source with ``ast`` (nothing is imported), so the checks see imports under
+``if TYPE_CHECKING:`` and inside functions as well as the ordinary ones.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import looplm
+
+ROOT = Path(looplm.__file__).parent
+
+#: Packages below the model: they are handed what they need (``BlockShape``, widths,
+#: iteration counts) and never reach up to the model or its config.
+LOWER = ("ops", "modules", "mixers", "topology", "halting", "streams", "resolution", "head_loop")
+UPWARD = ("looplm.model_config", "looplm.model")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(name: str, path: Path, in_functions: bool) -> set[str]:
+    """The looplm modules ``name`` imports (``from a.b import c`` names a.b.c when c is a
+    module, else a.b); with ``in_functions`` also those imported inside functions."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if inside and not in_functions:
+                continue
+            if isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
+                for alias in child.names:
+                    target = f"{base}.{alias.name}"
+                    found.add(target if target in MODULES else base)
+            elif isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_lower_layers_never_import_the_model_or_its_config():
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if name.split(".")[1:2] and name.split(".")[1] in LOWER
+        for target in _imports(name, path, in_functions=True)
+        if target in UPWARD
+    )
+    assert offenders == []
+
+
+def test_no_import_cycles_at_module_level():
+    """No cycle among module-level imports (those under ``if TYPE_CHECKING:`` included).
+
+    Imports inside functions are left out on purpose: they run when the function is
+    called, after every module has finished loading, so they cannot leave a module half
+    initialised. The one such loop kept by design is ``MixerConfig.kinds`` reaching
+    ``looplm.mixers.registry``: a base class that dispatches on ``kind`` needs its
+    subclasses, which live beside their layers and import the base.
+    """
+    graph = {name: _imports(name, path, in_functions=False) for name, path in MODULES.items()}
+    cycles = [sorted(c) for c in _cycles(graph)]
+    assert cycles == []
+
+
+def test_the_checks_see_an_upward_import_and_a_cycle():
+    """The graph reader is not vacuous: the model imports its config, and a two-module
+    loop is found."""
+    assert "looplm.model_config" in _imports("looplm.model", MODULES["looplm.model"], in_functions=False)
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}]
