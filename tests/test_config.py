@@ -57,7 +57,7 @@ def test_invalid_configs_name_field_value_and_allowed(overrides, field, fragment
 
 def test_overrides_apply_and_round_trip():
     cfg = load_config("default", ["model.layout=4+8R2+4", "model.topology.kind=anchor", "train.lr=3e-4"])
-    assert cfg.model.loop.iterations == 2 and cfg.model.topology.kind == "anchor" and cfg.train.lr == 3e-4
+    assert cfg.model.parsed_layout.iterations == 2 and cfg.model.topology.kind == "anchor" and cfg.train.lr == 3e-4
     assert type(cfg).from_dict(cfg.to_dict()) == cfg
 
 

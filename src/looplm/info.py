@@ -20,7 +20,7 @@ from looplm.accounting import count_flops, parameter_counts
 def describe(cfg: ModelConfig) -> dict[str, Any]:
     with torch.device("meta"):
         model = LoopLM(cfg)
-    layout = cfg.loop
+    layout = cfg.parsed_layout
     topology = cfg.topology.summary(layout.iterations) if layout.is_looped else "none (dense)"
     return {
         "layout": str(layout),

@@ -89,7 +89,7 @@ class LoopLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        layout = cfg.loop
+        layout = cfg.parsed_layout
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         plan = cfg.block_mixers()  # each block's mixer(s): depth- and loop-level hybrids
@@ -203,7 +203,7 @@ class LoopLM(nn.Module):
             ctx.add_loss(name, value)
         if cache is not None and halting.freezes:
             cache.append_frozen(state, t + 1)
-        layout = self.cfg.loop
+        layout = self.cfg.parsed_layout
         block_passes = layout.prelude + layout.coda + layout.core * streams.passes * halt.steps
         return RecurrenceOutput(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps,
                                 block_passes, catch_up)
@@ -233,7 +233,7 @@ class LoopLM(nn.Module):
         sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
         self.streams.step(self.topology, cache.frozen_slice(start, end), self._passes(t, sub, cache), t)
         cache.mark_caught_up(start, end, t + 1)
-        return self.cfg.loop.core * self.streams.passes * valid[:, start:].sum()
+        return self.cfg.parsed_layout.core * self.streams.passes * valid[:, start:].sum()
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
              slot: Optional[int] = None) -> torch.Tensor:

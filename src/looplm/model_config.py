@@ -177,23 +177,23 @@ class ModelConfig(Config):
     def block_passes(self) -> int:
         """Block evaluations of one forward, every position running every step: prelude +
         core·T·passes + coda (autoregressive-trm.txt App. B's compute C)."""
-        layout = self.loop
+        layout = self.parsed_layout
         core = layout.core * layout.iterations * self.passes_per_step if layout.is_looped else 0
         return layout.prelude + core + layout.coda
 
     @functools.cached_property
-    def loop(self) -> Layout:
+    def parsed_layout(self) -> Layout:
         """The parsed layout (prelude / core / coda block counts, iterations)."""
         return parse_layout(self.layout)
 
     @property
     def iterations(self) -> int:
-        return self.loop.iterations
+        return self.parsed_layout.iterations
 
     @property
     def resolution_schedule(self):
         """Per iteration (g_t, ω_t, s_t) with defaults resolved (``looplm.resolution.schedule``)."""
-        return schedule.iteration_resolutions(self.loop.resolutions, self.resolution.offsets, self.resolution.shifts)
+        return schedule.iteration_resolutions(self.parsed_layout.resolutions, self.resolution.offsets, self.resolution.shifts)
 
     def core_lengths(self, length: int) -> list[int]:
         """L_t: positions the looped core processes at each iteration of a length-``length``
@@ -240,4 +240,4 @@ class ModelConfig(Config):
     def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
         """``(part, j) -> mixers`` of every block: depth- and loop-level hybrids
         (:func:`looplm.mixers.pattern.block_mixers`)."""
-        return block_mixers(self.loop, self.mixer, self.hybrid, self.loop_mixers)
+        return block_mixers(self.parsed_layout, self.mixer, self.hybrid, self.loop_mixers)

@@ -69,7 +69,7 @@ def _llama_state(cfg) -> dict[str, torch.Tensor]:
     d, f, kv = cfg.d_model, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
     state = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, d), "model.norm.weight": torch.ones(d),
              "lm_head.weight": torch.randn(cfg.vocab_size, d)}
-    for i in range(cfg.loop.prelude):
+    for i in range(cfg.parsed_layout.prelude):
         p = f"model.layers.{i}."
         state |= {p + "input_layernorm.weight": torch.ones(d), p + "post_attention_layernorm.weight": torch.ones(d),
                   p + "self_attn.q_proj.weight": torch.randn(d, d), p + "self_attn.k_proj.weight": torch.randn(kv, d),

@@ -64,10 +64,10 @@ def match_layouts(
     seq_len = seq_len or cfg.max_seq_len
     if isinstance(target, ModelConfig):
         goal = _measure(target, by, seq_len, convention)[0 if by == "flops" else 1]
-        max_blocks = max_blocks or target.loop.unrolled_depth
+        max_blocks = max_blocks or target.parsed_layout.unrolled_depth
     else:
         goal = float(target)
-    max_blocks = max_blocks or cfg.loop.unrolled_depth
+    max_blocks = max_blocks or cfg.parsed_layout.unrolled_depth
     shapes = []
     for T in iterations:
         for C in range(1, max_blocks + 1):

@@ -89,11 +89,11 @@ def _resolution(cfg: ModelConfig) -> int:
     each with its bias. Full-resolution iterations own none (not even with a shift)."""
     from looplm.resolution.schedule import iteration_resolutions
 
-    if not cfg.loop.is_looped:
+    if not cfg.parsed_layout.is_looped:
         return 0
     d, res = cfg.d_model, cfg.resolution
     total = 0
-    for it in iteration_resolutions(cfg.loop.resolutions, res.offsets, res.shifts):
+    for it in iteration_resolutions(cfg.parsed_layout.resolutions, res.offsets, res.shifts):
         if it.identity or it.chunk == 1:
             continue
         total += (d + 1) if res.down == "aggregate" else 0
@@ -105,7 +105,7 @@ def _loop_axes(cfg: ModelConfig) -> dict[str, int]:
     """Parameters of the loop axes, only those a config holds: ``step_embedding`` T·d (one
     e_t per trained macro step), ``streams`` 2·d (learned Y⁰ and Z⁰; zeros are buffers),
     ``halting`` d + 1 (ACT's unit or Q-halt's q head, d -> 1 with bias)."""
-    if not cfg.loop.is_looped:
+    if not cfg.parsed_layout.is_looped:
         return {}
     d, counts = cfg.d_model, {}
     if cfg.step_embeddings:
@@ -127,7 +127,7 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1; the
     loop axes' parameters (:func:`_loop_axes`). SGT's grown loop adds no parameters (its
     structure is extra state)."""
-    layout, d, V = cfg.loop, cfg.d_model, cfg.vocab_size
+    layout, d, V = cfg.parsed_layout, cfg.d_model, cfg.vocab_size
 
     def block(specs) -> int:
         groups = {}

@@ -85,7 +85,7 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
     """The recurrence of :func:`execution_plan`, read from the axes' descriptions."""
     cfg = model.cfg
     streams, topology, halting, resolution = model.streams, model.topology, model.halting, model.resolution
-    iterations = cfg.loop.iterations
+    iterations = cfg.parsed_layout.iterations
     full = Call(batch, seq_len, seq_len, width=cfg.d_model)
     lengths = core_lengths(resolution.schedule, seq_len) if resolution is not None else [seq_len] * iterations
     signal = model.step_embedding is not None and model.step_embedding.enabled

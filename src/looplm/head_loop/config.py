@@ -65,7 +65,7 @@ class HeadLoopConfig(Config):
         check(cfg.kind == "block" or not model.parallel_residual, "model.head_loop.kind", cfg.kind,
               "'block' with parallel_residual=true: Eq. (6) feeds the looped state H^(K) to the FFN, "
               "which a parallel block reads from its input; set model.parallel_residual=false")
-        layout = model.loop
+        layout = model.parsed_layout
         stacks = (1 if model.share_core else layout.iterations) if layout.is_looped else 0
         blocks = layout.prelude + stacks * layout.core + layout.coda
         check(all(i < blocks for i in cfg.exclude), "model.head_loop.exclude", list(cfg.exclude),

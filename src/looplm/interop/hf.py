@@ -178,9 +178,9 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, mode
     """
     if model_type not in MODEL_TYPES:
         raise ConfigError("model_type", model_type, f"one of {', '.join(MODEL_TYPES)}")
-    if cfg.loop.is_looped:
+    if cfg.parsed_layout.is_looped:
         raise ConfigError("model.layout", cfg.layout, "a dense layout 'N' (an HF checkpoint has no loop)")
-    n_layers = cfg.loop.prelude
+    n_layers = cfg.parsed_layout.prelude
     layer_prefix, embed_key, norm_prefix, head_keys = _TOP[model_type]
     pattern = re.compile(rf"^{re.escape(layer_prefix)}(\d+)\.(.+)$")
 

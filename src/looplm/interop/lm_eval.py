@@ -194,7 +194,7 @@ class LoopLMEval(TemplateLM):
         prompt first; a multi-resolution model (which refuses left padding) decodes
         only prompts of equal length together."""
         prepared = [self._generation_request(*request.args) for request in requests]
-        equal_lengths = any(r != 1 for r in self.model.cfg.loop.resolutions)
+        equal_lengths = any(r != 1 for r in self.model.cfg.parsed_layout.resolutions)
         groups: dict[tuple[Generation, int], list[int]] = {}
         for i, (ids, settings) in enumerate(prepared):
             groups.setdefault((settings, len(ids) if equal_lengths else 0), []).append(i)

@@ -472,7 +472,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "parameters": parameter_counts(self.model),
             "layout": cfg.model.layout,
-            "unrolled_depth": cfg.model.loop.unrolled_depth,
+            "unrolled_depth": cfg.model.parsed_layout.unrolled_depth,
             "tokens_seen": self.tokens_seen,
             "train_loss": self.last_train_loss,
             "train_ppl": None if self.last_train_loss is None else perplexity(self.last_train_loss),
