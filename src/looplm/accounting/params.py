@@ -70,19 +70,6 @@ def mixer_parameters(spec, cfg: ModelConfig) -> int:
         return sum(p.numel() for p in spec.build(cfg.block_shape).parameters())
 
 
-def _topology(cfg: ModelConfig) -> int:
-    kind, d, T = cfg.topology.kind, cfg.d_model, cfg.iterations
-    if kind == "gated_residual":
-        return T * d
-    if kind == "static_combination":
-        return 4 * T
-    if kind == "dynamic_combination":
-        return T * (4 * d + 4)
-    if kind == "mesh":
-        return (T + 1) * 2 * (d * cfg.buffer_slots + cfg.buffer_slots)  # MeSH Appendix E.4 (+ router biases)
-    return 0
-
-
 def _resolution(cfg: ModelConfig) -> int:
     """Per multi-resolution iteration with g_t > 1 (spiralformer.txt §2.3): the scorer A^(t)
     (d -> 1, Eq. 17) for ``aggregate`` and the router B^(t) (d -> g_t, Eq. 21) for ``router``,
@@ -110,10 +97,9 @@ def _loop_axes(cfg: ModelConfig) -> dict[str, int]:
     d, counts = cfg.d_model, {}
     if cfg.step_embeddings:
         counts["step_embedding"] = cfg.iterations * d
-    if cfg.streams.kind == "two" and cfg.streams.init == "learned":
-        counts["streams"] = 2 * d
-    if cfg.halting.kind in ("act", "qhalt"):
-        counts["halting"] = d + 1
+    for name, count in (("streams", cfg.streams.parameter_count(d)), ("halting", cfg.halting.parameter_count(d))):
+        if count:
+            counts[name] = count
     return counts
 
 
@@ -140,7 +126,7 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
     core = stacks * sum(block(plan[("core", j)]) for j in range(layout.core if layout.is_looped else 0))
     coda = sum(block(plan[("coda", j)]) for j in range(layout.coda))
-    topology = _topology(cfg) if layout.is_looped else 0
+    topology = cfg.topology.parameter_count(d, cfg.iterations) if layout.is_looped else 0
     counts = {
         "embedding": V * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0),
         "prelude": prelude,

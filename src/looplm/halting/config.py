@@ -51,6 +51,10 @@ class HaltingConfig(KindConfig):
     def build(self, d_model: int) -> Halting:
         raise NotImplementedError(f"{type(self).__name__} builds no halting rule")
 
+    def parameter_count(self, d_model: int) -> int:
+        """Parameters the rule adds, from the config alone (the analytic counter)."""
+        return 0
+
 
 @dataclasses.dataclass(frozen=True)
 class NoHaltingConfig(HaltingConfig):
@@ -85,6 +89,9 @@ class HaltingHeadConfig(HaltingConfig):
     def bias(self) -> float:
         """The starting bias the head is built with."""
         return self.default_bias if self.init_bias is None else self.init_bias
+
+    def parameter_count(self, d_model: int) -> int:
+        return d_model + 1  # the halting head: d -> 1 with bias (ACT's unit, Q-halt's q)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from looplm.probes.base import ProbeError, ProbeInput, ProbeReport, register, to
 def halting(probe: ProbeInput) -> ProbeReport:
     probe.require_loop("halting")
     model = probe.model
-    if model.cfg.halting.kind == "none":  # every position runs every step: nothing to show
+    if not model.cfg.halting.adaptive:  # every position runs every step: nothing to show
         raise ProbeError("probe 'halting' needs a halting rule; this model has none (model.halting.kind=none)")
     steps_max = model.cfg.iterations
     counts = torch.zeros(steps_max + 1, dtype=torch.float64)

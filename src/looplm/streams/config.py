@@ -41,6 +41,10 @@ class StreamsConfig(KindConfig):
     def build(self, d_model: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} builds no streams")
 
+    def parameter_count(self, d_model: int) -> int:
+        """Parameters the stream layout adds, from the config alone (the analytic counter)."""
+        return 0
+
 
 @dataclasses.dataclass(frozen=True)
 class SingleStreamConfig(StreamsConfig):
@@ -83,6 +87,9 @@ class TwoStreamsConfig(StreamsConfig):
 
     def build(self, d_model: int) -> nn.Module:
         return TwoStream(d_model, self.outer, self.inner, self.init == "learned", self.no_grad_cycles)
+
+    def parameter_count(self, d_model: int) -> int:
+        return 2 * d_model if self.init == "learned" else 0  # learned Y⁰ and Z⁰ (zeros are buffers)
 
 
 #: The stream layouts: ``kind`` -> config class. One line per kind.

@@ -49,6 +49,10 @@ class TopologyConfig(KindConfig):
         """The kind, with what sets it apart, for ``looplm info``."""
         return self.kind
 
+    def parameter_count(self, d_model: int, iterations: int) -> int:
+        """Parameters the topology adds, from the config alone (the analytic counter)."""
+        return 0
+
 
 @dataclasses.dataclass(frozen=True)
 class FixedSupplementConfig(TopologyConfig):
@@ -126,6 +130,9 @@ class GatedResidualTopologyConfig(TopologyConfig):
     def build(self, d_model: int, iterations: int) -> Topology:
         return GatedResidualTopology(d_model, iterations)
 
+    def parameter_count(self, d_model: int, iterations: int) -> int:
+        return iterations * d_model  # ρ_τ ∈ ℝᵈ per loop
+
 
 @dataclasses.dataclass(frozen=True)
 class StaticCombinationTopologyConfig(TopologyConfig):
@@ -136,6 +143,9 @@ class StaticCombinationTopologyConfig(TopologyConfig):
     def build(self, d_model: int, iterations: int) -> Topology:
         return StaticCombinationTopology(iterations)
 
+    def parameter_count(self, d_model: int, iterations: int) -> int:
+        return 4 * iterations  # α_t: four scalars per iteration
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamicCombinationTopologyConfig(TopologyConfig):
@@ -145,6 +155,9 @@ class DynamicCombinationTopologyConfig(TopologyConfig):
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return DynamicCombinationTopology(d_model, iterations)
+
+    def parameter_count(self, d_model: int, iterations: int) -> int:
+        return iterations * (4 * d_model + 4)  # Linear_t: d -> 4 with bias per iteration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +187,10 @@ class MeshTopologyConfig(TopologyConfig):
 
     def summary(self, iterations: int) -> str:
         return f"{self.kind} (B={self.slots(iterations)})"
+
+    def parameter_count(self, d_model: int, iterations: int) -> int:
+        B = self.slots(iterations)
+        return (iterations + 1) * 2 * (d_model * B + B)  # write and read routers, t = -1 .. T-1 (App. E.4)
 
 
 #: The topology kinds: ``kind`` -> config class. One line per kind.
