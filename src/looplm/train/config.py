@@ -41,6 +41,9 @@ class TrainConfig(Config):
     sample_prompt: str = "The "
     sample_tokens: int = 200
     sample_temperature: float = 0.8
+    loggers: tuple[str, ...] = ("jsonl",)
+    wandb_project: str = "looplm"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
 
     def __post_init__(self) -> None:
         for name in ("lr", "min_lr_ratio", "warmup_fraction", "beta1", "beta2", "eps", "weight_decay", "grad_clip",
@@ -82,6 +85,11 @@ class TrainConfig(Config):
         check(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, positive)
         check(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens, "an integer >= 0")
         check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature, "a number >= 0")
+        from looplm.train.trackers import LOGGERS
+
+        check(all(name in LOGGERS for name in self.loggers) and len(set(self.loggers)) == len(self.loggers),
+              "train.loggers", list(self.loggers), f"a list of distinct entries from {', '.join(LOGGERS)} "
+              "(metrics.jsonl is always written)")
 
     @property
     def warmup(self) -> int:

@@ -21,7 +21,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from looplm.train.trackers import Tracker
 
 
 def perplexity(loss: float) -> float:
@@ -51,8 +54,10 @@ class MetricsWriter:
     line it logged and no handle outlives the writer's use (events are at most one per step).
     """
 
-    def __init__(self, path: Optional[Union[str, os.PathLike]], fresh: bool = False):
+    def __init__(self, path: Optional[Union[str, os.PathLike]], fresh: bool = False,
+                 trackers: Sequence["Tracker"] = ()):
         self.path = Path(path) if path is not None else None
+        self.trackers = list(trackers)  # TensorBoard, W&B: the same events as scalars (looplm.train.trackers)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if fresh:
@@ -64,7 +69,15 @@ class MetricsWriter:
         if self.path is not None:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(json_safe(record)) + "\n")
+        for tracker in self.trackers:
+            tracker.log(event, step, fields)
         return record
+
+    def close(self) -> None:
+        """Close the trackers (the JSONL file needs nothing)."""
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def read_metrics(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ back costs one host-device synchronisation per step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -71,6 +72,7 @@ from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perpl
 from looplm.train.optim import build_optimizer
 from looplm.train.params import parameter_counts
 from looplm.train.schedule import lr_at
+from looplm.train.trackers import build_trackers
 
 if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
     from looplm.config import RunConfig
@@ -79,7 +81,8 @@ logger = logging.getLogger("looplm")
 
 #: Train-config fields that may differ on resume without changing what is computed.
 _RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last", "sample_prompt",
-                   "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps"}
+                   "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps", "loggers",
+                   "wandb_project", "wandb_mode"}
 
 
 class Trainer:
@@ -163,7 +166,10 @@ class Trainer:
         metrics_path = self.out_dir / "metrics.jsonl"
         if self.rank == 0 and self.resumed_from is None and metrics_path.exists():
             logger.warning("%s has no checkpoint; its metrics.jsonl is replaced by this fresh run's", self.out_dir)
-        self.metrics = MetricsWriter(metrics_path if self.rank == 0 else None, fresh=self.resumed_from is None)
+        trackers = build_trackers(tc.loggers, self.out_dir, wandb_project=tc.wandb_project, wandb_mode=tc.wandb_mode,
+                                  config=run_cfg.to_dict()) if self.rank == 0 else []
+        self.metrics = MetricsWriter(metrics_path if self.rank == 0 else None, fresh=self.resumed_from is None,
+                                     trackers=trackers)
         if self.resumed_from is None:
             self.metrics.log("start", 0, parameters=parameter_counts(self.model), world_size=self.world_size,
                              device=str(self.device))
@@ -278,8 +284,10 @@ class Trainer:
                         self.bad_steps, self.last_train_loss = 0, loss
                         if self.step % tc.log_every == 0 or self.step == end:
                             tps = window_tokens / window_time if window_time > 0 else 0.0
+                            mfu = self._model_flops(tps)["mfu"]  # None where the peak is unknown (CPU)
                             self.metrics.log("train", self.step, loss=loss, lr=lr, grad_norm=grad_norm,
                                              tokens=self.tokens_seen, tokens_per_s=tps,
+                                             **({} if mfu is None else {"mfu": mfu}),
                                              **{f"aux_{k}": v for k, v in self.last_aux.items()})
                             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
                             window_tokens, window_time = 0, 0.0
@@ -291,6 +299,9 @@ class Trainer:
                     self.evaluate()
                 if self.last_saved_step != self.step:
                     self.save()
+        except BaseException:
+            self.metrics.close()
+            raise
         finally:
             bar.close()
         sample = self.sample() if self.rank == 0 else None
@@ -308,6 +319,8 @@ class Trainer:
                             "" if mfu is None else f", MFU {100 * mfu:.1f}%")
             if sample is not None:
                 logger.info("sample (%d tokens, temperature %g):\n%s", tc.sample_tokens, tc.sample_temperature, sample)
+        if self.step >= tc.max_steps:  # finished: trackers flush and close (a fit stopped early may continue)
+            self.metrics.close()
         return summary
 
     def _train_step(self, lr: float) -> tuple[float, float]:
@@ -494,15 +507,24 @@ class Trainer:
         }
 
 
-    def _model_flops(self, tokens_per_s: Optional[float]) -> dict[str, Any]:
+    @functools.cached_property
+    def _flops_per_token(self) -> Optional[float]:
         """Training FLOPs per token over the unrolled computation (looplm.accounting,
-        ``default`` convention) and MFU against the device's peak (None where unknown)."""
-        from looplm.accounting import count_flops, device_peak_flops, mfu
+        ``default`` convention), counted once; None for a mechanism without a FLOP rule."""
+        from looplm.accounting import count_flops
 
         try:
-            per_token = count_flops(self.cfg.model, self.cfg.data.seq_len).training_per_token
+            return count_flops(self.cfg.model, self.cfg.data.seq_len).training_per_token
         except Exception as err:  # a mechanism without a FLOP rule yet: report none, never fail the run
             logger.warning("model FLOPs not counted: %s", err)
+            return None
+
+    def _model_flops(self, tokens_per_s: Optional[float]) -> dict[str, Any]:
+        """Model FLOPs per token and MFU against the device's peak (None where unknown)."""
+        from looplm.accounting import device_peak_flops, mfu
+
+        per_token = self._flops_per_token
+        if per_token is None:
             return {"model_flops_per_token": None, "mfu": None}
         peak = device_peak_flops(self.device, self.autocast_dtype or torch.float32)
         return {"model_flops_per_token": per_token,
