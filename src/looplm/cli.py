@@ -1,8 +1,9 @@
-"""The ``looplm`` command line: train, eval, lm-eval, generate, info, probe, flops, ladder, presets.
+"""The ``looplm`` command line: train, eval, lm-eval, niah, generate, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... [--num-fewshot N] [--batch-size B] [--include-path DIR] ...
+    looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
@@ -120,6 +121,26 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     if args.output is not None:
         write_results(results, args.output)
         sys.stdout.write(f"results: {args.output}\n")
+    return 0
+
+
+def cmd_niah(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from looplm.data import data_tokenizer
+    from looplm.evaluation import load_run, set_step_embeddings
+    from looplm.niah import evaluate_niah, markdown_table, write_results
+
+    run = load_run(args.run, verify=not args.no_verify)
+    set_step_embeddings(run.model, not args.no_step_embeddings)
+    result = evaluate_niah(
+        run.model, data_tokenizer(run.config.data), tasks=args.tasks, lengths=args.lengths, depths=args.depths,
+        samples=args.samples, haystack=args.haystack, seed=args.seed, iterations=args.iterations,
+        batch_size=args.batch_size,
+    )
+    out = Path(args.out) if args.out is not None else run.path / "niah"
+    written = write_results(result, out, figures=not args.no_figures)
+    sys.stdout.write(markdown_table(result) + "\n" + "".join(f"wrote {path}\n" for path in written))
     return 0
 
 
@@ -325,6 +346,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, metavar="PATH", help="also write the results (and samples) as JSON")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_lm_eval)
+
+    from looplm.niah import DEFAULT_DEPTHS, DEFAULT_LENGTHS, TASKS as NIAH_TASKS
+
+    p = sub.add_parser("niah", help="RULER needle-in-a-haystack (single 1/2/3) at several lengths and depths",
+                       description="Generate RULER's NIAH-single-1/2/3 examples locally (LT2's long-context "
+                       "protocol), answer them greedily with the run's model and score the value by exact match; "
+                       "writes niah.md, niah.json and niah.png into --out.")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--lengths", nargs="+", type=_POSITIVE, default=list(DEFAULT_LENGTHS), metavar="N",
+                   help="tokens per example, prompt + answer (default 1024 2048 4096; at most model.max_seq_len)")
+    p.add_argument("--depths", nargs="+", type=int, default=list(DEFAULT_DEPTHS), metavar="PCT",
+                   help="needle depths in percent of the haystack (default 0 25 50 75 100)")
+    p.add_argument("--samples", type=_POSITIVE, default=10, help="examples per task, length and depth (default 10)")
+    p.add_argument("--tasks", nargs="+", choices=list(NIAH_TASKS), default=list(NIAH_TASKS), metavar="TASK",
+                   help="default all: " + " ".join(NIAH_TASKS))
+    p.add_argument("--haystack", default="essay:pydoc", metavar="repeat|essay:PATH",
+                   help="the essay tasks' corpus (anything data.source accepts; default essay:pydoc), or repeat: "
+                   "the repeated noise for every task")
+    p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="examples decoded together")
+    p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
+    p.add_argument("--no-step-embeddings", action="store_true",
+                   help="run without the step embeddings (needed for more iterations than trained)")
+    p.add_argument("--seed", type=int, default=0, help="keys, values and haystack offsets")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN/niah)")
+    p.add_argument("--no-figures", action="store_true", help="no heat-map (no matplotlib needed)")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
+    p.set_defaults(func=cmd_niah)
 
     p = sub.add_parser("generate", help="sample text from a run or checkpoint")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
