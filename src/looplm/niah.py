@@ -338,8 +338,8 @@ def heatmap(plt, result: NiahResult):
         ax.set_xticks(range(len(result.lengths)), [str(n) for n in result.lengths])
         ax.set_yticks(range(len(result.depths)), [str(d) for d in result.depths])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth (%)")
         ax.set_title(task, fontsize=9)
+    axes[0][0].set_ylabel("needle depth (%)")
     fig.colorbar(im, ax=list(axes[0]), label="exact match (%)")
     return fig
 
