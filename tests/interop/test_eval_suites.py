@@ -180,10 +180,10 @@ def test_missing_data_names_the_dataset_and_how_to_provide_it(local, tmp_path, m
     from looplm.interop.lm_eval import MissingData, evaluate_suite
 
     suite = Suite("gone", "test", (0,), (Column("G", ("suite_gone",), "acc", "someone/gone-dataset"),))
-    with pytest.raises(MissingData, match=r"(?s)suite gone reads G \(suite_gone\): someone/gone-dataset.*"
-                       r"not-there.*HF_DATASETS_OFFLINE=1.*--include-path"):
+    with pytest.raises(MissingData, match=r"(?s)not available here: .*not-there.*HF_DATASETS_OFFLINE=1.*"
+                       r"--include-path.*Suite gone reads G \(suite_gone\): someone/gone-dataset"):
         evaluate_suite(local["run"], suite, include_path=local["missing"])
     monkeypatch.setitem(SUITES, "gone", suite)
     assert main(["lm-eval", str(local["run"]), "--suite", "gone", "--include-path", str(local["missing"]),
                  "--output", str(tmp_path / "g.json")]) == 2
-    assert "error: suite gone reads" in caplog.text and not (tmp_path / "g.json").exists()
+    assert "error: a task's dataset is not available here" in caplog.text and not (tmp_path / "g.json").exists()

@@ -364,7 +364,7 @@ def evaluate_suite(
             )
         except MissingData as err:
             datasets = "; ".join(f"{c.header} ({', '.join(c.tasks)}): {c.dataset}" for c in suite.columns)
-            raise MissingData(f"suite {suite.name} reads {datasets}. {err}") from err.__cause__
+            raise MissingData(f"{err}. Suite {suite.name} reads {datasets}") from err.__cause__
     return suite_table(suite, results), results
 
 
