@@ -173,3 +173,26 @@ def test_cli_refuses_a_length_beyond_the_context(tmp_path, caplog):
     run = _run_dir(tmp_path / "run", _model())
     assert main(["niah", str(run), "--lengths", "1024", "--no-figures", "--out", str(tmp_path / "o")]) == 2
     assert "--lengths" in caplog.text and "max_seq_len=640" in caplog.text
+
+
+def test_lengths_count_tokens_of_a_bpe_tokenizer(tmp_path, essay):
+    """Under a BPE vocabulary a length is still prompt + budget in its tokens, short of the
+    target by less than one haystack sentence."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from looplm.data.tokenizer import build_tokenizer
+
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE())
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator([ESSAY] * 5, trainer)
+    raw.save(str(tmp_path / "tokenizer.json"))
+    bpe = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    longest = max(len(bpe.encode(" " + s)) for s in essay + ["The grass is green."])
+    for task in TASKS.values():
+        for length in (500, 900):
+            example = make_example(task, bpe, length, 50, index=0, seed=1, essay=essay)
+            total = len(bpe.encode(example.prompt)) + example.budget
+            assert length - longest - 1 <= total <= length
+            assert bpe.decode(bpe.encode(example.prompt)) == example.prompt
