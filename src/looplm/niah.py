@@ -33,8 +33,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import torch
-
 from looplm.config_base import ConfigError
 from looplm.data import DataConfig
 from looplm.data.sources import iter_documents
@@ -150,10 +148,10 @@ def make_example(
     seed: int = 0,
     essay: Sequence[str] = (),
 ) -> Example:
-    """The ``index``-th example of ``task`` at ``length`` tokens (prompt + answer budget)
-    with its needle at the sentence boundary closest to ``depth`` percent of the haystack's
-characters. ``essay``: the corpus sentences of
-    the essay tasks (:func:`haystack_sentences`). Same arguments, same example."""
+    """The ``index``-th example of ``task`` at ``length`` tokens (prompt + answer budget),
+    its needle at the sentence boundary closest to ``depth`` percent of the haystack's
+    characters. ``essay``: the corpus sentences of the essay tasks
+    (:func:`haystack_sentences`). Same arguments, same example."""
     if not 0 <= depth <= 100:
         raise ConfigError("depths", depth, "percentages in [0, 100]")
     rng = random.Random(f"{seed}/{task.name}/{length}/{depth}/{index}")
@@ -233,6 +231,7 @@ class NiahResult:
         return 100.0 * sum(hits) / len(hits)
 
     def cells(self) -> list[dict[str, Any]]:
+        """Accuracy per (task, length, depth), the heat-map's cells."""
         return [{"task": t, "length": n, "depth": d, "accuracy": self.accuracy(t, n, d)}
                 for t in self.tasks for n in self.lengths for d in self.depths]
 
@@ -268,7 +267,6 @@ def _check_grid(model: LoopLM, tasks: Sequence[str], lengths: Sequence[int], dep
         raise ConfigError("samples", samples, "an integer >= 1 (--samples)")
 
 
-@torch.no_grad()
 def evaluate_niah(
     model: LoopLM,
     tokenizer: Tokenizer,

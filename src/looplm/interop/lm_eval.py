@@ -8,7 +8,8 @@ command line goes through this module instead, with lm-eval's arguments unchange
 
     python -m looplm.interop.lm_eval --model looplm --model_args run=RUN,iterations=4 --tasks hellaswag
 
-or through ``looplm lm-eval RUN --tasks ...`` (:func:`evaluate_tasks`).
+or through ``looplm lm-eval RUN --tasks ...`` (:func:`evaluate_tasks`); ``--suite NAME``
+runs a paper's downstream table (:func:`evaluate_suite`, suites in :mod:`looplm.eval_suites`).
 
 The three request types reduce to looplm's own operations:
 
@@ -296,6 +297,10 @@ def task_manager(tasks: Sequence[str], include_path: Optional[str | Path] = None
     return manager
 
 
+class MissingData(LoopLMError):
+    """A task's dataset cannot be loaded here (no network, not in the cache, a missing file)."""
+
+
 def evaluate_tasks(
     run: Union[str, Path, LoadedRun],
     tasks: Sequence[str],
@@ -331,9 +336,6 @@ def evaluate_tasks(
             "and pass its directory as include_path (--include-path)"
         ) from err
 
-
-class MissingData(LoopLMError):
-    """A task's dataset cannot be loaded here (no network, not in the cache, a missing file)."""
 
 
 def evaluate_suite(
