@@ -140,7 +140,7 @@ def cmd_niah(args: argparse.Namespace) -> int:
         samples=args.samples, haystack=args.haystack, seed=args.seed, iterations=args.iterations,
         batch_size=args.batch_size,
     )
-    out = Path(args.out) if args.out is not None else run.path / "niah"
+    out = Path(args.out) if args.out is not None else Path(args.run) / "niah"
     written = write_results(result, out, figures=not args.no_figures)
     sys.stdout.write(markdown_table(result) + "\n" + "".join(f"wrote {path}\n" for path in written))
     return 0
