@@ -1,8 +1,9 @@
-"""The ``looplm`` command line: train, eval, lm-eval, generate, info, probe, flops, ladder, presets.
+"""The ``looplm`` command line: train, eval, lm-eval, niah, generate, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
-    looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... [--num-fewshot N] [--batch-size B] [--include-path DIR] ...
+    looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... | --suite {mesh,spiralformer,sgt,lt2} [--batch-size B] [--include-path DIR] ...
+    looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
@@ -111,6 +112,8 @@ def _eval_corpora(args: argparse.Namespace) -> int:
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     from looplm.interop.lm_eval import evaluate_tasks, results_table, write_results
 
+    if args.suite is not None:
+        return _lm_eval_suite(args)
     results = evaluate_tasks(
         args.run, args.tasks, num_fewshot=args.num_fewshot, batch_size=args.batch_size, iterations=args.iterations,
         step_embeddings=not args.no_step_embeddings, limit=args.limit, include_path=args.include_path,
@@ -120,6 +123,46 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     if args.output is not None:
         write_results(results, args.output)
         sys.stdout.write(f"results: {args.output}\n")
+    return 0
+
+
+def cmd_niah(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from looplm.data import data_tokenizer
+    from looplm.evaluation import load_run, set_step_embeddings
+    from looplm.niah import evaluate_niah, markdown_table, write_results
+
+    run = load_run(args.run, verify=not args.no_verify)
+    set_step_embeddings(run.model, not args.no_step_embeddings)
+    result = evaluate_niah(
+        run.model, data_tokenizer(run.config.data), tasks=args.tasks, lengths=args.lengths, depths=args.depths,
+        samples=args.samples, haystack=args.haystack, seed=args.seed, iterations=args.iterations,
+        batch_size=args.batch_size,
+    )
+    out = Path(args.out) if args.out is not None else Path(args.run) / "niah"
+    written = write_results(result, out, figures=not args.no_figures)
+    sys.stdout.write(markdown_table(result) + "\n" + "".join(f"wrote {path}\n" for path in written))
+    return 0
+
+
+def _lm_eval_suite(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from looplm.eval_suites import SUITES, markdown, write_table
+    from looplm.interop.lm_eval import evaluate_suite
+
+    if args.num_fewshot is not None:
+        raise LoopLMError(f"--num-fewshot does not apply to --suite {args.suite}: the suite runs the paper's shots "
+                          f"({', '.join(map(str, SUITES[args.suite].shots))})")
+    table, _ = evaluate_suite(
+        args.run, SUITES[args.suite], batch_size=args.batch_size, iterations=args.iterations,
+        step_embeddings=not args.no_step_embeddings, limit=args.limit, include_path=args.include_path,
+        max_length=args.max_length, verify=not args.no_verify, seed=args.seed,
+    )
+    path = Path(args.output) if args.output is not None else Path(args.run) / "lm-eval" / f"{args.suite}.json"
+    written = write_table(table, path)
+    sys.stdout.write(markdown(table) + "".join(f"wrote {p}\n" for p in written))
     return 0
 
 
@@ -308,9 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run (needs the eval extra)",
                        description="Evaluate a run on lm-evaluation-harness tasks (lm-eval's own task names, or "
-                       "task YAML files in --include-path) and print lm-eval's results table.")
+                       "task YAML files in --include-path) and print lm-eval's results table; or run a paper's "
+                       "downstream suite (--suite) and write its table in the paper's layout.")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
-    p.add_argument("--tasks", nargs="+", required=True, metavar="TASK", help="task or group names")
+    from looplm.eval_suites import SUITES
+
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tasks", nargs="+", metavar="TASK", help="task or group names")
+    which.add_argument("--suite", choices=list(SUITES),
+                       help="a paper's task list, shots and metrics; writes its table (markdown + JSON) to --output")
     p.add_argument("--num-fewshot", type=_COUNT, default=None, metavar="N",
                    help="few-shot examples (default: the task's)")
     p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="sequences per forward (default 1)")
@@ -322,9 +371,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=_POSITIVE, default=None, metavar="L",
                    help="context in tokens (default model.max_seq_len)")
     p.add_argument("--seed", type=int, default=0, help="few-shot sampling and every random seed lm-eval sets")
-    p.add_argument("--output", default=None, metavar="PATH", help="also write the results (and samples) as JSON")
+    p.add_argument("--output", default=None, metavar="PATH",
+                   help="also write the results (and samples) as JSON; with --suite: the table's JSON, markdown "
+                   "beside it (default RUN/lm-eval/SUITE.json)")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_lm_eval)
+
+    from looplm.niah import DEFAULT_DEPTHS, DEFAULT_LENGTHS, TASKS as NIAH_TASKS
+
+    p = sub.add_parser("niah", help="RULER needle-in-a-haystack (single 1/2/3) at several lengths and depths",
+                       description="Generate RULER's NIAH-single-1/2/3 examples locally (LT2's long-context "
+                       "protocol), answer them greedily with the run's model and score the value by exact match; "
+                       "writes niah.md, niah.json and niah.png into --out.")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--lengths", nargs="+", type=_POSITIVE, default=list(DEFAULT_LENGTHS), metavar="N",
+                   help="tokens per example, prompt + answer (default 1024 2048 4096; at most model.max_seq_len)")
+    p.add_argument("--depths", nargs="+", type=int, default=list(DEFAULT_DEPTHS), metavar="PCT",
+                   help="needle depths in percent of the haystack (default 0 25 50 75 100)")
+    p.add_argument("--samples", type=_POSITIVE, default=10, help="examples per task, length and depth (default 10)")
+    p.add_argument("--tasks", nargs="+", choices=list(NIAH_TASKS), default=list(NIAH_TASKS), metavar="TASK",
+                   help="default all: " + " ".join(NIAH_TASKS))
+    p.add_argument("--haystack", default="essay:pydoc", metavar="repeat|essay:PATH",
+                   help="the essay tasks' corpus (anything data.source accepts; default essay:pydoc), or repeat: "
+                   "the repeated noise for every task")
+    p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="examples decoded together")
+    p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
+    p.add_argument("--no-step-embeddings", action="store_true",
+                   help="run without the step embeddings (needed for more iterations than trained)")
+    p.add_argument("--seed", type=int, default=0, help="keys, values and haystack offsets")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN/niah)")
+    p.add_argument("--no-figures", action="store_true", help="no heat-map (no matplotlib needed)")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
+    p.set_defaults(func=cmd_niah)
 
     p = sub.add_parser("generate", help="sample text from a run or checkpoint")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")

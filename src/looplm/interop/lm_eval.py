@@ -8,7 +8,8 @@ command line goes through this module instead, with lm-eval's arguments unchange
 
     python -m looplm.interop.lm_eval --model looplm --model_args run=RUN,iterations=4 --tasks hellaswag
 
-or through ``looplm lm-eval RUN --tasks ...`` (:func:`evaluate_tasks`).
+or through ``looplm lm-eval RUN --tasks ...`` (:func:`evaluate_tasks`); ``--suite NAME``
+runs a paper's downstream table (:func:`evaluate_suite`, suites in :mod:`looplm.eval_suites`).
 
 The three request types reduce to looplm's own operations:
 
@@ -38,6 +39,7 @@ import torch
 from looplm.config_base import ConfigError
 from looplm.data import data_tokenizer
 from looplm.errors import LoopLMError, MissingExtra
+from looplm.eval_suites import Suite, suite_table
 from looplm.evaluation import LoadedRun, load_run, set_step_embeddings
 from looplm.scoring import Window, score_windows
 
@@ -48,6 +50,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import model_registry
     from lm_eval.tasks import TaskManager
+    from datasets.exceptions import DatasetNotFoundError
 except ImportError as err:  # a core install (tests/interop/test_lm_eval_extra.py)
     raise MissingExtra(f"the lm-evaluation-harness adapter needs lm-eval ({err}): pip install 'looplm[eval]'") from err
 
@@ -294,6 +297,10 @@ def task_manager(tasks: Sequence[str], include_path: Optional[str | Path] = None
     return manager
 
 
+class MissingData(LoopLMError):
+    """A task's dataset cannot be loaded here (no network, not in the cache, a missing file)."""
+
+
 def evaluate_tasks(
     run: Union[str, Path, LoadedRun],
     tasks: Sequence[str],
@@ -315,11 +322,52 @@ def evaluate_tasks(
     manager = task_manager(tasks, include_path)
     model = LoopLMEval(run, iterations=iterations, step_embeddings=step_embeddings, max_length=max_length,
                        batch_size=batch_size, verify=verify)
-    return simple_evaluate(
-        model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-        log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    try:
+        return simple_evaluate(
+            model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+            log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    except (ConnectionError, FileNotFoundError, DatasetNotFoundError) as err:  # `datasets` offline or a missing file
+        raise MissingData(
+            f"a task's dataset is not available here: {err}. Provide it: run once where there is network (lm-eval "
+            "downloads it into the Hugging Face cache, HF_HOME) and rerun with HF_DATASETS_OFFLINE=1 and that "
+            "cache; or write a task YAML over local files (dataset_path: json, dataset_kwargs: {data_files: ...}) "
+            "and pass its directory as include_path (--include-path)"
+        ) from err
+
+
+
+def evaluate_suite(
+    run: Union[str, Path, LoadedRun],
+    suite: Suite,
+    *,
+    batch_size: int = 1,
+    iterations: Optional[int] = None,
+    step_embeddings: bool = True,
+    limit: Optional[int] = None,
+    include_path: Optional[str | Path] = None,
+    max_length: Optional[int] = None,
+    verify: bool = True,
+    seed: int = 0,
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """A paper's suite (:data:`looplm.eval_suites.SUITES`): lm-eval on its tasks once per
+    shot count, then its table in the paper's layout (:func:`looplm.eval_suites.suite_table`).
+    Returns the table and lm-eval's results per shot count."""
+    if not isinstance(run, LoadedRun):  # loaded once for every shot count
+        run = load_run(run, device=_device(None), verify=verify)
+    results = {}
+    for shots in suite.shots:
+        try:
+            results[shots] = evaluate_tasks(
+                run, suite.tasks, num_fewshot=shots, batch_size=batch_size, iterations=iterations,
+                step_embeddings=step_embeddings, limit=limit, include_path=include_path, max_length=max_length,
+                seed=seed,
+            )
+        except MissingData as err:
+            datasets = "; ".join(f"{c.header} ({', '.join(c.tasks)}): {c.dataset}" for c in suite.columns)
+            raise MissingData(f"{err}. Suite {suite.name} reads {datasets}") from err.__cause__
+    return suite_table(suite, results), results
 
 
 def results_table(results: dict[str, Any]) -> str:
