@@ -319,6 +319,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _loop_options(p: argparse.ArgumentParser) -> None:
+    """Test-time compute options of every command that runs a trained model."""
+    p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
+    p.add_argument("--no-step-embeddings", action="store_true",
+                   help="run without the step embeddings (needed for more iterations than trained)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="looplm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -342,9 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=_POSITIVE, default=None,
                    help="with --corpus: sliding-window step, <= window (default window: disjoint windows)")
     p.add_argument("--batch-size", type=_POSITIVE, default=8, help="sequences per forward (default 8)")
-    p.add_argument("--iterations", type=_POSITIVE, default=None, help="loop iterations at inference")
-    p.add_argument("--no-step-embeddings", action="store_true",
-                   help="run without the step embeddings (needed for more iterations than trained)")
+    _loop_options(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_eval)
@@ -363,9 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=_COUNT, default=None, metavar="N",
                    help="few-shot examples (default: the task's)")
     p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="sequences per forward (default 1)")
-    p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
-    p.add_argument("--no-step-embeddings", action="store_true",
-                   help="run without the step embeddings (needed for more iterations than trained)")
+    _loop_options(p)
     p.add_argument("--limit", type=_POSITIVE, default=None, metavar="N", help="at most N examples per task")
     p.add_argument("--include-path", default=None, metavar="DIR", help="a directory of extra task YAML files")
     p.add_argument("--max-length", type=_POSITIVE, default=None, metavar="L",
@@ -395,9 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the essay tasks' corpus (anything data.source accepts; default essay:pydoc), or repeat: "
                    "the repeated noise for every task")
     p.add_argument("--batch-size", type=_POSITIVE, default=1, metavar="B", help="examples decoded together")
-    p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
-    p.add_argument("--no-step-embeddings", action="store_true",
-                   help="run without the step embeddings (needed for more iterations than trained)")
+    _loop_options(p)
     p.add_argument("--seed", type=int, default=0, help="keys, values and haystack offsets")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN/niah)")
     p.add_argument("--no-figures", action="store_true", help="no heat-map (no matplotlib needed)")
@@ -411,9 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=_TEMPERATURE, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=_POSITIVE, default=None)
     p.add_argument("--top-p", type=_TOP_P, default=None)
-    p.add_argument("--iterations", type=_POSITIVE, default=None, help="loop iterations at inference")
-    p.add_argument("--no-step-embeddings", action="store_true",
-                   help="run without the step embeddings (needed for more iterations than trained)")
+    _loop_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
