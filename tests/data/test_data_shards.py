@@ -195,7 +195,7 @@ def test_shard_source_refusals(corpus, tmp_path) -> None:
     assert not (tmp_path / "never").exists()  # nothing created for a bad source
 
 
-def test_cli_tokenize_then_train_reads_shards(corpus, tmp_path, capsys) -> None:
+def test_cli_tokenize_then_train_from_shards_like_from_text(corpus, tmp_path, capsys) -> None:
     from looplm.cli import main
 
     out = tmp_path / "shards"
@@ -205,3 +205,13 @@ def test_cli_tokenize_then_train_reads_shards(corpus, tmp_path, capsys) -> None:
     assert "up to date" in capsys.readouterr().out
     assert main(["tokenize", str(tmp_path / "missing"), str(tmp_path / "x"), "--no-progress"]) == 2
     assert os.path.isfile(out / "manifest.json")
+
+    common = ["tiny-mesh", "model.d_model=32", "data.seq_len=16", "data.val_fraction=0.2", "train.batch_size=4",
+              "train.max_steps=3", "train.eval_every=3", "train.log_every=1", "train.save_every=0", "train.sample_tokens=0"]
+    losses = {}
+    for name, source in (("text", str(corpus)), ("shards", f"shards:{out}")):
+        run = tmp_path / name
+        assert main(["train", *common, f"data.source={source}", f"train.out_dir={run}", "--no-progress"]) == 0
+        events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [(e.get("loss"), e.get("val_loss")) for e in events if "loss" in e or "val_loss" in e]
+    assert losses["shards"] == losses["text"] and len(losses["text"]) >= 4  # same batches: the same losses
