@@ -215,3 +215,23 @@ def test_cli_tokenize_then_train_from_shards_like_from_text(corpus, tmp_path, ca
         events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [(e.get("loss"), e.get("val_loss")) for e in events if "loss" in e or "val_loss" in e]
     assert losses["shards"] == losses["text"] and len(losses["text"]) >= 4  # same batches: the same losses
+
+
+def test_hf_dataset_source_packs_alike_and_reruns_write_nothing(tmp_path) -> None:
+    datasets = pytest.importorskip("datasets")
+    docs = make_documents(60, max_words=20)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs[:50]}),
+                          "validation": datasets.Dataset.from_dict({"body": docs[50:]})}).save_to_disk(str(tmp_path / "dd"))
+    source, out = f"hf:{tmp_path / 'dd'}", tmp_path / "shards"
+    first = tokenize_to_shards(source, out, "byte", text_field="body", hf_split="validation", shard_chars=300)
+    assert first.documents == 10 and first.shards > 1
+    before = mtimes(out)
+    again = tokenize_to_shards(source, out, "byte", text_field="body", hf_split="validation", shard_chars=300)
+    assert again.up_to_date and mtimes(out) == before  # re-read (no file stats for hf:), nothing rewritten
+    mem = DataConfig(source=source, text_field="body", hf_split="validation", seq_len=8, val_fraction=0.1)
+    packed = packed_corpus(mem, TOK)
+    from looplm.data.shard_windows import shard_corpus
+
+    sc = shard_corpus(shard_cfg(mem, out), TOK)
+    assert torch.equal(sc.train[torch.arange(len(sc.train))], packed.train.long())
+    assert torch.equal(sc.val[torch.arange(len(sc.val))], packed.val.long())

@@ -105,10 +105,11 @@ def complete_shard(directory: Path, index: int, fingerprint: str) -> dict[str, A
         record = read_json(path)
     except CheckpointError:
         return None
-    if record.get("fingerprint") != fingerprint:
+    name = shard_name(index)
+    if record.get("fingerprint") != fingerprint or record.get("name") != name:
         return None
-    files = record.get("files", {})
-    if set(files) != {array_file(record["name"], key) for key in ARRAYS}:
+    files = record.get("files")
+    if not isinstance(files, dict) or set(files) != {array_file(name, key) for key in ARRAYS}:
         return None
     if any(not (directory / n).is_file() or sha256(directory / n) != h for n, h in files.items()):
         return None

@@ -162,14 +162,18 @@ def build_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(path)
 
 
+#: Files of a ``transformers`` tokenizer directory that define the tokenizer (name prefixes).
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "spiece", "sentencepiece")
+
+
 def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
     """What identifies a tokenizer across machines: ``{"name", "vocab_size", "eos_id", "sha256"}``.
 
-    ``sha256`` hashes the files it was loaded from (a ``tokenizer.json``, or every file of a
-    ``transformers`` directory with its relative path), so a copy moved elsewhere is the same
-    tokenizer and an edited file at the same path is not; None for ``byte`` and for tokenizers
-    not loaded from a path (compared by name then). Recorded by token shards and checked
-    against ``data.tokenizer`` when training from them.
+    ``sha256`` hashes the files it was loaded from (a ``tokenizer.json``, or a ``transformers``
+    directory's tokenizer files, :data:`TOKENIZER_FILES`, by name: not its model weights or
+    config), so a copy moved elsewhere is the same tokenizer and an edited file at the same
+    path is not; None for ``byte`` and for tokenizers not loaded from a path (compared by name
+    then). Recorded by token shards and checked against ``data.tokenizer`` when training from them.
     """
     path = Path(tokenizer.name).expanduser()
     digest: str | None = None
@@ -177,8 +181,8 @@ def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
     elif path.is_dir():
         h = hashlib.sha256()
-        for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            h.update(str(file.relative_to(path)).encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+        for file in sorted(p for p in path.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILES)):
+            h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
         digest = h.hexdigest()
     return {"name": tokenizer.name, "vocab_size": int(tokenizer.vocab_size), "eos_id": int(tokenizer.eos_id),
             "sha256": digest}
