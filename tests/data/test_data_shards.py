@@ -193,6 +193,9 @@ def test_shard_source_refusals(corpus, tmp_path) -> None:
     with pytest.raises(ConfigError, match="no such path"):
         tokenize(tmp_path / "missing", tmp_path / "never")
     assert not (tmp_path / "never").exists()  # nothing created for a bad source
+    with pytest.raises(ConfigError, match="data.text_field"):
+        tokenize(corpus, tmp_path / "fixed", text_field="body")
+    assert tokenize(corpus, tmp_path / "fixed").shards > 1  # a run that wrote no shard does not pin its settings
 
 
 def test_cli_tokenize_then_train_from_shards_like_from_text(corpus, tmp_path, capsys) -> None:

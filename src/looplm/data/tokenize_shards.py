@@ -112,10 +112,13 @@ def tokenize_to_shards(
 
 
 def _claim(directory: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
-    """Record the job in ``job.json``, or refuse a directory holding another job's shards."""
+    """Record the job in ``job.json``, or refuse a directory holding another job's shards. The
+    settings are pinned once a shard exists; before that (a run that failed at once, e.g. on a
+    wrong text field) a new job simply replaces the record."""
     job = {"tokenizer": identity, "settings": settings}
     path = directory / JOB_FILE
-    if path.is_file():
+    has_shards = any(_SHARD_FILE.match(p.name) for p in directory.iterdir()) or (directory / MANIFEST).exists()
+    if path.is_file() and has_shards:
         previous = read_json(path)
         if previous != job:
             differs = [k for k in settings if previous.get("settings", {}).get(k) != settings[k]]
@@ -125,7 +128,7 @@ def _claim(directory: Path, identity: dict[str, Any], settings: dict[str, Any]) 
                               f"holds shards made with other settings ({', '.join(differs)}); choose another "
                               "directory or delete it")
         return
-    if any(_SHARD_FILE.match(p.name) for p in directory.iterdir()) or (directory / MANIFEST).exists():
+    if has_shards:
         raise ConfigError("OUT", str(directory), f"a new directory or one written by `looplm tokenize`: it holds "
                           f"shard files but no {JOB_FILE}; choose another directory or delete it")
     write_text(path, json.dumps(job, indent=2) + "\n", atomic=True)
