@@ -65,6 +65,9 @@ def test_shards_hold_every_document_with_its_unit(corpus, tmp_path, bpe_tokenize
     assert units == [document_unit(t) for t in texts]
     assert result.documents == len(texts) and result.tokens == sum(len(d) + 1 for d in decoded)
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+    from looplm.artifacts import verify_manifest
+
+    verify_manifest(out, [])  # the manifest has looplm.artifacts' layout: any checkpoint-style reader verifies it
 
 
 def shard_cfg(cfg: DataConfig, out) -> DataConfig:
@@ -238,3 +241,24 @@ def test_hf_dataset_source_packs_alike_and_reruns_write_nothing(tmp_path) -> Non
     sc = shard_corpus(shard_cfg(mem, out), TOK)
     assert torch.equal(sc.train[torch.arange(len(sc.train))], packed.train.long())
     assert torch.equal(sc.val[torch.arange(len(sc.val))], packed.val.long())
+
+
+def test_a_run_stopped_by_an_error_resumes_after_the_fix(tmp_path) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    docs = make_documents(60, max_words=20)
+    write_jsonl(folder / "a.jsonl", docs[:40])
+    (folder / "b.jsonl").write_text(json.dumps({"text": docs[40]}) + "\n" + json.dumps({"txt": "typo"}) + "\n")
+    out = tmp_path / "shards"
+    with pytest.raises(ConfigError, match="data.text_field"):  # stops while reading b.jsonl
+        tokenize(folder, out)
+    assert not (out / "manifest.json").exists()
+    done_before = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert len(done_before) >= 8  # a.jsonl's shards were written before the error
+    write_jsonl(folder / "b.jsonl", docs[40:])
+    resumed = tokenize(folder, out)
+    assert resumed.kept == len(done_before) // 4 and resumed.written == resumed.shards - resumed.kept
+    assert all(out.joinpath(n).stat().st_mtime_ns == t for n, t in done_before.items())  # kept, not rewritten
+    fresh = tokenize(folder, tmp_path / "fresh")
+    assert json.loads((out / "manifest.json").read_text())["files"] == json.loads(
+        (tmp_path / "fresh" / "manifest.json").read_text())["files"]
