@@ -1,7 +1,7 @@
 """The ``looplm`` command line: train, tokenize, eval, lm-eval, generate, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
-    looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--shard-chars C]
+    looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--streaming] [--shard-chars C]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... [--num-fewshot N] [--batch-size B] [--include-path DIR] ...
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
@@ -60,7 +60,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
     result = tokenize_to_shards(
         args.source, args.out, args.tokenizer, num_proc=args.num_proc, text_field=args.text_field,
-        hf_config=args.hf_config, hf_split=args.hf_split, shard_chars=args.shard_chars, progress=not args.no_progress,
+        hf_config=args.hf_config, hf_split=args.hf_split, streaming=args.streaming, shard_chars=args.shard_chars,
+        progress=not args.no_progress,
     )
     state = "up to date" if result.up_to_date else f"wrote {result.written}, kept {result.kept}"
     sys.stdout.write(f"{result.directory}: {result.shards} shards, {result.documents} documents, {result.tokens} "
@@ -317,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", metavar="F", help="text column of jsonl/parquet/datasets")
     p.add_argument("--hf-config", default=None, metavar="NAME", help="configuration of an hf: dataset")
     p.add_argument("--hf-split", default="train", metavar="SPLIT", help="split of an hf: dataset (default train)")
+    p.add_argument("--streaming", action="store_true",
+                   help="stream an hf: dataset instead of downloading it whole first (same documents, same order)")
     p.add_argument("--shard-chars", type=_POSITIVE, default=SHARD_CHARS, metavar="C",
                    help=f"characters of text per shard (default {SHARD_CHARS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

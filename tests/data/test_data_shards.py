@@ -232,8 +232,9 @@ def test_hf_dataset_source_packs_alike_and_reruns_write_nothing(tmp_path) -> Non
     first = tokenize_to_shards(source, out, "byte", text_field="body", hf_split="validation", shard_chars=300)
     assert first.documents == 10 and first.shards > 1
     before = mtimes(out)
-    again = tokenize_to_shards(source, out, "byte", text_field="body", hf_split="validation", shard_chars=300)
-    assert again.up_to_date and mtimes(out) == before  # re-read (no file stats for hf:), nothing rewritten
+    again = tokenize_to_shards(source, out, "byte", text_field="body", hf_split="validation", shard_chars=300,
+                               streaming=True)
+    assert again.up_to_date and mtimes(out) == before  # re-read, streamed (same documents), nothing rewritten
     mem = DataConfig(source=source, text_field="body", hf_split="validation", seq_len=8, val_fraction=0.1)
     packed = packed_corpus(mem, TOK)
     from looplm.data.shard_windows import shard_corpus

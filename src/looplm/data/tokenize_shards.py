@@ -68,10 +68,13 @@ class TokenizeResult:
 
 def tokenize_to_shards(
     source: str, out: str | Path, tokenizer: str, num_proc: int = 1, text_field: str = "text",
-    hf_config: str | None = None, hf_split: str = "train", shard_chars: int = SHARD_CHARS, progress: bool = False,
+    hf_config: str | None = None, hf_split: str = "train", streaming: bool = False, shard_chars: int = SHARD_CHARS,
+    progress: bool = False,
 ) -> TokenizeResult:
     """Tokenize ``source`` (any text ``data.source``) with ``tokenizer`` (a ``data.tokenizer``
-    spec) into shards in ``out``; see the module docstring for resume and parallelism."""
+    spec) into shards in ``out``; see the module docstring for resume and parallelism.
+    ``streaming`` reads an ``hf:`` dataset without downloading it whole first (the same
+    documents in the same order, so it is not part of the job's settings)."""
     started = time.perf_counter()
     if is_task_source(source) or is_shard_source(source):
         raise ConfigError("SOURCE", source, "a text source: a .txt/.jsonl/.parquet file or folder, 'pydoc' or "
@@ -80,7 +83,7 @@ def tokenize_to_shards(
         raise ConfigError("--num-proc" if num_proc < 1 else "--shard-chars", min(num_proc, shard_chars),
                           "an integer >= 1")
     cfg = DataConfig(source=source, tokenizer=tokenizer, text_field=text_field, hf_config=hf_config,
-                     hf_split=hf_split)
+                     hf_split=hf_split, streaming=streaming)
     identity = tokenizer_identity(build_tokenizer(tokenizer))
     settings = {"source": source, "text_field": text_field, "hf_config": hf_config, "hf_split": hf_split,
                 "shard_chars": shard_chars}
