@@ -33,8 +33,7 @@ from looplm.artifacts import MANIFEST, CheckpointError, read_json, write_text
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
 from looplm.data.shards import (
-    is_shard_source, read_manifest, token_dtype, verify_shard_files, write_shard, complete_shard,
-    write_shard_manifest,
+    complete_shard, is_shard_source, read_manifest, token_dtype, verify_shard_files, write_shard, write_shard_manifest,
 )
 from looplm.data.sources import HF_PREFIX, iter_documents, local_files
 from looplm.data.split import document_unit
