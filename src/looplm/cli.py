@@ -1,6 +1,7 @@
-"""The ``looplm`` command line: train, eval, lm-eval, niah, generate, info, probe, flops, ladder, presets.
+"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, info, probe, flops, ladder, config, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
+    looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--streaming] [--shard-chars C]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... | --suite {mesh,spiralformer,sgt,lt2} [--batch-size B] [--include-path DIR] ...
     looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
@@ -52,6 +53,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = args.resume if args.resume is not None else False
     with process_group_from_env():
         Trainer(cfg, resume=resume, progress=not args.no_progress).fit()
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from looplm.data.tokenize_shards import tokenize_to_shards
+
+    result = tokenize_to_shards(
+        args.source, args.out, args.tokenizer, num_proc=args.num_proc, text_field=args.text_field,
+        hf_config=args.hf_config, hf_split=args.hf_split, streaming=args.streaming, shard_chars=args.shard_chars,
+        progress=not args.no_progress,
+    )
+    state = "up to date" if result.up_to_date else f"wrote {result.written}, kept {result.kept}"
+    sys.stdout.write(f"{result.directory}: {result.shards} shards, {result.documents} documents, {result.tokens} "
+                     f"tokens ({state}); train with data.source=shards:{result.directory} "
+                     f"data.tokenizer={args.tokenizer}\n")
     return 0
 
 
@@ -336,6 +352,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from train.out_dir's latest checkpoint, or from PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    from looplm.data.tokenize_shards import SHARD_CHARS
+
+    p = sub.add_parser("tokenize", help="tokenize a text source into memory-mapped token shards (data.source=shards:DIR)",
+                       description="Tokenize SOURCE (anything data.source accepts: a .txt/.jsonl/.parquet file or "
+                       "folder, pydoc, hf:NAME) into token shards in OUT, across --num-proc processes. An interrupted "
+                       "run resumes (complete shards are verified and kept); re-running a finished job is a no-op. "
+                       "The held-out split is chosen at training time (data.val_fraction): shards keep every document.")
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--tokenizer", default="byte", metavar="SPEC",
+                   help="byte, a tokenizer.json file or a transformers directory (default byte)")
+    p.add_argument("--num-proc", type=_POSITIVE, default=1, metavar="N", help="tokenizing processes (default 1)")
+    p.add_argument("--text-field", default="text", metavar="F", help="text column of jsonl/parquet/datasets")
+    p.add_argument("--hf-config", default=None, metavar="NAME", help="configuration of an hf: dataset")
+    p.add_argument("--hf-split", default="train", metavar="SPLIT", help="split of an hf: dataset (default train)")
+    p.add_argument("--streaming", action="store_true",
+                   help="stream an hf: dataset instead of downloading it whole first (same documents, same order)")
+    p.add_argument("--shard-chars", type=_POSITIVE, default=SHARD_CHARS, metavar="C",
+                   help=f"characters of text per shard (default {SHARD_CHARS})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("eval", help="validation loss and perplexity of a run or checkpoint")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from looplm.config_base import Config, check
+from looplm.data.shards import is_shard_source
 from looplm.tasks.config import validate_task_data
 
 
@@ -21,6 +22,9 @@ class DataConfig(Config):
     bounded buffer.
     ``tokenizer`` is ``"byte"`` (built-in, no files) or a path to a ``tokenizers`` JSON
     file or a ``transformers`` tokenizer directory.
+    ``source="shards:DIR"`` trains from token shards written by ``looplm tokenize``
+    (:mod:`looplm.data.shards`): the same windows and split, read by memory map; ``tokenizer``
+    must be the one the shards were made with, and ``streaming`` stays false.
     ``source="task:NAME"`` selects a generated task (``looplm.tasks``: copy, reverse,
     addition, state_tracking) with its parameters in ``task`` (defaults when omitted); a
     task brings its own vocabulary, so ``tokenizer`` stays at its default (or ``task``).
@@ -46,4 +50,6 @@ class DataConfig(Config):
         check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
         check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in [0, 1)")
         check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
+        check(not (self.streaming and is_shard_source(self.source)), "data.streaming", self.streaming,
+              "false for a shards: source (shards are read by memory map, never loaded whole)")
         object.__setattr__(self, "task", validate_task_data(self.source, self.tokenizer, self.seq_len, self.task))  # None unless source is task:NAME

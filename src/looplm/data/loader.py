@@ -26,6 +26,8 @@ from torch import Tensor
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
 from looplm.data.packing import PackedCorpus, packed_corpus, stream_windows
+from looplm.data.shard_windows import ShardCorpus, ShardWindows, shard_corpus
+from looplm.data.shards import is_shard_source
 from looplm.data.sources import iter_documents
 from looplm.data.split import is_validation
 from looplm.data.tokenizer import Tokenizer, build_tokenizer
@@ -47,7 +49,13 @@ def _as_batch(rows: Tensor) -> Batch:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def _too_small(cfg: DataConfig, corpus: PackedCorpus | None) -> ConfigError:
+def _corpus(cfg: DataConfig, tokenizer: Tokenizer) -> PackedCorpus | ShardCorpus:
+    """The packed windows of a non-streaming source: memory-mapped shards for ``shards:DIR``
+    (:mod:`looplm.data.shard_windows`), else the corpus tokenized and packed in memory."""
+    return shard_corpus(cfg, tokenizer) if is_shard_source(cfg.source) else packed_corpus(cfg, tokenizer)
+
+
+def _too_small(cfg: DataConfig, corpus: PackedCorpus | ShardCorpus | None) -> ConfigError:
     """No training window: say how the source was split, so the fix is clear."""
     if corpus is None:
         has = "fewer"
@@ -70,16 +78,18 @@ def _check_parallel(batch_size: int, rank: int, world_size: int) -> None:
 
 
 class _PackedWindows:
-    """The window sequence over an in-memory ``[N, seq_len + 1]`` tensor: index arithmetic only."""
+    """The window sequence over ``N`` packed windows of ``seq_len + 1`` tokens: index arithmetic
+    only. ``windows`` is the in-memory ``[N, seq_len + 1]`` tensor or a memory-mapped
+    :class:`~looplm.data.shard_windows.ShardWindows`; both give ``len`` and rows by index tensor."""
 
-    def __init__(self, windows: Tensor, shuffle: bool, seed: int):
+    def __init__(self, windows: Tensor | ShardWindows, shuffle: bool, seed: int):
         self.windows, self.shuffle, self.seed = windows, shuffle, seed
         self.epoch = self.offset = 0
         self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.long)
 
     @property
     def per_epoch(self) -> int:
-        return self.windows.shape[0]
+        return len(self.windows)
 
     def _order_of(self, epoch: int) -> Tensor:
         if epoch != self._order_epoch:
@@ -181,7 +191,8 @@ class TrainStream:
 
     In-memory sources (``cfg.streaming`` false) are tokenized and packed once
     (:func:`~looplm.data.packing.packed_corpus`) and each epoch is a permutation of the
-    windows. With ``cfg.streaming`` the windows are packed on the fly and shuffled through
+    windows; ``shards:DIR`` gives the same windows read by memory map
+    (:func:`~looplm.data.shard_windows.shard_corpus`), nothing tokenized. With ``cfg.streaming`` the windows are packed on the fly and shuffled through
     a bounded buffer of ``shuffle_buffer`` windows (see :class:`_StreamedWindows`); every
     rank reads the whole stream and keeps its rows. See the module docstring for the
     window sequence, the data-parallel contract and the resume state.
@@ -199,8 +210,8 @@ class TrainStream:
         if cfg.streaming:
             self._windows = _StreamedWindows(cfg, tokenizer, shuffle_buffer)
         else:
-            corpus = packed_corpus(cfg, tokenizer)
-            if corpus.train.shape[0] == 0:
+            corpus = _corpus(cfg, tokenizer)
+            if len(corpus.train) == 0:
                 raise _too_small(cfg, corpus)
             self._windows = _PackedWindows(corpus.train, cfg.shuffle, cfg.seed)
 
@@ -278,13 +289,14 @@ def validation_batches(
         rows = list(itertools.islice(stream_windows(docs, tokenizer, cfg.seq_len + 1), limit))
         windows = torch.stack(rows) if rows else torch.empty(0, cfg.seq_len + 1, dtype=torch.long)
     else:
-        windows = packed_corpus(cfg, tokenizer).val[:limit]
-    per_rank = min(batch_size, windows.shape[0] // world_size)
+        windows = _corpus(cfg, tokenizer).val
+    available = min(limit, len(windows))
+    per_rank = min(batch_size, available // world_size)
     if per_rank == 0:
         return []
-    count = min(cfg.val_batches, windows.shape[0] // (per_rank * world_size))
+    count = min(cfg.val_batches, available // (per_rank * world_size))
     batches = []
     for k in range(count):
         start = (k * world_size + rank) * per_rank
-        batches.append(_as_batch(windows[start : start + per_rank]))
+        batches.append(_as_batch(windows[torch.arange(start, start + per_rank)]))
     return batches

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Iterator
 
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
+from looplm.data.shards import SHARDS_PREFIX
 
 log = logging.getLogger("looplm")
 
@@ -55,6 +56,9 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         return _pydoc_documents()
     if cfg.source.startswith(HF_PREFIX):
         return _hf_documents(cfg)
+    if cfg.source.startswith(SHARDS_PREFIX):
+        raise ConfigError("data.source", cfg.source, "a text source here: token shards hold tokens, not documents "
+                          "(shards: is for training and validation batches; give the text the shards were made from)")
     return _local_documents(cfg)
 
 

@@ -9,6 +9,7 @@ byte tokenizer lets every test and CPU experiment run with no files at all.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -159,3 +160,39 @@ def build_tokenizer(spec: str) -> Tokenizer:
             "'byte', a tokenizer.json file or a transformers tokenizer directory; no such path exists",
         )
     return HFTokenizer(path)
+
+
+#: Files of a ``transformers`` tokenizer directory that define the tokenizer (name prefixes).
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "spiece", "sentencepiece")
+
+
+def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
+    """What identifies a tokenizer across machines: ``{"name", "vocab_size", "eos_id", "sha256"}``.
+
+    ``sha256`` hashes the files it was loaded from (a ``tokenizer.json``, or a ``transformers``
+    directory's tokenizer files, :data:`TOKENIZER_FILES`, by name: not its model weights or
+    config), so a copy moved elsewhere is the same tokenizer and an edited file at the same
+    path is not; None for ``byte`` and for tokenizers not loaded from a path (compared by name
+    then). Recorded by token shards and checked against ``data.tokenizer`` when training from them.
+    """
+    path = Path(tokenizer.name).expanduser()
+    digest: str | None = None
+    if path.is_file():
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    elif path.is_dir():
+        h = hashlib.sha256()
+        for file in sorted(p for p in path.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILES)):
+            h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+        digest = h.hexdigest()
+    return {"name": tokenizer.name, "vocab_size": int(tokenizer.vocab_size), "eos_id": int(tokenizer.eos_id),
+            "sha256": digest}
+
+
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two :func:`tokenizer_identity` records name the same tokenizer (by content where both have
+    files, else by name)."""
+    if (a["vocab_size"], a["eos_id"]) != (b["vocab_size"], b["eos_id"]):
+        return False
+    if a["sha256"] is not None and b["sha256"] is not None:
+        return a["sha256"] == b["sha256"]
+    return a["sha256"] == b["sha256"] and a["name"] == b["name"]
