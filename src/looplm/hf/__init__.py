@@ -1,0 +1,30 @@
+"""looplm inside Hugging Face ``transformers``: config, model, cache, tokenizer, export.
+
+Importing this package registers :class:`LoopLMConfig` (``model_type: "looplm"``) and
+:class:`LoopLMForCausalLM` with ``AutoConfig`` / ``AutoModelForCausalLM``, so an exported
+directory (:func:`export`) loads with ``AutoModelForCausalLM.from_pretrained(OUT)``; without
+this import, ``trust_remote_code=True`` loads it through the ``modeling_looplm.py`` it ships.
+Needs the ``hf`` extra.
+"""
+
+from __future__ import annotations
+
+from looplm.errors import MissingExtra
+
+try:
+    import transformers  # noqa: F401
+except ImportError as err:  # the core stays importable without transformers
+    raise MissingExtra(f"looplm.hf needs transformers: pip install 'looplm[hf]' ({err})") from err
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from looplm.hf.cache import LoopLMCache
+from looplm.hf.configuration import MODEL_TYPE, LoopLMConfig
+from looplm.hf.export import export
+from looplm.hf.modeling import LoopLMForCausalLM
+from looplm.hf.tokenizer import byte_tokenizer
+
+AutoConfig.register(MODEL_TYPE, LoopLMConfig, exist_ok=True)
+AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)
+
+__all__ = ["LoopLMCache", "LoopLMConfig", "LoopLMForCausalLM", "byte_tokenizer", "export"]
