@@ -1,9 +1,10 @@
-"""The ``looplm`` command line: train, eval, lm-eval, generate, info, probe, flops, ladder, presets.
+"""The ``looplm`` command line: train, eval, lm-eval, generate, export, info, probe, flops, ladder, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... [--num-fewshot N] [--batch-size B] [--include-path DIR] ...
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
+    looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--no-verify]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
@@ -139,6 +140,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
     )
     sys.stdout.write(text + "\n")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from looplm.hf import export
+
+    out = export(args.run, args.out, iterations=args.iterations, verify=not args.no_verify)
+    sys.stdout.write(f"exported {args.run} -> {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained)\n")
     return 0
 
 
@@ -339,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="write a transformers directory (Auto* classes, generate()); needs the hf extra")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--iterations", type=_POSITIVE, default=None,
+                   help="loop count the exported model runs at (config field iterations; default the trained count)")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")

@@ -110,11 +110,15 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
     @staticmethod
     def _new_mask(attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor,
                   cache: Optional[LoopLMCache]) -> Optional[torch.Tensor]:
-        """The new positions' columns of a mask over past + new positions."""
+        """The new positions' columns of a mask over past + new positions (left padding only)."""
         if attention_mask is None:
             return None
         past, new = (cache.get_seq_length() if cache is not None else 0), input_ids.shape[1]
         if attention_mask.dim() != 2 or attention_mask.shape[1] not in (new, past + new):
             raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)}: expected [B, {past + new}] "
                              f"(past + new positions) or [B, {new}]")
+        if bool((attention_mask[:, :-1] > attention_mask[:, 1:]).any()):
+            raise ConfigError("attention_mask", "<a 0 after a 1>",
+                              "left padding only (0s before the 1s of each row); generate() builds such a mask "
+                              "when pad_token_id occurs inside a prompt: pass attention_mask explicitly")
         return attention_mask[:, -new:]
