@@ -4,7 +4,7 @@
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... [--num-fewshot N] [--batch-size B] [--include-path DIR] ...
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
-    looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--no-verify]
+    looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
@@ -146,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from looplm.hf import export
 
-    out = export(args.run, args.out, iterations=args.iterations, verify=not args.no_verify)
+    out = export(args.run, args.out, iterations=args.iterations, tokenizer=args.tokenizer, verify=not args.no_verify)
     sys.stdout.write(f"exported {args.run} -> {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained)\n")
     return 0
 
@@ -354,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT")
     p.add_argument("--iterations", type=_POSITIVE, default=None,
                    help="loop count the exported model runs at (config field iterations; default the trained count)")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="byte, a tokenizer.json or a transformers tokenizer directory (default: the run's data.tokenizer)")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_export)
 

@@ -5,6 +5,7 @@ save -> load -> save writes the same bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -25,7 +26,8 @@ from looplm.hf import LoopLMCache, LoopLMForCausalLM, export  # noqa: E402
 from looplm.model import LoopLM  # noqa: E402
 from tests.conftest import all_configs, grow, random_ids, tiny_config  # noqa: E402
 
-CONFIGS = dict(all_configs())
+VOCAB = 257  # the byte tokenizer's: an export refuses a tokenizer larger than the model's vocabulary
+CONFIGS = {name: dataclasses.replace(cfg, vocab_size=VOCAB) for name, cfg in all_configs()}
 ATOL = 1e-5
 # one per family: attention topologies, a linear mixer hybrid, a sparse mixer, a
 # resolution schedule, head loops, two streams with Q-halt, ACT halting, a loop-level hybrid
@@ -63,7 +65,7 @@ def test_logits_equal_looplm(exported, name):
     model, out = exported(name)
     hf = _load(out)
     assert isinstance(hf, LoopLMForCausalLM)
-    ids = random_ids(2, 11)
+    ids = random_ids(2, 11, VOCAB)
     with torch.no_grad():
         torch.testing.assert_close(hf(ids, use_cache=False).logits, model(ids).logits, atol=ATOL, rtol=0)
 
@@ -74,7 +76,7 @@ def test_cached_decoding_equals_full_forward(exported, name):
     returned and passed back), then one token at a time."""
     model, out = exported(name)
     hf = _load(out)
-    ids = random_ids(2, 10, seed=1)
+    ids = random_ids(2, 10, VOCAB, seed=1)
     mask = torch.ones_like(ids)
     with torch.no_grad():
         full = model(ids).logits
@@ -163,7 +165,7 @@ def test_iterations_field_sets_the_loop_count(exported):
 
 
 def test_export_refuses_a_loop_count_the_model_cannot_run(tmp_path):
-    LoopLM(tiny_config("mesh")).save_pretrained(tmp_path / "src")  # MeSH: per-iteration routers
+    LoopLM(tiny_config("mesh", vocab_size=VOCAB)).save_pretrained(tmp_path / "src")  # MeSH: per-iteration routers
     with pytest.raises(ConfigError, match="iterations"):
         export(tmp_path / "src", tmp_path / "out", iterations=5)
     assert not (tmp_path / "out").exists()
@@ -189,7 +191,7 @@ def test_trust_remote_code_loads_without_importing_looplm_hf(exported):
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
         "assert 'looplm.hf' not in type(m).__module__, type(m).__module__\n"
-        "ids = torch.arange(6)[None] % 61\n"
+        "ids = torch.arange(6)[None] * 40\n"
         "with torch.no_grad():\n"
         "    print(repr(m(ids).logits.sum().item()))\n"
     )
@@ -198,7 +200,7 @@ def test_trust_remote_code_loads_without_importing_looplm_hf(exported):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     with torch.no_grad():
-        expected = model(torch.arange(6)[None] % 61).logits.sum().item()
+        expected = model(torch.arange(6)[None] * 40).logits.sum().item()
     assert float(result.stdout.strip().splitlines()[-1]) == pytest.approx(expected, abs=1e-4)
 
 
@@ -244,12 +246,23 @@ def test_run_with_a_tokenizers_json_exports_that_tokenizer(tmp_path):
     assert _load(out).config.eos_token_id == 0
 
 
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    LoopLM(tiny_config("anchor")).save_pretrained(tmp_path / "src")  # 61 tokens; the byte tokenizer has 257
+    with pytest.raises(ConfigError, match="at most model.vocab_size=61"):
+        export(tmp_path / "src", tmp_path / "out")
+
+
 def test_cli_export(tmp_path, caplog):
+    from tokenizers import Tokenizer, models
+
     from looplm.cli import main
 
     LoopLM(tiny_config("anchor")).save_pretrained(tmp_path / "src")
-    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out"), "--iterations", "3"]) == 0
+    Tokenizer(models.WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "out"), "--iterations", "3",
+                 "--tokenizer", str(tmp_path / "tokenizer.json")]) == 0
     assert _load(tmp_path / "out").config.iterations == 3
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == 0
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out2")]) == 2
     assert "error: no checkpoint at" in caplog.text
 

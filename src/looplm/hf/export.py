@@ -14,7 +14,8 @@ from typing import Optional, Union
 
 import torch
 
-from looplm.data import data_tokenizer
+from looplm.config_base import ConfigError
+from looplm.data import build_tokenizer, data_tokenizer
 from looplm.evaluation import load_run
 from looplm.hf.configuration import LoopLMConfig
 from looplm.hf.modeling import LoopLMForCausalLM
@@ -43,15 +44,22 @@ class LoopLMForCausalLM(_LoopLMForCausalLM):
 
 
 def export(run: Union[str, Path], out: Union[str, Path], iterations: Optional[int] = None,
-           verify: bool = True) -> Path:
+           tokenizer: Optional[str] = None, verify: bool = True) -> Path:
     """Write OUT from a run directory, checkpoint or ``save_pretrained`` directory (verified
-    against its manifest unless ``verify=False``); ``iterations``: the loop count the
-    exported model runs at (None: the trained count). Returns OUT."""
+    against its manifest unless ``verify=False``). ``iterations``: the loop count the
+    exported model runs at (None: the trained count). ``tokenizer``: ``"byte"``, a
+    tokenizer.json or a transformers tokenizer directory (None: the run's ``data.tokenizer``;
+    a ``save_pretrained`` directory records none, so it gets ``"byte"``). Returns OUT."""
     loaded = load_run(run, verify=verify)
-    tokenizer = transformers_tokenizer(data_tokenizer(loaded.config.data))
+    source = data_tokenizer(loaded.config.data) if tokenizer is None else build_tokenizer(tokenizer)
+    hf_tokenizer = transformers_tokenizer(source)
+    vocab = loaded.config.model.vocab_size
+    if len(hf_tokenizer) > vocab:
+        raise ConfigError("tokenizer", source.name, f"a tokenizer of at most model.vocab_size={vocab} tokens (it has "
+                          f"{len(hf_tokenizer)}): the run's own tokenizer (export(..., tokenizer=...), --tokenizer)")
     config = LoopLMConfig(looplm=loaded.config.model.to_dict(), iterations=iterations,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                          bos_token_id=tokenizer.bos_token_id, auto_map=dict(AUTO_MAP))
+                          eos_token_id=hf_tokenizer.eos_token_id, pad_token_id=hf_tokenizer.pad_token_id,
+                          bos_token_id=hf_tokenizer.bos_token_id, auto_map=dict(AUTO_MAP))
     model = LoopLMForCausalLM(config)
     model.load_looplm(loaded.model)
     model.eval()
@@ -59,6 +67,6 @@ def export(run: Union[str, Path], out: Union[str, Path], iterations: Optional[in
         model(torch.zeros(1, 1, dtype=torch.long), use_cache=False)
     out = Path(out)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    hf_tokenizer.save_pretrained(out)
     (out / f"{REMOTE_MODULE}.py").write_text(REMOTE_CODE, encoding="utf-8")
     return out
