@@ -162,6 +162,9 @@ def test_iterations_field_sets_the_loop_count(exported):
     greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False,
                          pad_token_id=0, eos_token_id=None)
     assert torch.equal(greedy, model.generate(ids, max_new_tokens=3, temperature=0, iterations=4).sequences)
+    per_call = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False, pad_token_id=0, eos_token_id=None, iterations=3)
+    assert torch.equal(per_call, model.generate(ids, max_new_tokens=3, temperature=0, iterations=3).sequences)
 
 
 def test_export_refuses_a_loop_count_the_model_cannot_run(tmp_path):
