@@ -70,6 +70,20 @@ def test_logits_equal_looplm(exported, name):
         torch.testing.assert_close(hf(ids, use_cache=False).logits, model(ids).logits, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["topology=anchor", "ut-act-adaptive-anchor", "hybrid-gdn-dsa-mesh"])
+def test_labels_give_looplm_loss(exported, name):
+    """transformers' unshifted labels: the loss looplm computes for shifted targets,
+    auxiliary losses (ponder cost, DSA indexer) included."""
+    model, out = exported(name)
+    hf = _load(out)
+    ids = random_ids(2, 8, VOCAB, seed=6)
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    with torch.no_grad():
+        loss, logits = hf(ids, labels=ids, use_cache=False, return_dict=False)
+        torch.testing.assert_close(loss, model(ids, targets).loss, atol=ATOL, rtol=0)
+    assert logits.shape == (2, 8, VOCAB)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_cached_decoding_equals_full_forward(exported, name):
     """Prefill through transformers' calling convention (full 2-D mask, past_key_values

@@ -11,7 +11,7 @@ itself (``generate()`` never builds a ``DynamicCache`` for it).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -85,12 +85,12 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
-    ) -> CausalLMOutputWithPast:
+    ) -> Union[CausalLMOutputWithPast, tuple]:
         """input_ids [B, T]; attention_mask [B, past + T] (1 real, 0 left padding) or
         [B, T]; labels [B, T] unshifted (-100 ignored); iterations: loop count (default
         ``config.iterations``, else the trained count). Returns logits [B, T, V] (the last
         ``logits_to_keep`` positions when > 0), the loss with looplm's auxiliary losses,
-        and the cache when ``use_cache``."""
+        and the cache when ``use_cache`` (a tuple of the set fields with ``return_dict=False``)."""
         if output_attentions or output_hidden_states:
             raise ConfigError("output_attentions/output_hidden_states", True,
                               "False: use looplm's model.model(..., output_attentions=True, output_states=True)")
@@ -105,7 +105,8 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.model(input_ids, targets, attention_mask=mask, cache=cache.loop if cache is not None else None,
                          iterations=self.config.iterations if iterations is None else iterations)
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep > 0 else out.logits
-        return CausalLMOutputWithPast(loss=out.loss, logits=logits, past_key_values=cache if use_cache else None)
+        output = CausalLMOutputWithPast(loss=out.loss, logits=logits, past_key_values=cache if use_cache else None)
+        return output.to_tuple() if return_dict is False else output
 
     @staticmethod
     def _new_mask(attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor,
