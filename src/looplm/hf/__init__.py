@@ -4,7 +4,7 @@ Importing this package registers :class:`LoopLMConfig` (``model_type: "looplm"``
 :class:`LoopLMForCausalLM` with ``AutoConfig`` / ``AutoModelForCausalLM``, so an exported
 directory (:func:`export`) loads with ``AutoModelForCausalLM.from_pretrained(OUT)``; without
 this import, ``trust_remote_code=True`` loads it through the ``modeling_looplm.py`` it ships.
-Needs the ``hf`` extra.
+Needs the ``hf`` extra with transformers >= 5.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ from __future__ import annotations
 from looplm.errors import MissingExtra
 
 try:
-    import transformers  # noqa: F401
+    import transformers
 except ImportError as err:  # the core stays importable without transformers
     raise MissingExtra(f"looplm.hf needs transformers: pip install 'looplm[hf]' ({err})") from err
+
+if int(transformers.__version__.split(".")[0]) < 5:  # dataclass configs, Cache(layers=...), tested on 5.23
+    raise MissingExtra(f"looplm.hf needs transformers >= 5 (installed: {transformers.__version__}): "
+                       "pip install 'looplm[hf]' 'transformers>=5'")
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
