@@ -1,4 +1,5 @@
-"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, info, probe, flops, ladder, config, presets.
+"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, info, probe, flops,
+ladder, config, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--streaming] [--shard-chars C]
@@ -6,6 +7,7 @@
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... | --suite {mesh,spiralformer,sgt,lt2} [--batch-size B] [--include-path DIR] ...
     looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
+    looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
@@ -198,6 +200,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
     )
     sys.stdout.write(text + "\n")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from looplm.hf import export
+
+    out = export(args.run, args.out, iterations=args.iterations, tokenizer=args.tokenizer, verify=not args.no_verify)
+    sys.stdout.write(f"exported {args.run} -> {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained)\n")
     return 0
 
 
@@ -454,6 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="write a transformers directory (Auto* classes, generate()); needs the hf extra")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--iterations", type=_POSITIVE, default=None,
+                   help="loop count the exported model runs at (config field iterations; default the trained count)")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="byte, a tokenizer.json or a transformers tokenizer directory (default: the run's data.tokenizer)")
+    p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")

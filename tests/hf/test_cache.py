@@ -1,0 +1,59 @@
+"""LoopLMCache: the transformers ``Cache`` operations generate() and assisted decoding use
+(crop, row selection, row repetition) leave the looplm cache as decoding from scratch would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from looplm.hf import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
+from tests.conftest import random_ids, tiny_config  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["anchor", "gdn-hybrid", "act"])
+def model(request) -> LoopLMForCausalLM:
+    torch.manual_seed(0)
+    cfg = {
+        "anchor": tiny_config("anchor"),
+        "gdn-hybrid": tiny_config("residual", layout="4R2", mixer={"kind": "gated_deltanet"},
+                                  hybrid={"mixer": {"kind": "attention"}, "ratio": "1:1"}),
+        "act": tiny_config("anchor", layout="1+1R3", halting={"kind": "act"}),
+    }[request.param]
+    return LoopLMForCausalLM(LoopLMConfig(looplm=cfg.to_dict())).eval()
+
+
+def _next_logits(model, ids, cache) -> torch.Tensor:
+    return model(ids, past_key_values=cache).logits[:, -1]
+
+
+@torch.no_grad()
+def test_crop_removes_the_last_positions(model, request):
+    ids = random_ids(2, 9)
+    cache = model(ids[:, :7]).past_key_values
+    if "gdn" in request.node.callspec.id:  # a recurrent state summarises every position: looplm refuses
+        with pytest.raises(ValueError, match="cannot crop"):
+            cache.crop(-3)
+        return
+    cache.crop(-3)  # transformers' convention: remove 3
+    assert cache.get_seq_length() == 4
+    torch.testing.assert_close(_next_logits(model, ids[:, 4:5], cache), model(ids[:, :5]).logits[:, -1],
+                               atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_repeat_and_select_rows(model):
+    ids = random_ids(2, 6)
+    cache = model(ids[:, :5]).past_key_values
+    assert isinstance(cache, LoopLMCache) and cache.batch_size == 2
+    cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+    cache.batch_select_indices(torch.tensor([3, 0, 2]))  # rows 1, 0, 1
+    rows = torch.tensor([1, 0, 1])
+    torch.testing.assert_close(_next_logits(model, ids[rows, 5:6], cache), model(ids[rows]).logits[:, -1],
+                               atol=1e-5, rtol=0)
+
+
+def test_fresh_cache_reports_nothing():
+    cache = LoopLMCache()
+    assert cache.get_seq_length() == 0 and cache.batch_size == -1 and not cache.is_compileable
