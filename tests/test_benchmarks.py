@@ -53,3 +53,13 @@ def test_sgt_benchmark_writes_its_table(tmp_path):
         "--batch", "2", "--steps", "1", "--warmup", "0", "--max-depth", "2", "--threads", "1", "--out", str(out))
     text = out.read_text()
     assert all(name in text for name in ("vanilla", "block-loop", "sgt-k1", "sgt-k2")), text
+
+
+def test_long_context_benchmark_writes_its_tables(tmp_path):
+    out = tmp_path / "long.md"
+    run("long_context.py", "--models", "looped transformer", "GDN+DSA hybrid", "--contexts", "32", "64",
+        "--d-model", "32", "--heads", "2", "--new", "2", "--threads", "1", "--out", str(out))
+    text = out.read_text()
+    assert text.count("| looped transformer |") == 3 and text.count("| GDN+DSA hybrid |") == 4, text
+    assert "error" not in text and "OOM" not in text, text
+    assert "Decode throughput against the looped transformer at S=64" in text
