@@ -412,3 +412,23 @@ def test_nsa_attention_equals_the_dense_reference(T, S, G, block, stride, select
     inputs = (q, k, v, k_cmp, v_cmp, gates)
     for a, b in zip(torch.autograd.grad(o, inputs, grad), torch.autograd.grad(o_ref, inputs, grad)):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_gathered_attention_equals_the_dense_mask_and_reads_only_allowed_keys():
+    from looplm.ops.sparse.common import gathered_attention, grouped_attention
+
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, T, S, D, width = 2, 2, 3, 5, 40, 8, 6
+    q = torch.randn(B, Hkv, G, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    allowed = topk_mask(torch.randn(B, T, S, generator=g), width)
+    allowed[0, 1] = False  # a row with nothing allowed: zeros
+    allowed[1, 2, :] = False
+    allowed[1, 2, 7] = True  # a row with fewer keys than width
+    dense, _ = grouped_attention(q, k, v, allowed[:, None, None], 0.3)
+    torch.testing.assert_close(gathered_attention(q, k, v, allowed, width, 0.3), dense, atol=1e-12, rtol=1e-12)
+    # keys and values nobody selected are never read: poison them
+    unused = ~allowed.any(dim=1)  # [B, S]
+    k_bad = k.masked_fill(unused[:, None, :, None], float("nan"))
+    v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
+    torch.testing.assert_close(gathered_attention(q, k_bad, v_bad, allowed, width, 0.3), dense, atol=1e-12, rtol=1e-12)

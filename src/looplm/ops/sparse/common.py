@@ -41,6 +41,29 @@ def grouped_attention(
     return torch.matmul(p.to(v.dtype), v.unsqueeze(2)), p
 
 
+def gathered_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, width: int, scale: float
+) -> torch.Tensor:
+    """:func:`grouped_attention`'s output when each query row allows at most ``width`` keys,
+    reading only those: the allowed keys and values are gathered per query, so the cost is
+    O(T·width) per head instead of O(T·S) (a decoding step of DSA touches its top-k keys, not
+    the whole cache).
+
+    q: [B, H_kv, G, T, D]; k, v: [B, H_kv, S, D]; allowed: bool [B, T, S] with at most
+    ``width`` True per row. Returns o [B, H_kv, G, T, D] in v's dtype.
+    """
+    B, Hkv, _, T, D = q.shape
+    picked = allowed.to(torch.int8).topk(width, dim=-1)  # every allowed key (count <= width), then others
+    index, keep = picked.indices, picked.values.bool()  # [B, T, width]
+    flat = index.reshape(B, 1, T * width, 1)
+    k_sel = torch.gather(k, 2, flat.expand(B, Hkv, T * width, D)).view(B, Hkv, T, width, D)
+    v_sel = torch.gather(v, 2, flat.expand(B, Hkv, T * width, v.shape[-1])).view(B, Hkv, T, width, v.shape[-1])
+    v_sel = v_sel.masked_fill(~keep[:, None, :, :, None], 0)  # filler picks of short rows contribute nothing
+    scores = torch.einsum("bhgtd,bhtwd->bhgtw", q, k_sel) * scale  # [B, H_kv, G, T, width]
+    p = masked_softmax(scores, keep[:, None, None])
+    return torch.einsum("bhgtw,bhtwd->bhgtd", p.to(v.dtype), v_sel).contiguous()
+
+
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Bool mask of the ``k`` largest entries along the last dim, ignoring -inf entries;
     among equal scores the later index wins, so the choice does not depend on how many

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from looplm.ops.sparse.common import grouped_attention, topk_mask
+from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk_mask
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
@@ -136,6 +136,9 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     selected = select_keys(scores, candidates, top_k)
     query_valid = valid[:, first:S]
     allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
+    if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
+        o = gathered_attention(q, k, v, allowed, min(top_k, S), scale)
+        return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
         return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
