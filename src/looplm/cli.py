@@ -218,7 +218,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     mapping = convert_checkpoint(args.hf_dir, args.out, args.layout, args.init, parse_overrides(args.overrides))
     sys.stdout.write(f"converted {args.hf_dir} -> {args.out} ({mapping.init}, {mapping.layout}); layer map in "
-                     f"{MAP_FILE}; up-train with: looplm train {args.out}/{TRAIN_FILE} data.tokenizer=SPEC\n")
+                     f"{args.out}/{MAP_FILE}; up-train with: looplm train {args.out}/{TRAIN_FILE} data.tokenizer=SPEC\n")
     return 0
 
 
