@@ -1,4 +1,4 @@
-"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, info, probe, flops,
+"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, convert, info, probe, flops,
 ladder, config, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
@@ -8,6 +8,7 @@ ladder, config, presets.
     looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
     looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
+    looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [model.key=value ...]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
@@ -211,6 +212,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from looplm.config import parse_overrides
+    from looplm.interop.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint
+
+    mapping = convert_checkpoint(args.hf_dir, args.out, args.layout, args.init, parse_overrides(args.overrides))
+    sys.stdout.write(f"converted {args.hf_dir} -> {args.out} ({mapping.init}, {mapping.layout}); layer map in "
+                     f"{args.out}/{MAP_FILE}; up-train with: looplm train {args.out}/{TRAIN_FILE} data.tokenizer=SPEC\n")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from looplm.info import describe_source, format_description
 
@@ -355,6 +366,7 @@ def _loop_options(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="looplm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.set_defaults(trailing_overrides=False)
 
     p = sub.add_parser("train", help="train a model (no CONFIG: the default main job)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")
@@ -475,6 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("convert", help="a looped model from a dense GPT-NeoX / LLaMA checkpoint (Relaxed Recursive "
+                       "Transformers init; see looplm.interop.convert for the layer maps)")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--layout", required=True, metavar="P+CRT+Q", help="looped layout, e.g. 4+8R2+4")
+    p.add_argument("--init", required=True, metavar="{average,select,stepwise}",
+                   help="average the tied layers, take every k-th (stepwise) or the first core-many (select)")
+    p.add_argument("overrides", nargs="*", metavar="model.key=value", help="e.g. model.topology.kind=anchor")
+    p.set_defaults(func=cmd_convert, trailing_overrides=True)
+
     p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")
     p.add_argument("--json", action="store_true")
@@ -543,7 +565,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse binds a trailing nargs='*' positional with the ones before the options, so the
+    # key=value overrides after `convert HF_DIR OUT --layout L --init I` come back as extras.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.trailing_overrides and all("=" in e and not e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except BrokenPipeError:  # e.g. `looplm presets | head`

@@ -44,6 +44,9 @@ class TrainConfig(Config):
     loggers: tuple[str, ...] = ("jsonl",)
     wandb_project: str = "looplm"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # Start from these weights (a save_pretrained directory, e.g. from `looplm convert`, or a
+    # checkpoint) instead of the random init; the model config must match. Not with resume.
+    init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("lr", "min_lr_ratio", "warmup_fraction", "beta1", "beta2", "eps", "weight_decay", "grad_clip",

@@ -82,7 +82,7 @@ logger = logging.getLogger("looplm")
 #: Train-config fields that may differ on resume without changing what is computed.
 _RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last", "sample_prompt",
                    "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps", "loggers",
-                   "wandb_project", "wandb_mode"}
+                   "wandb_project", "wandb_mode", "init_from"}
 
 
 class Trainer:
@@ -159,6 +159,11 @@ class Trainer:
         self.last_eval_step: Optional[int] = None
         self.last_checkpoint: Optional[Path] = None
         source = self._checkpoint_to_resume(resume)
+        if tc.init_from is not None:
+            if source is not None:
+                raise ConfigError("train.init_from", tc.init_from,
+                                  "null when resuming: the checkpoint already holds the weights")
+            _load_initial_weights(self.model, tc.init_from, run_cfg.model, self.device)
         if source is not None:
             self._restore(source)
         self.train_model = self._wrap(self.model)
@@ -543,6 +548,21 @@ def _console_logging() -> None:
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def _load_initial_weights(model: nn.Module, path: str, model_cfg: Any, device: torch.device) -> None:
+    """train.init_from: copy the weights of a save_pretrained directory or checkpoint (verified
+    against its manifest) into ``model``; a different model config is refused, fields named."""
+    from looplm.artifacts import MODEL_FILE, load_weights, read_weights_dir
+
+    directory, config = read_weights_dir(path)
+    saved = with_defaults(config["model"] if "model" in config else config, type(model_cfg), "model")
+    differences = config_differences(saved, model_cfg.to_dict(), "model")
+    if differences:
+        raise ConfigError("train.init_from", path, "weights of this run's model config; they differ in:\n  "
+                          + "\n  ".join(differences))
+    load_weights(model, directory / MODEL_FILE, device=str(device))
+    logger.info("initialised the weights from %s", directory)
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -1,0 +1,219 @@
+"""Pretrained dense checkpoints into looped models (Relaxed Recursive Transformers init).
+
+A dense GPT-NeoX or LLaMA checkpoint of L layers becomes a looped model with layout
+``P+CRT+Q`` by building every looplm block from dense layers: the prelude keeps the first P
+dense layers, the coda the last Q (so the first and last layers stay fixed), and each of
+the C shared core blocks is built from the M = L - P - Q middle layers by one of the
+initialisations of Bae et al. 2024, "Relaxed Recursive Transformers" (§2.2, Fig. 3), with
+the middle split into k = ⌊M / C⌋ consecutive groups of C layers (k = T when the middle
+fills the loop exactly, the paper's setting; extra middle layers are left unused):
+
+* ``average`` (paper: *Average*): core block j = mean of dense layers P + g·C + j for
+  g = 0..k-1, the layers that unrolled iteration g places at position j (Φ'_j = 1/k Σ_g Φ_{gC+j}).
+* ``stepwise`` (paper: *Stepwise*): core block j = dense layer P + j·k, every k-th middle
+  layer (Φ'_j = Φ_{kj}).
+* ``select`` (paper: *Lower*): core block j = dense layer P + j, the first C middle layers
+  (Φ'_j = Φ_j).
+
+Worked example, a 24-layer model into ``4+8R2+4`` (M = 16, k = 2), 0-based dense indices:
+
+=============  ========================  ====================  =====================
+looplm block   average                   stepwise              select
+=============  ========================  ====================  =====================
+prelude.0..3   0, 1, 2, 3                0, 1, 2, 3            0, 1, 2, 3
+core.0.j       mean(4+j, 12+j): (4,12),  4+2j: 4, 6, 8, 10,    4+j: 4, 5, 6, 7,
+               (5,13), ..., (11,19)      12, 14, 16, 18        8, 9, 10, 11
+coda.0..3      20, 21, 22, 23            20, 21, 22, 23        20, 21, 22, 23
+=============  ========================  ====================  =====================
+
+Embedding, final norm and head are copied. Parameters with no dense counterpart (step
+embeddings, topology gates, halting heads, ...) keep looplm's own init and are listed in
+the map as ``fresh``. The map is logged and written to ``OUT/layer_map.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import torch
+
+from looplm.config_base import ConfigError, set_dotted
+from looplm.interop.hf import MODEL_TYPES, config_from_hf, load_hf_checkpoint
+from looplm.layout import Layout, parse_layout
+from looplm.model import LoopLM
+from looplm.model_config import ModelConfig
+
+log = logging.getLogger("looplm")
+
+INITS = ("average", "select", "stepwise")
+MAP_FILE = "layer_map.json"
+TRAIN_FILE = "train.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMap:
+    """For each looplm block, the dense layers (0-based) whose mean initialises it."""
+
+    init: str
+    dense_layers: int
+    layout: str
+    prelude: tuple[tuple[int, ...], ...]
+    core: tuple[tuple[int, ...], ...]
+    coda: tuple[tuple[int, ...], ...]
+
+    def blocks(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(looplm block prefix, dense sources) for every block; the shared core is ``core.0``."""
+        return (
+            [(f"prelude.{j}", s) for j, s in enumerate(self.prelude)]
+            + [(f"core.0.{j}", s) for j, s in enumerate(self.core)]
+            + [(f"coda.{j}", s) for j, s in enumerate(self.coda)]
+        )
+
+    @property
+    def unused(self) -> tuple[int, ...]:
+        used = {i for _, sources in self.blocks() for i in sources}
+        return tuple(i for i in range(self.dense_layers) if i not in used)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "init": self.init,
+            "dense_layers": self.dense_layers,
+            "layout": self.layout,
+            "prelude": [list(s) for s in self.prelude],
+            "core": [list(s) for s in self.core],
+            "coda": [list(s) for s in self.coda],
+            "unused": list(self.unused),
+        }
+
+    def describe(self) -> str:
+        """One line per block: ``core.0.3 <- mean(7, 15)``."""
+        lines = [f"layer map ({self.init}, {self.dense_layers} dense layers -> {self.layout}):"]
+        for name, sources in self.blocks():
+            rhs = str(sources[0]) if len(sources) == 1 else f"mean({', '.join(map(str, sources))})"
+            lines.append(f"  {name:<12} <- dense {rhs}")
+        if self.unused:
+            lines.append(f"  unused dense layers: {', '.join(map(str, self.unused))}")
+        return "\n".join(lines)
+
+
+def layer_map(dense_layers: int, layout: Union[str, Layout], init: str) -> LayerMap:
+    """The dense layers behind each block of ``layout`` under ``init`` (see the module docstring).
+
+    Raises ConfigError if ``init`` is unknown or the layout needs more dense layers than there are.
+    """
+    if init not in INITS:
+        raise ConfigError("init", init, f"one of {', '.join(INITS)}")
+    parsed = parse_layout(layout, field="layout") if isinstance(layout, str) else layout
+    P, Q, L = parsed.prelude, parsed.coda, dense_layers
+    C = parsed.core if parsed.is_looped else 0
+    if P + Q + C > L:
+        raise ConfigError(
+            "layout", str(parsed),
+            f"prelude + core + coda <= {L}, the dense depth (here {P} + {C} + {Q} = {P + C + Q}): every block "
+            "needs at least one dense layer",
+        )
+    k = (L - P - Q) // C if C else 0  # groups of C middle layers; T in the paper's exact fit
+    if init == "average":
+        core = tuple(tuple(P + g * C + j for g in range(k)) for j in range(C))  # §2.2 Average
+    elif init == "stepwise":
+        core = tuple((P + j * k,) for j in range(C))  # §2.2 Stepwise: every k-th layer
+    else:
+        core = tuple((P + j,) for j in range(C))  # §2.2 Lower: the first C middle layers
+    return LayerMap(
+        init=init,
+        dense_layers=L,
+        layout=str(parsed),
+        prelude=tuple((j,) for j in range(P)),
+        core=core,
+        coda=tuple((L - Q + j,) for j in range(Q)),
+    )
+
+
+def looped_config(dense: ModelConfig, layout: str, overrides: Sequence[tuple[str, Any]] = ()) -> ModelConfig:
+    """The dense model's config with ``layout`` and ``model.KEY=VALUE`` overrides (topology,
+    step embeddings, ...); the result must keep one shared core."""
+    data = dense.to_dict()
+    data["layout"] = layout
+    for key, value in overrides:
+        if not key.startswith("model.") or key == "model.layout":
+            raise ConfigError(key, value, "a model.KEY=VALUE override other than model.layout (use --layout)")
+        set_dotted(data, key[len("model."):], value)
+    cfg = ModelConfig.from_dict(data, prefix="model")
+    if not cfg.share_core:
+        raise ConfigError("model.share_core", cfg.share_core, "true: the converted core is one shared stack")
+    return cfg
+
+
+def convert_dense(
+    hf_dir: Union[str, Path], layout: str, init: str, overrides: Sequence[tuple[str, Any]] = ()
+) -> tuple[LoopLM, LayerMap, list[str]]:
+    """A looped LoopLM built from the dense checkpoint in ``hf_dir``; float32, CPU, eval mode.
+
+    Returns (model, layer map, names of parameters left at looplm's fresh init).
+    """
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: expected a Hugging Face checkpoint directory")
+    hf_config = json.loads(config_path.read_text())
+    model_type = hf_config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            "hf_config.model_type", model_type,
+            f"a dense checkpoint: one of {', '.join(MODEL_TYPES)} (a looped checkpoint is imported, not converted)",
+        )
+    # The map (and its errors) before reading any weights.
+    mapping = layer_map(config_from_hf(hf_config).parsed_layout.prelude, layout, init)
+    dense = load_hf_checkpoint(hf_dir)
+    cfg = looped_config(dense.cfg, layout, overrides)
+    model = LoopLM(cfg)
+    state = _combine(dense.state_dict(), mapping)
+    target = model.state_dict()
+    for key, tensor in state.items():
+        if key not in target or target[key].shape != tensor.shape:
+            shape = "absent" if key not in target else f"shape {tuple(target[key].shape)}"
+            raise ConfigError(
+                "overrides", [f"{k}={v}" for k, v in overrides],
+                f"overrides that keep the dense block's parameters ({key}: dense {tuple(tensor.shape)}, "
+                f"looped {shape})",
+            )
+    fresh = sorted(set(target) - set(state))
+    model.load_state_dict(state, strict=False)
+    return model.eval(), mapping, fresh
+
+
+def _combine(dense_state: dict[str, torch.Tensor], mapping: LayerMap) -> dict[str, torch.Tensor]:
+    """looplm state dict of the looped model: each block the mean of its dense layers, the rest copied."""
+    out = {k: v for k, v in dense_state.items() if not k.startswith("prelude.")}  # embed, norm, head
+    names = [k[len("prelude.0."):] for k in dense_state if k.startswith("prelude.0.")]
+    for prefix, sources in mapping.blocks():
+        for name in names:
+            stacked = torch.stack([dense_state[f"prelude.{i}.{name}"] for i in sources])
+            out[f"{prefix}.{name}"] = stacked.mean(dim=0)  # a single source is copied exactly
+    return out
+
+
+def convert_checkpoint(
+    hf_dir: Union[str, Path],
+    out: Union[str, Path],
+    layout: str,
+    init: str,
+    overrides: Sequence[tuple[str, Any]] = (),
+) -> LayerMap:
+    """Convert ``hf_dir`` and write ``out``: a ``save_pretrained`` directory (loadable by
+    ``looplm eval/generate`` and ``LoopLM.from_pretrained``), ``layer_map.json`` and
+    ``train.yaml`` (the model config and ``train.init_from``, for ``looplm train out/train.yaml``)."""
+    model, mapping, fresh = convert_dense(hf_dir, layout, init, overrides)
+    out = Path(out)
+    model.save_pretrained(out)
+    (out / MAP_FILE).write_text(json.dumps({**mapping.to_dict(), "fresh": fresh}, indent=2) + "\n")
+    train = {"model": model.cfg.to_dict(), "train": {"init_from": str(out.resolve())}}
+    (out / TRAIN_FILE).write_text(json.dumps(train, indent=2) + "\n")  # JSON is YAML
+    log.info("%s", mapping.describe())
+    if fresh:
+        log.info("  fresh (looplm init, no dense counterpart): %s", ", ".join(fresh))
+    return mapping

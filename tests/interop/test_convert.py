@@ -1,0 +1,233 @@
+"""Dense checkpoints into loops (looplm.interop.convert): the documented layer maps, the
+converted weights, exact dense reproduction, refusals, the CLI, and up-training from the
+converted start (train.init_from)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from looplm.cli import main
+from looplm.config import load_config
+from looplm.config_base import ConfigError
+from looplm.interop.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint, convert_dense, layer_map
+from looplm.interop.hf import load_hf_checkpoint
+from looplm.model import LoopLM
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 260  # >= the byte tokenizer's 257, so the up-training test can use pydoc bytes
+
+
+# ---------------------------------------------------------------------- layer maps
+def test_layer_maps_of_the_documented_example():
+    """24 dense layers into 4+8R2+4, as in the module docstring and the README."""
+    pre, coda = tuple((i,) for i in range(4)), tuple((i,) for i in range(20, 24))
+    average = layer_map(24, "4+8R2+4", "average")
+    assert average.prelude == pre and average.coda == coda
+    assert average.core == tuple((4 + j, 12 + j) for j in range(8))
+    assert average.unused == ()
+    stepwise = layer_map(24, "4+8R2+4", "stepwise")
+    assert stepwise.core == tuple((i,) for i in (4, 6, 8, 10, 12, 14, 16, 18))
+    assert stepwise.prelude == pre and stepwise.coda == coda
+    assert stepwise.unused == (5, 7, 9, 11, 13, 15, 17, 19)
+    select = layer_map(24, "4+8R2+4", "select")
+    assert select.core == tuple((i,) for i in range(4, 12))
+    assert select.unused == tuple(range(12, 20))
+    assert select.to_dict()["core"] == [[i] for i in range(4, 12)]
+    assert "core.0.7     <- dense mean(11, 19)" in average.describe()
+
+
+def test_layer_maps_when_the_middle_is_not_T_groups():
+    """k = floor(M / C) groups, not T: 10 layers into 1+2R3+1 have M = 8, k = 4."""
+    assert layer_map(10, "1+2R3+1", "average").core == ((1, 3, 5, 7), (2, 4, 6, 8))
+    assert layer_map(10, "1+2R3+1", "stepwise").core == ((1,), (5,))
+    assert layer_map(10, "1+2R3+1", "select").core == ((1,), (2,))
+    odd = layer_map(9, "1+2R2+1", "average")  # M = 7: 3 groups, dense 7 left over
+    assert odd.core == ((1, 3, 5), (2, 4, 6)) and odd.unused == (7,)
+    dense = layer_map(6, "4", "select")  # no loop: the first 4 layers, in order
+    assert dense.prelude == tuple((i,) for i in range(4)) and dense.core == () and dense.unused == (4, 5)
+
+
+@pytest.mark.parametrize(("layout", "init", "field"), [
+    ("3+4R2+3", "average", "layout"),  # 3 + 4 + 3 > 8
+    ("9", "select", "layout"),
+    ("2+4R2+2", "mean", "init"),
+    ("4+x", "select", "layout"),
+])
+def test_bad_layout_or_init_is_a_config_error_naming_the_field(layout, init, field):
+    with pytest.raises(ConfigError) as err:
+        layer_map(8, layout, init)
+    assert err.value.field == field
+
+
+# ---------------------------------------------------------------- tiny checkpoints
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations and layers that differ clearly, so a wrong map cannot pass."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def _checkpoint(path, family: str, layers: int = 6, seed: int = 0):
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  intermediate_size=48, max_position_embeddings=64)
+    if family == "gpt_neox":
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common, rotary_pct=0.5))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
+    _randomize(model, seed)
+    model.config._attn_implementation = "eager"
+    model.float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _ids(length: int = 11):
+    return torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+@pytest.mark.parametrize("init", ["average", "select", "stepwise"])
+def test_converted_weights_are_the_documented_combination(tmp_path, family, init):
+    _checkpoint(tmp_path, family, layers=7)
+    dense = load_hf_checkpoint(tmp_path).state_dict()
+    model, mapping, fresh = convert_dense(tmp_path, "1+2R2+1", init)
+    state = model.state_dict()
+    assert mapping.core == {"average": ((1, 3), (2, 4)), "select": ((1,), (2,)), "stepwise": ((1,), (3,))}[init]
+    names = [k[len("prelude.0."):] for k in dense if k.startswith("prelude.0.")]
+    assert names and fresh == []
+    for prefix, sources in [("prelude.0", (0,)), ("core.0.0", mapping.core[0]), ("core.0.1", mapping.core[1]),
+                            ("coda.0", (6,))]:
+        for name in names:
+            expected = torch.stack([dense[f"prelude.{i}.{name}"] for i in sources]).mean(0)
+            assert torch.equal(state[f"{prefix}.{name}"], expected), f"{prefix}.{name}"
+            if len(sources) == 1:  # select / stepwise / prelude / coda: the dense tensor itself
+                assert torch.equal(state[f"{prefix}.{name}"], dense[f"prelude.{sources[0]}.{name}"])
+    for key in ("embed.weight", "norm.weight", "head.weight"):
+        assert torch.equal(state[key], dense[key])
+    assert model.cfg.layout == "1+2R2+1" and model.cfg.d_model == 32
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+def test_dense_layout_with_select_reproduces_the_dense_logits(tmp_path, family):
+    hf = _checkpoint(tmp_path, family, layers=5, seed=1)
+    model, mapping, _ = convert_dense(tmp_path, "5", "select")
+    ids = _ids()
+    with torch.no_grad():
+        ours, dense, theirs = model(ids).logits, load_hf_checkpoint(tmp_path)(ids).logits, hf(ids).logits
+    assert mapping.prelude == tuple((i,) for i in range(5))
+    assert torch.equal(ours, dense)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_one_iteration_loop_with_select_reproduces_the_dense_logits(tmp_path):
+    """2+2R1+1 under select is the dense stack cut into prelude, one core pass and coda."""
+    _checkpoint(tmp_path, "llama", layers=5, seed=2)
+    model, _, _ = convert_dense(tmp_path, "2+2R1+1", "select")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, load_hf_checkpoint(tmp_path)(ids).logits, atol=1e-6, rtol=1e-6)
+
+
+def test_overrides_and_fresh_parameters(tmp_path):
+    _checkpoint(tmp_path, "llama", layers=6)
+    model, _, fresh = convert_dense(tmp_path, "1+2R2+1", "average",
+                                    [("model.topology.kind", "anchor"), ("model.step_embeddings", True)])
+    assert model.cfg.topology.kind == "anchor" and model.cfg.step_embeddings
+    assert fresh and all(k.startswith("step_embedding.") for k in fresh)
+
+
+def test_refusals_name_the_field(tmp_path):
+    _checkpoint(tmp_path, "llama", layers=4)
+    cases = [
+        (("3+2R2+1", "average", ()), "layout"),
+        (("1+2R2+1", "lower", ()), "init"),
+        (("1+2R2+1", "average", [("model.share_core", False)]), "model.share_core"),
+        (("1+2R2+1", "average", [("train.lr", 1.0)]), "train.lr"),
+        (("1+2R2+1", "average", [("model.d_model", 64)]), "overrides"),
+    ]
+    for (layout, init, overrides), field in cases:
+        with pytest.raises(ConfigError) as err:
+            convert_dense(tmp_path, layout, init, overrides)
+        assert err.value.field == field
+    looped = tmp_path / "ouro"
+    looped.mkdir()
+    (looped / "config.json").write_text(json.dumps({"model_type": "ouro", "num_hidden_layers": 4}))
+    with pytest.raises(ConfigError) as err:
+        convert_dense(looped, "1+1R2+1", "average")
+    assert err.value.field == "hf_config.model_type" and "dense" in str(err.value)
+
+
+# ---------------------------------------------------------------- output and CLI
+def test_cli_writes_a_loadable_directory_with_the_map(tmp_path, caplog):
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    _checkpoint(hf_dir, "gpt_neox", layers=6)
+    with caplog.at_level("INFO", logger="looplm"):
+        assert main(["convert", str(hf_dir), str(out), "--layout", "1+2R2+1", "--init", "average",
+                     "model.topology.kind=anchor"]) == 0
+    assert "core.0.1     <- dense mean(2, 4)" in caplog.text
+    saved = json.loads((out / MAP_FILE).read_text())
+    assert saved["core"] == [[1, 3], [2, 4]] and saved["unused"] == [] and saved["fresh"] == []
+    loaded = LoopLM.from_pretrained(out)  # manifest verified
+    model, _, _ = convert_dense(hf_dir, "1+2R2+1", "average", [("model.topology.kind", "anchor")])
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert main(["convert", str(hf_dir), str(tmp_path / "bad"), "--layout", "1+2R2+1", "--init", "mean"]) == 2
+    assert "init" in caplog.text and "average, select, stepwise" in caplog.text
+
+
+# ------------------------------------------------------------------- up-training
+def _run_config(out, run_dir, *extra):
+    return load_config(str(out / TRAIN_FILE), [
+        "data.source=pydoc", "data.tokenizer=byte", "data.seq_len=32", "data.val_batches=1",
+        f"train.out_dir={run_dir}", "train.max_steps=12", "train.batch_size=4", "train.lr=3e-3",
+        "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0", "train.save_every=0",
+        "train.sample_tokens=0", "train.device=cpu", "train.precision=fp32", *extra,
+    ])
+
+
+def test_up_training_from_the_converted_start_lowers_the_loss(tmp_path):
+    from looplm.train import Trainer
+    from looplm.train.metrics import train_losses
+
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    _checkpoint(hf_dir, "llama", layers=6)
+    convert_checkpoint(hf_dir, out, "1+2R2+1", "average")
+    converted = LoopLM.from_pretrained(out).state_dict()
+    trainer = Trainer(_run_config(out, tmp_path / "run"), progress=False)
+    start = trainer.model.state_dict()
+    assert all(torch.equal(start[k], converted[k]) for k in converted)  # init_from loaded before step 1
+    trainer.fit()
+    losses = train_losses(tmp_path / "run" / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, 13))
+    first, last = sum(losses[s] for s in (1, 2)) / 2, sum(losses[s] for s in (11, 12)) / 2
+    assert last < first - 0.1, losses
+
+
+def test_init_from_refuses_another_model_config_and_resume(tmp_path):
+    from looplm.train import Trainer
+
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    _checkpoint(hf_dir, "llama", layers=4)
+    convert_checkpoint(hf_dir, out, "1+1R2+1", "select")
+    with pytest.raises(ConfigError, match="model.d_model: checkpoint 32, this run 64") as err:
+        Trainer(_run_config(out, tmp_path / "a", "model.d_model=64"), progress=False)
+    assert err.value.field == "train.init_from"
+    run = tmp_path / "b"
+    Trainer(_run_config(out, run, "train.max_steps=2"), progress=False).fit()
+    with pytest.raises(ConfigError) as err:
+        Trainer(_run_config(out, run, "train.max_steps=3"), resume=True, progress=False)
+    assert err.value.field == "train.init_from"
+    Trainer(_run_config(out, run, "train.max_steps=3", "train.init_from=null"), resume=True, progress=False).fit()
