@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,11 @@ class LoopLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        #: The activation-checkpointing seam, set from outside (looplm.train.checkpointing,
+        #: ``iteration``): ``run_pass(core_pass, x)`` returns ``core_pass(x)``, one core pass
+        #: of a forward without a cache (the core stack once), and may recompute it in the
+        #: backward. None: call it directly. Not a module or a parameter: the state dict is the same.
+        self.run_pass: Optional[Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -215,8 +220,11 @@ class LoopLM(nn.Module):
         passes = self.streams.passes
 
         def core(x: torch.Tensor, i: int) -> torch.Tensor:
-            x = x if signal is None else x + signal.to(x.dtype)
-            return self._core(t, x, ctx, cache, slot=t * passes + i)
+            def core_pass(x: torch.Tensor) -> torch.Tensor:
+                x = x if signal is None else x + signal.to(x.dtype)
+                return self._core(t, x, ctx, cache, slot=t * passes + i)
+
+            return core_pass(x) if self.run_pass is None or cache is not None else self.run_pass(core_pass, x)
 
         return core
 
