@@ -5,10 +5,14 @@ entropy meter), the forward keeps fewer saved tensors, and the state dict is unc
 from __future__ import annotations
 
 import gc
+import os
+import socket
 import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -19,7 +23,7 @@ from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 from looplm.train import Trainer, TrainConfig
 from looplm.train.checkpointing import apply_activation_checkpointing
-from looplm.train.metrics import read_metrics
+from looplm.train.metrics import read_metrics, train_losses
 from tests.train.helpers import checkpoint_weights, run_config
 
 VOCAB = 48
@@ -192,3 +196,30 @@ def test_trainer_losses_and_checkpoint_keys_unchanged(tmp_path, model):
         assert weights.keys() == ref_weights.keys()
         for key in ref_weights:
             torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-5, atol=1e-6)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:  # 2 sequences per rank in 2 micro-batches: DDP's no_sync under recomputation too
+        cfg = run_config(out_dir, topology="mesh", batch_size=2, grad_accum=2, max_steps=3,
+                         activation_checkpointing=mode)
+        Trainer(cfg, progress=False).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_with_checkpointing_matches_one_process_without(tmp_path, mode):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "ddp"), mode), nprocs=2)
+    Trainer(run_config(tmp_path / "single", topology="mesh", batch_size=4, grad_accum=2, max_steps=3),
+            progress=False).fit()
+    ddp, single = train_losses(tmp_path / "ddp" / "metrics.jsonl"), train_losses(tmp_path / "single" / "metrics.jsonl")
+    assert sorted(ddp) == sorted(single) == [1, 2, 3]
+    for step in single:  # only the reduction order differs
+        assert ddp[step] == pytest.approx(single[step], rel=1e-5)
