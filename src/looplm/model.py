@@ -12,6 +12,7 @@ mixer; the decoding cache is an explicit argument.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -114,11 +115,13 @@ class LoopLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        #: The activation-checkpointing seam, set from outside (looplm.train.checkpointing,
-        #: ``iteration``): ``run_pass(core_pass, x)`` returns ``core_pass(x)``, one core pass
-        #: of a forward without a cache (the core stack once), and may recompute it in the
-        #: backward. None: call it directly. Not a module or a parameter: the state dict is the same.
-        self.run_pass: Optional[Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]] = None
+        #: The activation-checkpointing seam, set from outside (looplm.train.checkpointing):
+        #: ``recompute(part, fn, x)`` returns ``fn(x)`` for each region of a forward without a
+        #: cache, part naming it: "prelude", "core" or "coda" (one block) or "pass" (one core
+        #: pass, the core stack once, whose blocks are "core" regions inside it); it may
+        #: recompute fn in the backward. None: call fn directly. Not a module: same state dict.
+        self.recompute: Optional[Callable[[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor],
+                                          torch.Tensor]] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -224,7 +227,7 @@ class LoopLM(nn.Module):
                 x = x if signal is None else x + signal.to(x.dtype)
                 return self._core(t, x, ctx, cache, slot=t * passes + i)
 
-            return core_pass(x) if self.run_pass is None or cache is not None else self.run_pass(core_pass, x)
+            return core_pass(x) if self.recompute is None or cache is not None else self.recompute("pass", core_pass, x)
 
         return core
 
@@ -251,6 +254,9 @@ class LoopLM(nn.Module):
         for j, block in enumerate(blocks):
             key = f"{name}.{j}"
             ctx.location = (key, slot)
+            if cache is None and self.recompute is not None:
+                h = self.recompute(name, functools.partial(_block_output, block, ctx, t), h)
+                continue
             h, state = block(h, ctx, cache.get(key, slot) if cache is not None else None, iteration=t)
             if cache is not None:
                 cache.set(key, slot, state)
@@ -355,3 +361,8 @@ class LoopLM(nn.Module):
     def blocks(self) -> list[Block]:
         """Every distinct block module (prelude, core stacks, coda)."""
         return [*self.prelude, *(b for stack in self.core for b in stack), *self.coda]
+
+
+def _block_output(block: Block, ctx: MixerContext, t: int, h: torch.Tensor) -> torch.Tensor:
+    """A block's output without a cache: the region :attr:`LoopLM.recompute` may recompute."""
+    return block(h, ctx, None, iteration=t)[0]

@@ -157,10 +157,10 @@ def test_inert_without_a_graph_and_with_a_cache():
     b = checkpointed.generate(inputs[:1, :4], max_new_tokens=5, temperature=0.0)
     assert torch.equal(a.sequences, b.sequences)
 
-    def refuse(core_pass, x):
+    def refuse(part, fn, x):
         raise AssertionError("a forward with a cache went through the checkpointing seam")
 
-    checkpointed.run_pass = refuse
+    checkpointed.recompute = refuse
     cached = checkpointed(inputs, cache=LoopCache()).logits
     torch.testing.assert_close(cached, plain(inputs).logits)
 
@@ -223,3 +223,9 @@ def test_ddp_with_checkpointing_matches_one_process_without(tmp_path, mode):
     assert sorted(ddp) == sorted(single) == [1, 2, 3]
     for step in single:  # only the reduction order differs
         assert ddp[step] == pytest.approx(single[step], rel=1e-5)
+
+
+def test_compile_together_is_refused_with_a_fix():
+    with pytest.raises(ConfigError, match="train.activation_checkpointing.*train.compile=false"):
+        TrainConfig(activation_checkpointing="iteration", compile=True)
+    TrainConfig(activation_checkpointing="none", compile=True)

@@ -5,17 +5,20 @@ inputs of each checkpointed region, and the backward runs the region again to re
 the activations autograd needs (non-reentrant ``torch.utils.checkpoint``: about one extra
 forward of the region per step).
 
-- ``block``: every block (prelude, core, coda) is a region, through torch's composable
-  ``checkpoint`` (forward hooks on the block modules: module structure, names and state
-  dict unchanged). The forward keeps one block input per block evaluation, so a looped
-  core still keeps ``core`` inputs per pass; the backward holds one block's activations.
+- ``block``: every block (prelude, core, coda) is a region. The forward keeps one block
+  input per block evaluation, so a looped core still keeps ``core`` inputs per pass; the
+  backward holds one block's activations at a time.
 - ``iteration``: every core pass (the core stack once, i.e. one loop iteration for one
-  pass per macro step) is a region, through the model's one seam ``LoopLM.run_pass``;
-  prelude and coda blocks as under ``block``. The loop keeps only its states h^(t), one
-  per pass however deep the core: what lets long loops fit. The backward holds one pass's
-  activations (the whole core stack) at a time.
+  pass per macro step) is a region; prelude and coda blocks as under ``block``. The loop
+  keeps only its states h^(t), one per pass however deep the core: what lets long loops
+  fit. The backward holds one pass's activations (the whole core stack) at a time.
 
-Both only act in forwards that record a graph: evaluation and generation run under
+The model names its regions through one seam, ``LoopLM.recompute`` (a plain attribute:
+module structure, parameter names and state dict unchanged); this module decides which
+run under ``torch.utils.checkpoint`` (non-reentrant). Not with ``train.compile`` yet
+(TrainConfig refuses the pair): under Dynamo the recompute context must be dispatch modes
+and Python side effects inside a region break the graph. Both
+only act in forwards that record a graph: evaluation and generation run under
 ``no_grad`` (nothing is saved, nothing recomputed), and the seam is skipped with a
 decoding cache. Side effects of a recomputation are suppressed through
 :mod:`looplm.recompute` (auxiliary losses such as the DSA index loss are counted once,
@@ -31,7 +34,6 @@ import contextlib
 from typing import Callable
 
 import torch
-from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.utils.checkpoint import checkpoint
 
 from looplm.config_base import ConfigError
@@ -47,12 +49,17 @@ def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractC
     return contextlib.nullcontext(), recomputation()
 
 
-def _run_pass(core_pass: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``LoopLM.run_pass`` under ``iteration``: the pass as a checkpointed region when a graph
-    is being recorded."""
-    if not torch.is_grad_enabled():
-        return core_pass(x)
-    return checkpoint(core_pass, x, use_reentrant=False, context_fn=_contexts)
+def _regions(mode: str) -> Callable[[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]:
+    """``LoopLM.recompute`` for ``mode``: the regions it names run as checkpointed regions
+    when a graph is being recorded, the others directly."""
+    parts = {"block": ("prelude", "core", "coda"), "iteration": ("prelude", "pass", "coda")}[mode]
+
+    def recompute(part: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if part not in parts or not torch.is_grad_enabled():
+            return fn(x)
+        return checkpoint(fn, x, use_reentrant=False, context_fn=_contexts)
+
+    return recompute
 
 
 def apply_activation_checkpointing(model: LoopLM, mode: str) -> None:
@@ -65,9 +72,4 @@ def apply_activation_checkpointing(model: LoopLM, mode: str) -> None:
     if mode == "iteration" and model.topology is None:
         raise ConfigError("train.activation_checkpointing", mode,
                           f"none or block: layout {model.cfg.layout!r} has no loop to checkpoint per iteration")
-    blocks = model.blocks() if mode == "block" else [*model.prelude, *model.coda]
-    for block in blocks:
-        checkpoint_module(block, context_fn=_contexts)
-    if mode == "iteration":
-        model.run_pass = _run_pass
-
+    model.recompute = _regions(mode)

@@ -91,6 +91,9 @@ class TrainConfig(Config):
         check(self.activation_checkpointing in ("none", "block", "iteration"), "train.activation_checkpointing",
               self.activation_checkpointing, "none, block (recompute each block) or iteration (recompute each "
               "loop iteration)")
+        check(not (self.compile and self.activation_checkpointing != "none"), "train.activation_checkpointing",
+              self.activation_checkpointing, "none while train.compile=true: recomputation under torch.compile "
+              "is not supported yet (set train.compile=false to checkpoint activations)")
         from looplm.train.trackers import LOGGERS
 
         check(all(name in LOGGERS for name in self.loggers) and len(set(self.loggers)) == len(self.loggers),

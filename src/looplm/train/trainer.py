@@ -14,8 +14,8 @@ code stays single-device; everything distributed or compiled is applied from out
 3. restore a checkpoint when resuming (weights, optimiser, step, data position, counters,
    and the RNG states last, so that everything after it sees the saved streams);
 4. wrap for execution: activation checkpointing as ``train.activation_checkpointing`` says
-   (:mod:`looplm.train.checkpointing`, in place: hooks on the blocks or the model's
-   ``run_pass`` seam, inert in ``no_grad`` forwards), then ``DistributedDataParallel`` when
+   (:mod:`looplm.train.checkpointing`, in place through the model's ``recompute`` seam,
+   inert in ``no_grad`` forwards), then ``DistributedDataParallel`` when
    a process group is initialised, then ``torch.compile`` when ``train.compile`` (compiling
    the DDP module lets Dynamo's DDP optimiser split graphs at gradient-bucket boundaries).
 
