@@ -227,7 +227,9 @@ class LoopLM(nn.Module):
                 x = x if signal is None else x + signal.to(x.dtype)
                 return self._core(t, x, ctx, cache, slot=t * passes + i)
 
-            return core_pass(x) if self.recompute is None or cache is not None else self.recompute("pass", core_pass, x)
+            if self.recompute is None or cache is not None:
+                return core_pass(x)
+            return self.recompute("pass", core_pass, x)
 
         return core
 

@@ -33,6 +33,9 @@ MODELS = {
     "act": dict(layout="1R3", step_embeddings=True, halting={"kind": "act", "ponder_cost": 0.1}),
     "dsa": dict(layout="1+1R3+1", mixer={"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8}),
     "sgt": dict(layout="1+1R3+1", head_loop={"kind": "heads"}),
+    "spiral": dict(layout="1+1x{1/8,1/4,1/2,1}+1", topology={"kind": "mesh"}, resolution={"shifts": [8, 4, 2, 1]}),
+    "unshared": dict(layout="1+2R3+1", share_core=False),
+    "two-streams": dict(layout="1+1R3+1", streams={"kind": "two"}),  # two core passes per macro step
 }
 MODES = ("block", "iteration")
 
