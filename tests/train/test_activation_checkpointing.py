@@ -232,3 +232,21 @@ def test_compile_together_is_refused_with_a_fix():
     with pytest.raises(ConfigError, match="train.activation_checkpointing.*train.compile=false"):
         TrainConfig(activation_checkpointing="iteration", compile=True)
     TrainConfig(activation_checkpointing="none", compile=True)
+
+
+def test_resume_with_another_mode_continues_exactly_and_quietly(tmp_path, caplog):
+    """The option is resume-neutral: switching it on resume is no config difference."""
+    whole = tmp_path / "whole"
+    Trainer(run_config(whole, topology="mesh", max_steps=4), progress=False).fit()
+    split = tmp_path / "split"
+    Trainer(run_config(split, topology="mesh", max_steps=4, save_every=2), progress=False).fit(stop_after=2)
+    with caplog.at_level("WARNING", logger="looplm"):
+        Trainer(run_config(split, topology="mesh", max_steps=4, save_every=2, activation_checkpointing="iteration"),
+                resume=True, progress=False).fit()
+    assert "differ" not in caplog.text
+    assert train_losses(split / "metrics.jsonl") == pytest.approx(train_losses(whole / "metrics.jsonl"), rel=1e-6)
+
+
+def test_trainer_refuses_iteration_for_a_dense_model(tmp_path):
+    with pytest.raises(ConfigError, match="train.activation_checkpointing.*no loop"):
+        Trainer(run_config(tmp_path, model={"layout": "3"}, activation_checkpointing="iteration"), progress=False)
