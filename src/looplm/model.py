@@ -12,10 +12,11 @@ mixer; the decoding cache is an explicit argument.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,13 @@ class LoopLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        #: The activation-checkpointing seam, set from outside (looplm.train.checkpointing):
+        #: ``recompute(part, fn, x)`` returns ``fn(x)`` for each region of a forward without a
+        #: cache, part naming it: "prelude", "core" or "coda" (one block) or "pass" (one core
+        #: pass, the core stack once, whose blocks are "core" regions inside it); it may
+        #: recompute fn in the backward. None: call fn directly. Not a module: same state dict.
+        self.recompute: Optional[Callable[[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor],
+                                          torch.Tensor]] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -215,8 +223,13 @@ class LoopLM(nn.Module):
         passes = self.streams.passes
 
         def core(x: torch.Tensor, i: int) -> torch.Tensor:
-            x = x if signal is None else x + signal.to(x.dtype)
-            return self._core(t, x, ctx, cache, slot=t * passes + i)
+            def core_pass(x: torch.Tensor) -> torch.Tensor:
+                x = x if signal is None else x + signal.to(x.dtype)
+                return self._core(t, x, ctx, cache, slot=t * passes + i)
+
+            if self.recompute is None or cache is not None:
+                return core_pass(x)
+            return self.recompute("pass", core_pass, x)
 
         return core
 
@@ -243,6 +256,9 @@ class LoopLM(nn.Module):
         for j, block in enumerate(blocks):
             key = f"{name}.{j}"
             ctx.location = (key, slot)
+            if cache is None and self.recompute is not None:
+                h = self.recompute(name, functools.partial(_block_output, block, ctx, t), h)
+                continue
             h, state = block(h, ctx, cache.get(key, slot) if cache is not None else None, iteration=t)
             if cache is not None:
                 cache.set(key, slot, state)
@@ -347,3 +363,8 @@ class LoopLM(nn.Module):
     def blocks(self) -> list[Block]:
         """Every distinct block module (prelude, core stacks, coda)."""
         return [*self.prelude, *(b for stack in self.core for b in stack), *self.coda]
+
+
+def _block_output(block: Block, ctx: MixerContext, t: int, h: torch.Tensor) -> torch.Tensor:
+    """A block's output without a cache: the region :attr:`LoopLM.recompute` may recompute."""
+    return block(h, ctx, None, iteration=t)[0]

@@ -16,6 +16,7 @@ from torch import nn
 
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.modules.rotary import apply_rotary
+from looplm.recompute import recomputing
 
 
 def normalized_entropy(probs: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -71,7 +72,8 @@ class EntropyMeter:
 
     Attaches forward hooks to the softmax layers of the measured blocks (probes' way: no
     model code changes); a hook measures only in training mode and without a decoding
-    state, under ``no_grad``, reusing the attention's own keys. A looped core block is
+    state, under ``no_grad``, reusing the attention's own keys, and not again when activation
+    checkpointing recomputes the forward in the backward. A looped core block is
     measured at every iteration. :meth:`read` returns the step's mean per layer, averaged
     over data-parallel ranks (one all-reduce), and starts the next step."""
 
@@ -88,7 +90,7 @@ class EntropyMeter:
     def _hook(self, row: int):
         def measure(module: SoftmaxAttention, args, output) -> None:
             x, ctx, state = (tuple(args) + (None,))[:3]
-            if not module.training or state is not None:
+            if not module.training or state is not None or recomputing():  # once per forward
                 return
             new_state = output[1]
             keys = new_state.keys if isinstance(new_state, KVState) and new_state.start == 0 else None

@@ -14,6 +14,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from looplm.recompute import recomputing
+
 
 class MixerState(Protocol):
     """A mixer's decoding state: everything it needs from earlier positions."""
@@ -49,12 +51,16 @@ class MixerContext:
 
     def record_attention(self, probs: torch.Tensor) -> None:
         """Keep softmax probabilities [B, H, T, S] of the running (block, iteration) when the
-        caller asked for them (``attentions`` is a dict); probes read them from the output."""
-        if self.attentions is not None:
+        caller asked for them (``attentions`` is a dict); probes read them from the output.
+        Not again in an activation-checkpointing recomputation (:mod:`looplm.recompute`)."""
+        if self.attentions is not None and not recomputing():
             self.attentions[self.location] = probs.detach()
 
     def add_loss(self, name: str, value: torch.Tensor) -> None:
-        """Add an already weighted auxiliary loss under ``name``."""
+        """Add an already weighted auxiliary loss under ``name``. An activation-checkpointing
+        recomputation adds nothing: the loss of this forward is already counted."""
+        if recomputing():
+            return
         self.losses[name] = self.losses[name] + value if name in self.losses else value
 
     @property

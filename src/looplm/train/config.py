@@ -13,7 +13,9 @@ from looplm.config_base import Config, check
 class TrainConfig(Config):
     """AdamW with linear warmup and cosine decay to ``min_lr_ratio`` · lr (the papers use
     1% warmup and a 10% floor). ``batch_size`` is sequences per optimiser step per
-    data-parallel rank, split into ``grad_accum`` micro-batches."""
+    data-parallel rank, split into ``grad_accum`` micro-batches. ``activation_checkpointing``
+    (none, block, iteration) recomputes activations in the backward instead of keeping them
+    (:mod:`looplm.train.checkpointing`); it does not change what is computed."""
 
     out_dir: str = "runs/default"
     max_steps: int = 1000
@@ -31,6 +33,7 @@ class TrainConfig(Config):
     grad_clip: float = 1.0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
+    activation_checkpointing: Literal["none", "block", "iteration"] = "none"
     device: str = "auto"
     seed: int = 0
     log_every: int = 10
@@ -88,6 +91,12 @@ class TrainConfig(Config):
         check(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, positive)
         check(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens, "an integer >= 0")
         check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature, "a number >= 0")
+        check(self.activation_checkpointing in ("none", "block", "iteration"), "train.activation_checkpointing",
+              self.activation_checkpointing, "none, block (recompute each block) or iteration (recompute each "
+              "loop iteration)")
+        check(not (self.compile and self.activation_checkpointing != "none"), "train.activation_checkpointing",
+              self.activation_checkpointing, "none while train.compile=true: recomputation under torch.compile "
+              "is not supported yet (set train.compile=false to checkpoint activations)")
         from looplm.train.trackers import LOGGERS
 
         check(all(name in LOGGERS for name in self.loggers) and len(set(self.loggers)) == len(self.loggers),

@@ -13,9 +13,11 @@ code stays single-device; everything distributed or compiled is applied from out
    evaluation and advances the state-tracking curriculum;
 3. restore a checkpoint when resuming (weights, optimiser, step, data position, counters,
    and the RNG states last, so that everything after it sees the saved streams);
-4. wrap for execution: ``DistributedDataParallel`` when a process group is initialised,
-   then ``torch.compile`` when ``train.compile`` (compiling the DDP module lets
-   Dynamo's DDP optimiser split graphs at gradient-bucket boundaries).
+4. wrap for execution: activation checkpointing as ``train.activation_checkpointing`` says
+   (:mod:`looplm.train.checkpointing`, in place through the model's ``recompute`` seam,
+   inert in ``no_grad`` forwards), then ``DistributedDataParallel`` when
+   a process group is initialised, then ``torch.compile`` when ``train.compile`` (compiling
+   the DDP module lets Dynamo's DDP optimiser split graphs at gradient-bucket boundaries).
 
 Checkpoints, evaluation, sampling and parameter counts always use the plain model.
 
@@ -67,6 +69,7 @@ from looplm.train.checkpoint import (
     set_rng_state,
     with_defaults,
 )
+from looplm.train.checkpointing import apply_activation_checkpointing
 from looplm.train.config import TrainConfig
 from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perplexity
 from looplm.train.optim import build_optimizer
@@ -82,7 +85,8 @@ logger = logging.getLogger("looplm")
 #: Train-config fields that may differ on resume without changing what is computed.
 _RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last", "sample_prompt",
                    "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps", "loggers",
-                   "wandb_project", "wandb_mode", "init_from"}
+                   "wandb_project", "wandb_mode", "init_from",
+                   "activation_checkpointing"}  # recomputes the same values: exact either way
 
 
 class Trainer:
@@ -230,8 +234,9 @@ class Trainer:
         self.resumed_from = self.last_checkpoint = ckpt.path
         self.last_saved_step = ckpt.step
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        wrapped = model
+    def _wrap(self, model: LoopLM) -> nn.Module:
+        apply_activation_checkpointing(model, self.cfg.train.activation_checkpointing)
+        wrapped: nn.Module = model
         if self.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
