@@ -210,11 +210,16 @@ class LoopLM(nn.Module):
 
     def _passes(self, t: int, ctx: MixerContext, cache: Optional[LoopCache]):
         """core(x, i): the i-th core pass of macro step t on x + e_t (the step signal), named
-        t·passes + i in the cache: ũ = f_core(x) at resolution r_t."""
+        t·passes + i in the cache: ũ = f_core(x) at resolution r_t. With
+        ``model.loop_input_norm`` the state entering steps t >= 1 is first normalised by the
+        final norm (Ouro: ``self.norm`` closes every UT step), so each step's state is the
+        one its readout head(norm(·)) reads."""
         signal = self.step_embedding.at(t) if self.step_embedding is not None else None
         passes = self.streams.passes
+        entry = self.norm if self.cfg.loop_input_norm and t > 0 else None
 
         def core(x: torch.Tensor, i: int) -> torch.Tensor:
+            x = x if entry is None else entry(x)
             x = x if signal is None else x + signal.to(x.dtype)
             return self._core(t, x, ctx, cache, slot=t * passes + i)
 

@@ -85,11 +85,14 @@ def _block_call(m: BlockCall, call: Call) -> Cost:
 
 
 def _sublayers(block: Block, call: Call) -> tuple[Cost, Cost]:
-    """norm -> mixer (this iteration's view) -> residual, and norm -> FFN -> residual."""
+    """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->
+    output norm -> residual (the output norms cost nothing under ``norm_placement: pre``)."""
     d = block.attn_norm.weight.shape[0]
     mixer = block.mixer_at(max(call.iteration, 0))
-    attention = module_cost(block.attn_norm, call) + module_cost(mixer, call) + Cost(residual=call.rows * d)
-    ffn = module_cost(block.ffn_norm, call) + module_cost(block.ffn, call) + Cost(residual=call.rows * d)
+    attention = (module_cost(block.attn_norm, call) + module_cost(mixer, call) + module_cost(block.attn_out_norm, call)
+                 + Cost(residual=call.rows * d))
+    ffn = (module_cost(block.ffn_norm, call) + module_cost(block.ffn, call) + module_cost(block.ffn_out_norm, call)
+           + Cost(residual=call.rows * d))
     return attention, ffn
 
 
