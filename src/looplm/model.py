@@ -24,7 +24,7 @@ from torch import nn
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
 from looplm.generation import generate
-from looplm.halting import Halting, build_halting
+from looplm.halting import Halting, Readout, build_halting
 from looplm.head_loop.block import build_block
 from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
@@ -194,7 +194,7 @@ class LoopLM(nn.Module):
             state = freeze(state, new, halt.running) if halting.freezes else new
             last = t == n_iter - 1
             solution = streams.finish(topology, state) if last else state.h
-            halting.observe(halt, solution, t, last, lambda y: self.head(self.norm(y)), targets)
+            halting.observe(halt, solution, t, last, Readout(self.norm, self.head), targets)
             trace.append(state.h)
             if halting.freezes and not last and halt.done:
                 break

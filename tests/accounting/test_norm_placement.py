@@ -1,6 +1,6 @@
-"""Accounting of the block's norm placement and of the loop-input norm: the analytic
-parameter count equals the modules' over the whole config grid, and the FLOP counter
-adds exactly the extra norms that run."""
+"""Accounting of the block's norm placement, the loop-input norm and the exit gate: the
+analytic parameter count equals the modules' over the whole config grid, and the FLOP
+counter adds exactly the extra norms and gates that run."""
 
 from __future__ import annotations
 
@@ -43,3 +43,15 @@ def test_loop_input_norm_counts_one_final_norm_per_later_step():
     assert a.components["final_norm"] == b.components["final_norm"] + 3 * batch * seq * d * 4
     assert a.forward - b.forward == 3 * batch * seq * d * 4
     assert parameter_counts(build_meta_model(looped)) == parameter_counts(build_meta_model(pre))  # the shared norm
+
+
+def test_exit_gate_counts_its_norm_gate_and_selection_every_step():
+    pre = tiny_config("base", layout="2R3", norm="rmsnorm", mlp="swiglu", bias=False)
+    gated = dataclasses.replace(pre, halting={"kind": "exit_gate", "threshold": 0.5})
+    seq, batch, d = 8, 2, pre.d_model
+    rows = seq * batch
+    a = count_flops(gated, seq, batch=batch, convention="mesh")  # 1 FLOP / MAC, norms and biases counted
+    b = count_flops(pre, seq, batch=batch, convention="mesh")
+    per_step = rows * d * 4 + rows * d + rows + rows * d  # norm(Y), the gate d -> 1 and its bias, the selection
+    assert a.forward - b.forward == 3 * per_step
+    assert analytic_parameter_counts(gated)["halting"] == d + 1 == parameter_counts(build_meta_model(gated))["halting"]

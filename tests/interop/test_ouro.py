@@ -1,12 +1,13 @@
 """Ouro import: tiny random checkpoints in Ouro's layout (config.json + model.safetensors
 with its parameter names), imported by looplm.interop.hf, give the logits of an
-independent plain-PyTorch forward of the Ouro architecture at every loop count, in one
-forward and in prefill + token-by-token decoding.
+independent plain-PyTorch forward of the Ouro architecture at every loop count and exit
+threshold, in one forward and in prefill + token-by-token decoding.
 
 The reference below is written from Ouro's description (modeling_ouro.py: OuroModel,
-OuroDecoderLayer, OuroForCausalLM's default logits), not from looplm's modules:
+OuroDecoderLayer, OuroForCausalLM's inference logits), not from looplm's modules:
 embed -> for each UT step: every layer with sandwich norms, then the final RMSNorm (whose
-output the next step reads) -> LM head on the last step's normalised state.
+output the next step reads) and the exit gate σ(wᵀh + b) on it -> per position, the LM
+head on the state of the first step whose exit CDF reaches the threshold (else the last).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def ouro_weights(hf: dict, seed: int) -> dict[str, torch.Tensor]:
         return 1.0 + 0.3 * torch.randn(d, generator=g)
 
     w = {"model.embed_tokens.weight": 0.3 * torch.randn(V, d, generator=g), "model.norm.weight": gain(),
-         "model.early_exit_gate.weight": matrix(1, d), "model.early_exit_gate.bias": torch.randn(1, generator=g)}
+         "model.early_exit_gate.weight": 3 * matrix(1, d), "model.early_exit_gate.bias": -torch.rand(1, generator=g)}
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w.update({
@@ -104,9 +105,10 @@ def attention(x, w, p, hf):
     return out @ w[p + "o_proj.weight"].T
 
 
-def ouro_logits(w, hf, ids, steps):
+def ouro_states(w, hf, ids, steps):
+    """The final-normed state of every UT step: [B, T, d] each."""
     eps = hf["rms_norm_eps"]
-    h = w["model.embed_tokens.weight"][ids]
+    h, states = w["model.embed_tokens.weight"][ids], []
     for _ in range(steps):
         for i in range(hf["num_hidden_layers"]):
             p = f"model.layers.{i}."
@@ -116,8 +118,26 @@ def ouro_logits(w, hf, ids, steps):
             m = (torch.nn.functional.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T))
             h = h + rms_norm(m @ w[p + "mlp.down_proj.weight"].T, w[p + "post_attention_layernorm_2.weight"], eps)
         h = rms_norm(h, w["model.norm.weight"], eps)  # closes every UT step; the next step reads it
+        states.append(h)
+    return states
+
+
+def ouro_logits(w, hf, ids, steps, threshold=None):
+    """Logits and each position's exit step: the last step's state, or with ``threshold``
+    the first whose exit CDF reaches it (p_t = λ_t Π_{s<t}(1 − λ_s), the last step the rest)."""
+    states = ouro_states(w, hf, ids, steps)
     head = w["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else w["lm_head.weight"]
-    return h @ head.T
+    if threshold is None:
+        return states[-1] @ head.T, torch.full(ids.shape, steps - 1)
+    pdf, remaining = [], torch.ones(ids.shape)
+    for t, h in enumerate(states):
+        lam = torch.sigmoid(h @ w["model.early_exit_gate.weight"].T + w["model.early_exit_gate.bias"]).squeeze(-1)
+        pdf.append(lam * remaining if t < steps - 1 else remaining)
+        remaining = remaining * (1 - lam)
+    reached = torch.stack(pdf, dim=2).cumsum(dim=2) >= threshold  # [B, T, steps]
+    exit_step = torch.where(reached.any(dim=2), reached.float().argmax(dim=2), steps - 1)
+    chosen = torch.stack(states, dim=2).gather(2, exit_step[..., None, None].expand(-1, -1, 1, h.shape[-1])).squeeze(2)
+    return chosen @ head.T, exit_step
 
 
 def _ids(batch=2, length=11, vocab=53, seed=0):
@@ -136,16 +156,16 @@ def test_logits_equal_the_reference_at_every_loop_count(tmp_path, case):
     ids = _ids()
     with torch.no_grad():
         for t in range(1, steps + 1):
-            expected = ouro_logits(weights, hf, ids, t)
+            expected, _ = ouro_logits(weights, hf, ids, t)
             got = model(ids, iterations=t).logits
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         assert model(ids).logits.shape == (2, 11, hf["vocab_size"])
-        torch.testing.assert_close(model(ids).logits, ouro_logits(weights, hf, ids, steps), atol=ATOL, rtol=0)
+        torch.testing.assert_close(model(ids).logits, ouro_logits(weights, hf, ids, steps)[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("iterations", [None, 2])
-def test_cached_decoding_equals_the_reference(tmp_path, iterations):
-    hf = dict(BASE)
+@pytest.mark.parametrize("iterations,threshold", [(None, 1.0), (2, 1.0), (None, 0.6)])
+def test_cached_decoding_equals_the_reference(tmp_path, iterations, threshold):
+    hf = {**BASE, "early_exit_threshold": threshold}
     weights = ouro_weights(hf, seed=2)
     model = load_hf_checkpoint(write_checkpoint(tmp_path, hf, weights))
     ids = _ids(length=9, seed=3)
@@ -154,21 +174,34 @@ def test_cached_decoding_equals_the_reference(tmp_path, iterations):
         logits = [model(ids[:, :4], cache=cache, iterations=iterations).logits]
         for t in range(4, ids.shape[1]):
             logits.append(model(ids[:, t:t + 1], cache=cache, iterations=iterations).logits)
-    expected = ouro_logits(weights, hf, ids, iterations or hf["total_ut_steps"])
+    expected, _ = ouro_logits(weights, hf, ids, iterations or hf["total_ut_steps"], threshold)
     torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=ATOL, rtol=0)
 
 
-def test_the_exit_gate_is_read_and_not_applied(tmp_path):
-    """looplm runs every UT step (Ouro's logits when no early exit is asked for); the gate's
-    tensors are accepted, and no looplm parameter takes them."""
-    hf = dict(BASE)
-    model = load_hf_checkpoint(write_checkpoint(tmp_path, hf, ouro_weights(hf, seed=4)))
-    assert not any("gate" in name and "ffn" not in name for name in model.state_dict())
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.9, None])
+@pytest.mark.parametrize("steps", [2, 4])
+def test_exit_threshold_reads_out_the_reference_exit_step(tmp_path, threshold, steps):
+    """The exit gate as Ouro's threshold rule: per position, the state of the first step
+    whose exit CDF reaches ``early_exit_threshold`` (null: the last step)."""
+    hf = {**BASE, "total_ut_steps": 4, "early_exit_threshold": threshold}
+    weights = ouro_weights(hf, seed=6)
+    model = load_hf_checkpoint(write_checkpoint(tmp_path, hf, weights))
+    assert model.cfg.halting.kind == "exit_gate" and model.cfg.halting.threshold == threshold
+    torch.testing.assert_close(model.halting.gate.weight, weights["model.early_exit_gate.weight"], atol=0, rtol=0)
+    ids = _ids(length=13, seed=7)
+    expected, exit_step = ouro_logits(weights, hf, ids, steps, threshold)
+    with torch.no_grad():
+        out = model(ids, iterations=steps)
+    torch.testing.assert_close(out.logits, expected, atol=ATOL, rtol=0)
+    assert torch.equal(out.record["exit_step"][0], exit_step)
+    if threshold is not None:  # the rule does choose here: positions exit at different steps
+        assert len(exit_step.unique()) == steps
 
 
 @pytest.mark.parametrize("field,value", [
     ("use_sliding_window", True), ("hidden_act", "gelu"), ("total_ut_steps", 0), ("head_dim", 16),
     ("layer_types", ["full_attention", "sliding_attention"]), ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}),
+    ("early_exit_threshold", 1.5),
 ])
 def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=f"hf_config.{field}"):

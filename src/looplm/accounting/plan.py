@@ -118,6 +118,8 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
                 plan.append(Step("resolution", f"resolution.up.{t}", ResolutionCall(resolution, t), up, slot, grad))
         if streams.uses_topology:
             plan.append(Step("topology", f"topology.step.{t}", topology, at))
+        if halting.reads_norm:  # the exit gate reads norm(Y) every step
+            plan.append(Step("final_norm", f"halting.norm.{t}", model.norm, at))
         if halting.evaluates:
             plan.append(Step("halting", f"halting.{t}", halting, at))
         if halting.reads_logits(targets):  # e.g. Q-halt's BCE target 1[argmax head(norm(Y)) = target]

@@ -14,7 +14,7 @@ from torch import nn
 
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost, register_flop_rule
 from looplm.accounting.plan import BlockCall, PositionCall, ResolutionCall
-from looplm.halting import ACTHalting, QHalting
+from looplm.halting import ACTHalting, ExitGateHalting, QHalting
 from looplm.head_loop.block import BlockLoopBlock, HeadLoopBlock
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.mixers.deltanet import DeltaRuleMixer
@@ -386,3 +386,11 @@ def _qhalt(m: QHalting, call: Call) -> Cost:
     """One macro step: the q head d -> 1 (with its bias) on every position. Its training
     target (final norm + LM head on the solution) is a separate, targets-only plan step."""
     return module_cost(m.head, call)
+
+
+@register_flop_rule(ExitGateHalting)
+def _exit_gate(m: ExitGateHalting, call: Call) -> Cost:
+    """One macro step: the gate d -> 1 (with its bias) on every position and the readout's
+    selection of the exiting positions' states (one element each). The final norm it reads
+    is a separate plan step."""
+    return module_cost(m.gate, call) + Cost(state=call.rows * m.gate.in_features)

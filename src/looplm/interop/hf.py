@@ -76,8 +76,8 @@ _OURO_OUTPUT_NORMS = {
     "input_layernorm_2.weight": "attn_out_norm.weight",
     "post_attention_layernorm_2.weight": "ffn_out_norm.weight",
 }
-# Ouro's per-step exit gate (d -> 1 with bias): not applied by looplm yet (see _ouro_config).
-_OURO_EXIT_GATE = ("model.early_exit_gate.weight", "model.early_exit_gate.bias")
+# Ouro's per-step exit gate (d -> 1 with bias) -> the exit_gate halting rule's gate.
+_OURO_EXIT_GATE = {"model.early_exit_gate.weight": "halting.gate.weight", "model.early_exit_gate.bias": "halting.gate.bias"}
 
 
 # ---------------------------------------------------------------------------- config
@@ -163,14 +163,12 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
     """Ouro (configuration_ouro.py / modeling_ouro.py, ByteDance Ouro-1.4B / 2.6B) as a loop:
     layout ``"{num_hidden_layers}R{total_ut_steps}"`` with no prelude or coda, LLaMA blocks
-    (RMSNorm, SwiGLU, RoPE, no biases) with ``norm_placement: sandwich``, and
+    (RMSNorm, SwiGLU, RoPE, no biases) with ``norm_placement: sandwich``;
     ``loop_input_norm``: OuroModel applies its final ``norm`` after every UT step and feeds
-    that normalised state to the next step, while the head reads the last step's normalised
-    state (OuroForCausalLM's default logits, without ``exit_at_step`` / ``exit_threshold``).
-
-    The early-exit gate is not applied: looplm runs all ``total_ut_steps`` steps, which is
-    Ouro's output whenever its threshold rule does not exit earlier; the gate's weights
-    are read and dropped (:data:`_OURO_EXIT_GATE`)."""
+    that normalised state to the next step; and the halting rule ``exit_gate`` with
+    ``threshold: early_exit_threshold``: OuroForCausalLM's inference logits read each
+    position's state at the first step whose exit CDF reaches the threshold (null: the
+    last step). Ouro's ``exit_at_step`` and weighted-exit training loss are not mapped."""
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         _require(key in hf_config, key, None, "present in config.json")
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
@@ -187,6 +185,9 @@ def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
     kinds = hf_config.get("layer_types") or []
     _require(all(k == "full_attention" for k in kinds), "layer_types", kinds, "null or only 'full_attention'")
     rope = _rope_parameters(hf_config)
+    threshold = hf_config.get("early_exit_threshold", 1.0)  # OuroConfig's default
+    _require(threshold is None or (isinstance(threshold, (int, float)) and 0.0 < threshold <= 1.0),
+             "early_exit_threshold", threshold, "null or a number in (0, 1]")
     return ModelConfig(
         vocab_size=hf_config["vocab_size"],
         d_model=hidden,
@@ -206,6 +207,7 @@ def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
         bias=False,
         rotary_pct=1.0,
         rope_theta=rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
+        halting={"kind": "exit_gate", "threshold": threshold},
     )
 
 
@@ -251,7 +253,7 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, mode
     layer_prefix, embed_key, norm_prefix, head_keys = _TOP[model_type]
     pattern = re.compile(rf"^{re.escape(layer_prefix)}(\d+)\.(.+)$")
 
-    rest = {k: v for k, v in hf_state.items() if not _IGNORED.search(k) and not (looped and k in _OURO_EXIT_GATE)}
+    rest = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
     blocks: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layers)]
     out: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # looplm key -> HF key(s), for error messages
@@ -270,6 +272,8 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, mode
             put(f"norm.{key[len(norm_prefix):]}", tensor, key)
         elif key in head_keys:
             put("head.weight", tensor, key)
+        elif looped and key in _OURO_EXIT_GATE:
+            put(_OURO_EXIT_GATE[key], tensor, key)
         else:
             unexpected.append(key)
 
