@@ -77,7 +77,10 @@ _OURO_OUTPUT_NORMS = {
     "post_attention_layernorm_2.weight": "ffn_out_norm.weight",
 }
 # Ouro's per-step exit gate (d -> 1 with bias) -> the exit_gate halting rule's gate.
-_OURO_EXIT_GATE = {"model.early_exit_gate.weight": "halting.gate.weight", "model.early_exit_gate.bias": "halting.gate.bias"}
+_OURO_EXIT_GATE = {
+    "model.early_exit_gate.weight": "halting.gate.weight",
+    "model.early_exit_gate.bias": "halting.gate.bias",
+}
 
 
 # ---------------------------------------------------------------------------- config
@@ -239,7 +242,8 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, mode
     """Rename and reshape a ``*ForCausalLM`` state dict into looplm parameter names.
 
     hf_state: the checkpoint's tensors; cfg: from :func:`config_from_hf`. Blocks go to
-    ``prelude.{i}`` (Ouro's: the shared loop core ``core.0.{i}``); the attention projections are fused into ``attn.qkv`` laid out as
+    ``prelude.{i}`` (Ouro's to the shared loop core ``core.0.{i}``, its exit gate to
+    ``halting.gate``); the attention projections are fused into ``attn.qkv`` laid out as
     [q (H·D) | k (H_kv·D) | v (H_kv·D)]. Every looplm parameter must be produced with its
     exact shape, and every HF key must be used (or be a known buffer); otherwise ValueError.
     """
