@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
 from looplm.interop.hf import config_from_hf, load_hf_checkpoint
+from looplm.model import LoopLM
 
 ATOL = 1e-5
 BASE = dict(
@@ -213,3 +214,14 @@ def test_an_unknown_ouro_tensor_is_refused(tmp_path):
     weights = {**ouro_weights(hf, seed=5), "model.layers.0.extra_norm.weight": torch.ones(32)}
     with pytest.raises(ValueError, match="extra_norm"):
         load_hf_checkpoint(write_checkpoint(tmp_path, hf, weights))
+
+
+def test_an_imported_ouro_model_round_trips_through_save_pretrained(tmp_path):
+    hf = {**BASE, "early_exit_threshold": 0.6}
+    model = load_hf_checkpoint(write_checkpoint(tmp_path / "ouro", hf, ouro_weights(hf, seed=8)))
+    model.save_pretrained(tmp_path / "looplm")
+    again = LoopLM.from_pretrained(tmp_path / "looplm").eval()
+    assert again.cfg == model.cfg
+    ids = _ids(seed=9)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
