@@ -76,6 +76,10 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("nested-act-prelude-coda", tiny_config("base", layout="1+1R2+1", streams={"kind": "two", "inner": 2},
                                                 halting={"kind": "act"})),
         ("learned-positions", tiny_config("residual", position="learned")),
+        ("ouro-sandwich", tiny_config("base", layout="2R3", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2,
+                                      norm_placement="sandwich", loop_input_norm=True,
+                                      halting={"kind": "exit_gate", "threshold": 0.5})),
+        ("sandwich-neox-anchor", tiny_config("anchor", norm_placement="sandwich", parallel_residual=True)),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

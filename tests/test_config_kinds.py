@@ -85,7 +85,7 @@ def test_capabilities_are_answered_by_each_kind():
 
     assert [k for k in TOPOLOGY_CONFIGS if k not in having(TOPOLOGY_CONFIGS, "defines_update")] == ["base"]
     assert [k for k in TOPOLOGY_CONFIGS if k not in having(TOPOLOGY_CONFIGS, "can_freeze_positions")] == ["mesh"]
-    assert having(HALTING_CONFIGS, "adaptive") == ["act", "qhalt"]
+    assert having(HALTING_CONFIGS, "adaptive") == ["act", "exit_gate", "qhalt"]
     assert having(HALTING_CONFIGS, "needs_no_coda") == ["qhalt"]
     assert having(STREAMS_CONFIGS, "defines_update") == ["two"]
     none = HaltingConfig.from_dict({"kind": "none"})

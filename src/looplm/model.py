@@ -25,7 +25,7 @@ from torch import nn
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
 from looplm.generation import generate
-from looplm.halting import Halting, build_halting
+from looplm.halting import Halting, Readout, build_halting
 from looplm.head_loop.block import build_block
 from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
@@ -202,7 +202,7 @@ class LoopLM(nn.Module):
             state = freeze(state, new, halt.running) if halting.freezes else new
             last = t == n_iter - 1
             solution = streams.finish(topology, state) if last else state.h
-            halting.observe(halt, solution, t, last, lambda y: self.head(self.norm(y)), targets)
+            halting.observe(halt, solution, t, last, Readout(self.norm, self.head), targets)
             trace.append(state.h)
             if halting.freezes and not last and halt.done:
                 break
@@ -218,12 +218,17 @@ class LoopLM(nn.Module):
 
     def _passes(self, t: int, ctx: MixerContext, cache: Optional[LoopCache]):
         """core(x, i): the i-th core pass of macro step t on x + e_t (the step signal), named
-        t·passes + i in the cache: ũ = f_core(x) at resolution r_t."""
+        t·passes + i in the cache: ũ = f_core(x) at resolution r_t. With
+        ``model.loop_input_norm`` the state entering steps t >= 1 is first normalised by the
+        final norm (Ouro: ``self.norm`` closes every UT step), so each step's state is the
+        one its readout head(norm(·)) reads."""
         signal = self.step_embedding.at(t) if self.step_embedding is not None else None
         passes = self.streams.passes
+        entry = self.norm if self.cfg.loop_input_norm and t > 0 else None
 
         def core(x: torch.Tensor, i: int) -> torch.Tensor:
             def core_pass(x: torch.Tensor) -> torch.Tensor:
+                x = x if entry is None else entry(x)
                 x = x if signal is None else x + signal.to(x.dtype)
                 return self._core(t, x, ctx, cache, slot=t * passes + i)
 

@@ -50,6 +50,8 @@ class ModelConfig(Config):
     mlp: Literal["gelu", "swiglu"] = "gelu"
     mlp_hidden: Optional[int] = None
     parallel_residual: bool = False
+    norm_placement: Literal["pre", "sandwich"] = "pre"  # sandwich: also a norm on each sub-layer's output (Ouro)
+    loop_input_norm: bool = False  # the final norm also normalises the loop state entering steps 2..T (Ouro)
     bias: bool = True
     tie_embeddings: bool = False
     rotary_pct: float = 1.0
@@ -97,6 +99,8 @@ class ModelConfig(Config):
         check(rot % 2 == 0, "model.rotary_pct", self.rotary_pct, f"a fraction giving an even number of rotary dims of head_dim={self.head_dim} (got {rot})")
         check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a number > 0")
         check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a number > 0")
+        check(self.norm_placement in ("pre", "sandwich"), "model.norm_placement", self.norm_placement,
+              "'pre' (norm on each sub-layer's input) or 'sandwich' (and on its output, as Ouro)")
         check(self.mlp_hidden is None or self.mlp_hidden >= 1, "model.mlp_hidden", self.mlp_hidden, "null or an integer >= 1")
         check(self.max_seq_len >= 1, "model.max_seq_len", self.max_seq_len, "an integer >= 1")
         check(self.init_std > 0, "model.init_std", self.init_std, "a number > 0")
@@ -118,6 +122,8 @@ class ModelConfig(Config):
         for t, spec in enumerate(self.loop_mixers or ()):
             spec.validate(self.block_shape, f"model.loop_mixers[{t}]")
         if self.head_loop is not None:
+            check(self.norm_placement == "pre", "model.norm_placement", self.norm_placement,
+                  "'pre' with model.head_loop set (SGT's grown passes are pre-norm)")
             object.__setattr__(self, "head_loop", HeadLoopConfig.checked(self.head_loop, self))
         self._check_loop_axes(layout)
         if not layout.is_looped:
@@ -139,6 +145,7 @@ class ModelConfig(Config):
         if not layout.is_looped:
             for name, ok, value, default in (
                 ("step_embeddings", not self.step_embeddings, self.step_embeddings, False),
+                ("loop_input_norm", not self.loop_input_norm, self.loop_input_norm, False),
                 ("streams.kind", not self.streams.defines_update, self.streams.kind, "single"),
                 ("halting.kind", not self.halting.adaptive, self.halting.kind, "none"),
             ):
@@ -146,6 +153,9 @@ class ModelConfig(Config):
                       f"{default!r} for the dense layout {self.layout!r}: it acts on a loop such as 1R12")
             return
         multires = any(r != 1 for r in layout.resolutions)
+        if self.loop_input_norm:
+            check(not self.streams.defines_update, "model.loop_input_norm", self.loop_input_norm,
+                  f"false with model.streams.kind={self.streams.kind} (it normalises the single loop state)")
         if self.streams.defines_update:
             for name, ok, value, allowed in (
                 ("topology.kind", not self.topology.defines_update, self.topology.kind,
@@ -234,7 +244,7 @@ class ModelConfig(Config):
         return BlockShape(
             d_model=self.d_model, n_heads=self.n_heads, kv_heads=self.kv_heads, rotary_dim=self.rotary_dim,
             rope_theta=self.rope_theta, bias=self.bias, norm=self.norm, norm_eps=self.norm_eps, mlp=self.mlp,
-            ffn_hidden=self.ffn_hidden, parallel_residual=self.parallel_residual,
+            ffn_hidden=self.ffn_hidden, parallel_residual=self.parallel_residual, norm_placement=self.norm_placement,
         )
 
     def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:

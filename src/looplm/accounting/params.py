@@ -107,7 +107,8 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     """The counts of :func:`parameter_counts` from the config alone:
 
     embedding V·d (+ max_seq_len·d with learned positions); head V·d (0 when tied); final
-    norm; per block two norms, the FFN and the mixer layer(s) (one per parameter group of its mixer schedule); the core once per
+    norm; per block two norms (four under ``norm_placement: sandwich``), the FFN and the
+    mixer layer(s) (one per parameter group of its mixer schedule); the core once per
     stack (one stack when shared, T otherwise); topology parameters (MeSH:
     (T + 1)·2·(d·B + B), Appendix E.4); ``resolution`` (only when it holds parameters):
     SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1; the
@@ -119,7 +120,8 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
         groups = {}
         for spec in specs:
             groups.setdefault(spec.parameter_group(), spec)
-        return 2 * _norm(cfg) + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values())
+        norms = cfg.block_shape.norms_per_block * _norm(cfg)
+        return norms + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values())
 
     plan = cfg.block_mixers()
     prelude = sum(block(plan[("prelude", j)]) for j in range(layout.prelude))

@@ -103,6 +103,8 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
             if p.reads is not None:  # the pass's input is a sum of streams
                 reads = dataclasses.replace(at, phase=p.reads)
                 plan.append(Step("streams", f"streams.{slot}", streams, reads, slot, grad))
+            if cfg.loop_input_norm and t > 0:  # the final norm on the state entering step t (Ouro)
+                plan.append(Step("final_norm", f"loop_input_norm.{slot}", model.norm, at, slot, grad))
             if signal:  # x + e_t on the core's input, at full resolution
                 plan.append(Step("step_embedding", f"step_embedding.{slot}", model.step_embedding, at, slot, grad))
             if scaled:
@@ -116,6 +118,8 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
                 plan.append(Step("resolution", f"resolution.up.{t}", ResolutionCall(resolution, t), up, slot, grad))
         if streams.uses_topology:
             plan.append(Step("topology", f"topology.step.{t}", topology, at))
+        if halting.reads_norm:  # the exit gate reads norm(Y) every step
+            plan.append(Step("final_norm", f"halting.norm.{t}", model.norm, at))
         if halting.evaluates:
             plan.append(Step("halting", f"halting.{t}", halting, at))
         if halting.reads_logits(targets):  # e.g. Q-halt's BCE target 1[argmax head(norm(Y)) = target]

@@ -14,7 +14,7 @@ from torch import nn
 
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost, register_flop_rule
 from looplm.accounting.plan import BlockCall, PositionCall, ResolutionCall
-from looplm.halting import ACTHalting, QHalting
+from looplm.halting import ACTHalting, ExitGateHalting, QHalting
 from looplm.head_loop.block import BlockLoopBlock, HeadLoopBlock
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.mixers.deltanet import DeltaRuleMixer
@@ -85,11 +85,14 @@ def _block_call(m: BlockCall, call: Call) -> Cost:
 
 
 def _sublayers(block: Block, call: Call) -> tuple[Cost, Cost]:
-    """norm -> mixer (this iteration's view) -> residual, and norm -> FFN -> residual."""
+    """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->
+    output norm -> residual (the output norms cost nothing under ``norm_placement: pre``)."""
     d = block.attn_norm.weight.shape[0]
     mixer = block.mixer_at(max(call.iteration, 0))
-    attention = module_cost(block.attn_norm, call) + module_cost(mixer, call) + Cost(residual=call.rows * d)
-    ffn = module_cost(block.ffn_norm, call) + module_cost(block.ffn, call) + Cost(residual=call.rows * d)
+    attention = (module_cost(block.attn_norm, call) + module_cost(mixer, call) + module_cost(block.attn_out_norm, call)
+                 + Cost(residual=call.rows * d))
+    ffn = (module_cost(block.ffn_norm, call) + module_cost(block.ffn, call) + module_cost(block.ffn_out_norm, call)
+           + Cost(residual=call.rows * d))
     return attention, ffn
 
 
@@ -383,3 +386,11 @@ def _qhalt(m: QHalting, call: Call) -> Cost:
     """One macro step: the q head d -> 1 (with its bias) on every position. Its training
     target (final norm + LM head on the solution) is a separate, targets-only plan step."""
     return module_cost(m.head, call)
+
+
+@register_flop_rule(ExitGateHalting)
+def _exit_gate(m: ExitGateHalting, call: Call) -> Cost:
+    """One macro step: the gate d -> 1 (with its bias) on every position and the readout's
+    selection of the exiting positions' states (one element each). The final norm it reads
+    is a separate plan step."""
+    return module_cost(m.gate, call) + Cost(state=call.rows * m.gate.in_features)

@@ -5,12 +5,14 @@
 | none | every macro step | last state | |
 | act | Σ σ(wᵀh) ≥ 1 − ε | Σ_τ w_τ h^(τ), ponder cost N + R | Graves 2016; LT2 App. ACT |
 | qhalt | σ(wᵀY) > 0.5 | terminal solution, BCE on correctness | TRM; autoregressive-trm App. B.1 |
+| exit_gate | CDF of λ_t ∏(1 − λ_s) ≥ threshold (every step still runs) | the exit step's state | Ouro (modeling_ouro.py) |
 """
 
 from __future__ import annotations
 
 from looplm.halting.act import ACTHalting
-from looplm.halting.base import Halting, HaltState
+from looplm.halting.base import Halting, HaltState, Readout
+from looplm.halting.exit_gate import ExitGateHalting
 from looplm.halting.config import HALTING_CONFIGS, HaltingConfig
 from looplm.halting.qhalt import QHalting
 
@@ -20,4 +22,5 @@ def build_halting(cfg: HaltingConfig, d_model: int) -> Halting:
     return cfg.build(d_model)
 
 
-__all__ = ["ACTHalting", "HALTING_CONFIGS", "Halting", "HaltState", "HaltingConfig", "QHalting", "build_halting"]
+__all__ = ["ACTHalting", "ExitGateHalting", "HALTING_CONFIGS", "Halting", "HaltState", "HaltingConfig", "QHalting",
+           "Readout", "build_halting"]

@@ -12,8 +12,20 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-#: logits of a solution state [B, T, d] -> [B, T, V] (final norm and head)
-ReadLogits = Callable[[torch.Tensor], torch.Tensor]
+@dataclasses.dataclass(frozen=True)
+class Readout:
+    """How the model reads a solution state y [B, T, d]: ``norm`` (its final norm) and
+    ``head`` (its LM head); calling it gives the logits head(norm(y)) [B, T, V]."""
+
+    norm: Callable[[torch.Tensor], torch.Tensor]
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(y))
+
+
+#: what ``observe`` is handed to read logits of a solution state (final norm and head)
+ReadLogits = Readout
 
 
 @dataclasses.dataclass
@@ -44,6 +56,7 @@ class Halting(nn.Module):
 
     freezes = False  # whether halted positions stop updating (the loop may then stop early)
     evaluates = False  # whether ``observe`` runs a module of the rule's own (ACT's unit, the Q head) every step
+    reads_norm = False  # whether ``observe`` applies the model's final norm to the solution every step
 
     def reads_logits(self, targets: bool) -> bool:
         """Whether ``observe`` reads the solution's logits (final norm and head, under

@@ -14,6 +14,7 @@ from typing import ClassVar, Optional
 from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting
+from looplm.halting.exit_gate import ExitGateHalting
 from looplm.halting.qhalt import QHalting
 
 
@@ -143,9 +144,33 @@ class QHaltingConfig(HaltingHeadConfig):
         return QHalting(d_model, self.loss_weight, self.full_compute, self.bias)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExitGateHaltingConfig(HaltingConfig):
+    """Ouro's per-step exit gate (modeling_ouro.py): λ_t = σ(wᵀ norm(h_t) + b), exit
+    distribution p_t = λ_t ∏_{s<t}(1 − λ_s) (the last step takes the rest); each position
+    reads out the first step whose CDF reaches ``threshold`` (Ouro's ``early_exit_threshold``,
+    default 1.0; null: always the last step, the gate only recorded). Every position runs
+    every step; only the readout is chosen."""
+
+    kind: str = "exit_gate"
+    threshold: Optional[float] = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.threshold is None or 0.0 < self.threshold <= 1.0, "model.halting.threshold", self.threshold,
+              "null (read out the last step) or a number in (0, 1]")
+
+    def build(self, d_model: int) -> Halting:
+        return ExitGateHalting(d_model, self.threshold)
+
+    def parameter_count(self, d_model: int) -> int:
+        return d_model + 1  # the gate: d -> 1 with bias
+
+
 #: The halting rules: ``kind`` -> config class. One line per kind.
 HALTING_CONFIGS: dict[str, type[KindConfig]] = {
     "none": NoHaltingConfig,
     "act": ACTHaltingConfig,
     "qhalt": QHaltingConfig,
+    "exit_gate": ExitGateHaltingConfig,
 }

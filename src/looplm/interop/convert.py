@@ -42,7 +42,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from looplm.config_base import ConfigError, set_dotted
-from looplm.interop.hf import MODEL_TYPES, config_from_hf, load_hf_checkpoint
+from looplm.interop.hf import DENSE_MODEL_TYPES, config_from_hf, load_hf_checkpoint
 from looplm.layout import Layout, parse_layout
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
@@ -161,10 +161,10 @@ def convert_dense(
         raise FileNotFoundError(f"{config_path} not found: expected a Hugging Face checkpoint directory")
     hf_config = json.loads(config_path.read_text())
     model_type = hf_config.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if model_type not in DENSE_MODEL_TYPES:
         raise ConfigError(
             "hf_config.model_type", model_type,
-            f"a dense checkpoint: one of {', '.join(MODEL_TYPES)} (a looped checkpoint is imported, not converted)",
+            f"a dense checkpoint: one of {', '.join(DENSE_MODEL_TYPES)} (a looped checkpoint is imported, not converted)",
         )
     # The map (and its errors) before reading any weights.
     mapping = layer_map(config_from_hf(hf_config).parsed_layout.prelude, layout, init)

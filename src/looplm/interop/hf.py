@@ -1,9 +1,12 @@
-"""Import Hugging Face GPT-NeoX (Pythia) and LLaMA checkpoints as dense looplm models.
+"""Import Hugging Face GPT-NeoX (Pythia) and LLaMA checkpoints as dense looplm models,
+and Ouro checkpoints as looped ones.
 
 A checkpoint directory (``config.json`` plus ``model.safetensors`` or a sharded
-``model.safetensors.index.json``) becomes a :class:`~looplm.model.LoopLM` with layout
-``"N"`` (all N blocks in ``prelude``) whose logits equal transformers' own. Reading a
-checkpoint needs only ``json`` and ``safetensors``; transformers is never imported.
+``model.safetensors.index.json``) becomes a :class:`~looplm.model.LoopLM` whose logits
+equal the reference implementation's: GPT-NeoX and LLaMA with layout ``"N"`` (all N
+blocks in ``prelude``); Ouro (``model_type: "ouro"``, ByteDance's looped LM) with layout
+``"{L}R{T}"``, all L layers looped ``total_ut_steps`` times (:func:`_ouro_config`).
+Reading a checkpoint needs only ``json`` and ``safetensors``; transformers is never imported.
 
 Anything our blocks cannot reproduce exactly (RoPE scaling, another activation, a head
 width other than hidden_size / num_heads, ...) is refused with a :class:`ConfigError`
@@ -25,7 +28,9 @@ from looplm.config_base import ConfigError
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 
-MODEL_TYPES = ("gpt_neox", "llama")
+#: Dense checkpoints (what ``looplm convert`` turns into loops) and every importable type.
+DENSE_MODEL_TYPES = ("gpt_neox", "llama")
+MODEL_TYPES = (*DENSE_MODEL_TYPES, "ouro")
 
 # Parameter-free HF buffers that some checkpoints still carry: the causal-mask buffers of
 # old GPT-NeoX (``attention.bias`` / ``attention.masked_bias``) and rotary tables.
@@ -63,6 +68,20 @@ _TOP = {
         "gpt_neox.layers.", "gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm.", ("embed_out.weight", "lm_head.weight")
     ),
     "llama": ("model.layers.", "model.embed_tokens.weight", "model.norm.", ("lm_head.weight",)),
+    "ouro": ("model.layers.", "model.embed_tokens.weight", "model.norm.", ("lm_head.weight",)),
+}
+# Where the HF layers go: the dense families' blocks are the prelude; Ouro's are the shared loop core.
+_BLOCKS_AT = {"gpt_neox": "prelude", "llama": "prelude", "ouro": "core.0"}
+# Ouro's sandwich norms (modeling_ouro.py OuroDecoderLayer): input_layernorm -> attention ->
+# input_layernorm_2 -> residual; post_attention_layernorm -> MLP -> post_attention_layernorm_2 -> residual.
+_OURO_OUTPUT_NORMS = {
+    "input_layernorm_2.weight": "attn_out_norm.weight",
+    "post_attention_layernorm_2.weight": "ffn_out_norm.weight",
+}
+# Ouro's per-step exit gate (d -> 1 with bias) -> the exit_gate halting rule's gate.
+_OURO_EXIT_GATE = {
+    "model.early_exit_gate.weight": "halting.gate.weight",
+    "model.early_exit_gate.bias": "halting.gate.bias",
 }
 
 
@@ -77,6 +96,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     """
     model_type = hf_config.get("model_type")
     _require(model_type in MODEL_TYPES, "model_type", model_type, f"one of {', '.join(MODEL_TYPES)}")
+    if model_type == "ouro":
+        return _ouro_config(hf_config)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         _require(key in hf_config, key, None, "present in config.json")
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
@@ -144,6 +165,57 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
+    """Ouro (configuration_ouro.py / modeling_ouro.py, ByteDance Ouro-1.4B / 2.6B) as a loop:
+    layout ``"{num_hidden_layers}R{total_ut_steps}"`` with no prelude or coda, LLaMA blocks
+    (RMSNorm, SwiGLU, RoPE, no biases) with ``norm_placement: sandwich``;
+    ``loop_input_norm``: OuroModel applies its final ``norm`` after every UT step and feeds
+    that normalised state to the next step; and the halting rule ``exit_gate`` with
+    ``threshold: early_exit_threshold``: OuroForCausalLM's inference logits read each
+    position's state at the first step whose exit CDF reaches the threshold (null: the
+    last step). Ouro's ``exit_at_step`` and weighted-exit training loss are not mapped."""
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        _require(key in hf_config, key, None, "present in config.json")
+    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    _require(heads >= 1 and hidden % heads == 0, "num_attention_heads", heads, f"a divisor of hidden_size={hidden}")
+    act = hf_config.get("hidden_act", "silu")
+    _require(act == "silu", "hidden_act", act, "'silu' (SwiGLU, Ouro's default)")
+    head_dim = hf_config.get("head_dim")
+    _require(head_dim is None or head_dim == hidden // heads, "head_dim", head_dim,
+             f"null or hidden_size / num_attention_heads = {hidden // heads} (looplm ties head width to d_model)")
+    steps = hf_config.get("total_ut_steps", 4)  # OuroModel's default
+    _require(isinstance(steps, int) and steps >= 1, "total_ut_steps", steps, "an integer >= 1")
+    sliding = hf_config.get("use_sliding_window", False)
+    _require(not sliding, "use_sliding_window", sliding, "false (Ouro's sliding-window layers are not imported)")
+    kinds = hf_config.get("layer_types") or []
+    _require(all(k == "full_attention" for k in kinds), "layer_types", kinds, "null or only 'full_attention'")
+    rope = _rope_parameters(hf_config)
+    threshold = hf_config.get("early_exit_threshold", 1.0)  # OuroConfig's default
+    _require(threshold is None or (isinstance(threshold, (int, float)) and 0.0 < threshold <= 1.0),
+             "early_exit_threshold", threshold, "null or a number in (0, 1]")
+    return ModelConfig(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hidden,
+        n_heads=heads,
+        n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+        layout=f"{hf_config['num_hidden_layers']}R{steps}",
+        mlp_hidden=hf_config["intermediate_size"],
+        tie_embeddings=hf_config.get("tie_word_embeddings", False),
+        max_seq_len=hf_config.get("max_position_embeddings", 2048),
+        embed_scale=False,
+        norm="rmsnorm",
+        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        norm_placement="sandwich",
+        loop_input_norm=True,
+        mlp="swiglu",
+        parallel_residual=False,
+        bias=False,
+        rotary_pct=1.0,
+        rope_theta=rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
+        halting={"kind": "exit_gate", "threshold": threshold},
+    )
+
+
 def _rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The RoPE dict as transformers builds it (``rope_scaling`` wins over ``rope_parameters``);
     refuse any RoPE type but the plain one, and per-layer-type RoPE."""
@@ -172,15 +244,18 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, mode
     """Rename and reshape a ``*ForCausalLM`` state dict into looplm parameter names.
 
     hf_state: the checkpoint's tensors; cfg: from :func:`config_from_hf`. Blocks go to
-    ``prelude.{i}``; the attention projections are fused into ``attn.qkv`` laid out as
+    ``prelude.{i}`` (Ouro's to the shared loop core ``core.0.{i}``, its exit gate to
+    ``halting.gate``); the attention projections are fused into ``attn.qkv`` laid out as
     [q (H·D) | k (H_kv·D) | v (H_kv·D)]. Every looplm parameter must be produced with its
     exact shape, and every HF key must be used (or be a known buffer); otherwise ValueError.
     """
     if model_type not in MODEL_TYPES:
         raise ConfigError("model_type", model_type, f"one of {', '.join(MODEL_TYPES)}")
-    if cfg.parsed_layout.is_looped:
-        raise ConfigError("model.layout", cfg.layout, "a dense layout 'N' (an HF checkpoint has no loop)")
-    n_layers = cfg.parsed_layout.prelude
+    looped = model_type == "ouro"
+    if cfg.parsed_layout.is_looped != looped:
+        raise ConfigError("model.layout", cfg.layout, "a loop 'LRT' for ouro" if looped else
+                          f"a dense layout 'N' (a {model_type} checkpoint has no loop)")
+    n_layers = cfg.parsed_layout.core if looped else cfg.parsed_layout.prelude
     layer_prefix, embed_key, norm_prefix, head_keys = _TOP[model_type]
     pattern = re.compile(rf"^{re.escape(layer_prefix)}(\d+)\.(.+)$")
 
@@ -203,13 +278,15 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, mode
             put(f"norm.{key[len(norm_prefix):]}", tensor, key)
         elif key in head_keys:
             put("head.weight", tensor, key)
+        elif looped and key in _OURO_EXIT_GATE:
+            put(_OURO_EXIT_GATE[key], tensor, key)
         else:
             unexpected.append(key)
 
-    convert = _neox_block if model_type == "gpt_neox" else _llama_block
+    convert = {"gpt_neox": _neox_block, "llama": _llama_block, "ouro": _ouro_block}[model_type]
     for i, block in enumerate(blocks):
         for name, (tensor, origin) in convert(block, cfg, f"{layer_prefix}{i}.").items():
-            put(f"prelude.{i}.{name}", tensor, origin)
+            put(f"{_BLOCKS_AT[model_type]}.{i}.{name}", tensor, origin)
         unexpected += [f"{layer_prefix}{i}.{k}" for k in block]  # convert pops what it used
 
     if cfg.tie_embeddings and "embed.weight" in out:
@@ -259,6 +336,12 @@ def _llama_block(block: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str) 
             missing = [prefix + n for n in names if n not in block]
             raise ValueError(f"missing keys in the llama checkpoint: {', '.join(missing)}")
     return out
+
+
+def _ouro_block(block: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str) -> dict[str, tuple[torch.Tensor, str]]:
+    """One Ouro layer: a LLaMA layer plus the output norms of its sandwich; pops what it uses."""
+    out = {dst: (block.pop(src), prefix + src) for src, dst in _OURO_OUTPUT_NORMS.items() if src in block}
+    return {**_llama_block(block, cfg, prefix), **out}
 
 
 def _check_against_model(out: dict[str, torch.Tensor], source: dict[str, str], cfg: ModelConfig) -> None:

@@ -1,4 +1,9 @@
-"""Pre-norm transformer block: norm -> token mixer -> residual -> norm -> FFN -> residual.
+"""Transformer block: norm -> token mixer -> residual -> norm -> FFN -> residual.
+
+The norm placement (``BlockShape.norm_placement``) is a value of the block: ``pre``
+normalises each sub-layer's input; ``sandwich`` also normalises its output before the
+residual add (Ouro, modeling_ouro.py ``OuroDecoderLayer``). Under ``pre`` the output
+norms are ``nn.Identity`` (no parameters, no state-dict entries, the same numbers).
 
 SGT's grown passes (``model.head_loop``) extend this block from outside:
 :mod:`looplm.head_loop.block`."""
@@ -16,9 +21,18 @@ from looplm.modules.norm import build_norm
 from looplm.modules.shape import BlockShape
 
 
+def output_norm(cfg: BlockShape) -> nn.Module:
+    """A sub-layer's output norm: ``nn.Identity`` under ``pre``; under ``sandwich`` a norm
+    of the block's kind applied to the sub-layer's output before the residual add."""
+    if cfg.norm_placement == "sandwich":
+        return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+    return nn.Identity()
+
+
 class Block(nn.Module):
-    """Sequential: x + mix(n1(x)), then + ffn(n2(·)). Parallel (GPT-NeoX):
-    x + mix(n1(x)) + ffn(n2(x)).
+    """Sequential: x + m1(mix(n1(x))), then + m2(ffn(n2(·))). Parallel (GPT-NeoX):
+    x + m1(mix(n1(x))) + m2(ffn(n2(x))). m1, m2 (``attn_out_norm``, ``ffn_out_norm``) are
+    the identity under ``norm_placement: pre`` and norms under ``sandwich``.
 
     ``shape``: widths and block options (``ModelConfig.block_shape``). ``mixers``: one
     spec, or one per loop iteration (a loop-level hybrid). One layer is
@@ -40,6 +54,8 @@ class Block(nn.Module):
         self.per_iteration = [spec.view(owners[spec.parameter_group()]) for spec in mixers]  # views, not registered
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
+        self.attn_out_norm = output_norm(cfg)
+        self.ffn_out_norm = output_norm(cfg)
 
     def mixer_layers(self) -> list[nn.Module]:
         """The distinct mixer layers (parameter owners) of this block."""
@@ -58,7 +74,8 @@ class Block(nn.Module):
 
     def _layer(self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState], mixer) -> tuple[torch.Tensor, MixerState]:
         mixed, state = mixer(self.attn_norm(x), ctx, state)
+        mixed = self.attn_out_norm(mixed)
         if self.parallel_residual:
-            return x + mixed + self.ffn(self.ffn_norm(x)), state
+            return x + mixed + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
         x = x + mixed
-        return x + self.ffn(self.ffn_norm(x)), state
+        return x + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state

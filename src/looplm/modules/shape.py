@@ -16,7 +16,8 @@ class BlockShape:
     softmax attention (and the default head count of the linear mixers). rotary_dim:
     rotary channels per head (0 with learned positions); rope_theta: their base. bias:
     biases on projections. norm, norm_eps, mlp, ffn_hidden, parallel_residual: the block
-    around the mixer (GPT-NeoX or LLaMA style)."""
+    around the mixer (GPT-NeoX or LLaMA style). norm_placement: ``pre`` normalises each
+    sub-layer's input; ``sandwich`` also its output before the residual add (Ouro)."""
 
     d_model: int
     n_heads: int
@@ -29,7 +30,14 @@ class BlockShape:
     mlp: Literal["gelu", "swiglu"] = "gelu"
     ffn_hidden: int = 0
     parallel_residual: bool = False
+    norm_placement: Literal["pre", "sandwich"] = "pre"
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def norms_per_block(self) -> int:
+        """Norm layers in one block: input norms of the two sub-layers, plus their output
+        norms under ``sandwich``."""
+        return 4 if self.norm_placement == "sandwich" else 2

@@ -1,0 +1,57 @@
+"""Accounting of the block's norm placement, the loop-input norm and the exit gate: the
+analytic parameter count equals the modules' over the whole config grid, and the FLOP
+counter adds exactly the extra norms and gates that run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from looplm.accounting import analytic_parameter_counts, count_flops, parameter_counts
+from looplm.accounting.flops import build_meta_model
+from tests.conftest import all_configs, tiny_config
+
+
+@pytest.mark.parametrize("name,cfg", all_configs(), ids=[n for n, _ in all_configs()])
+def test_analytic_parameters_equal_the_modules(name, cfg):
+    assert analytic_parameter_counts(cfg) == parameter_counts(build_meta_model(cfg))
+
+
+@pytest.mark.parametrize("norm,per_element", [("rmsnorm", 4), ("layernorm", 5)])
+def test_sandwich_adds_two_norms_per_block_pass(norm, per_element):
+    pre = tiny_config("anchor", layout="1+2R3+1", norm=norm)
+    sandwich = dataclasses.replace(pre, norm_placement="sandwich")
+    seq, batch, d = 16, 2, pre.d_model
+    extra = pre.block_passes * 2 * batch * seq * d * per_element
+    assert count_flops(sandwich, seq, batch=batch, convention="mesh").forward == \
+        count_flops(pre, seq, batch=batch, convention="mesh").forward + extra
+    # norms are left out by the default convention: the same count
+    assert count_flops(sandwich, seq, batch=batch).forward == count_flops(pre, seq, batch=batch).forward
+    counts, before = parameter_counts(build_meta_model(sandwich)), parameter_counts(build_meta_model(pre))
+    norm_params = d * (2 if norm == "layernorm" else 1)
+    blocks = 1 + 2 + 1  # prelude, shared core, coda
+    assert counts["total"] == before["total"] + blocks * 2 * norm_params
+
+
+def test_loop_input_norm_counts_one_final_norm_per_later_step():
+    pre = tiny_config("base", layout="2R4", norm="rmsnorm", mlp="swiglu", bias=False)
+    looped = dataclasses.replace(pre, loop_input_norm=True)
+    seq, batch, d = 8, 3, pre.d_model
+    a = count_flops(looped, seq, batch=batch, convention="mesh")
+    b = count_flops(pre, seq, batch=batch, convention="mesh")
+    assert a.components["final_norm"] == b.components["final_norm"] + 3 * batch * seq * d * 4
+    assert a.forward - b.forward == 3 * batch * seq * d * 4
+    assert parameter_counts(build_meta_model(looped)) == parameter_counts(build_meta_model(pre))  # the shared norm
+
+
+def test_exit_gate_counts_its_norm_gate_and_selection_every_step():
+    pre = tiny_config("base", layout="2R3", norm="rmsnorm", mlp="swiglu", bias=False)
+    gated = dataclasses.replace(pre, halting={"kind": "exit_gate", "threshold": 0.5})
+    seq, batch, d = 8, 2, pre.d_model
+    rows = seq * batch
+    a = count_flops(gated, seq, batch=batch, convention="mesh")  # 1 FLOP / MAC, norms and biases counted
+    b = count_flops(pre, seq, batch=batch, convention="mesh")
+    per_step = rows * d * 4 + rows * d + rows + rows * d  # norm(Y), the gate d -> 1 and its bias, the selection
+    assert a.forward - b.forward == 3 * per_step
+    assert analytic_parameter_counts(gated)["halting"] == d + 1 == parameter_counts(build_meta_model(gated))["halting"]
