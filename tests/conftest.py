@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -109,3 +111,19 @@ def grow(name: str, model) -> None:
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def randomize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Weights of O(1) activations, norm gains and biases far from 1 and 0, different per
+    layer: HF's 0.02 init leaves attention almost uniform and layers alike, which would hide
+    a wrong rotary, head order or layer map."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))

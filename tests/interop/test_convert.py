@@ -5,7 +5,6 @@ converted start (train.init_from)."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from looplm.config_base import ConfigError
 from looplm.interop.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint, convert_dense, layer_map
 from looplm.interop.hf import load_hf_checkpoint
 from looplm.model import LoopLM
+from tests.conftest import randomize_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,20 +65,6 @@ def test_bad_layout_or_init_is_a_config_error_naming_the_field(layout, init, fie
 
 
 # ---------------------------------------------------------------- tiny checkpoints
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """O(1) activations and layers that differ clearly, so a wrong map cannot pass."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
-
-
 def _checkpoint(path, family: str, layers: int = 6, seed: int = 0):
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   intermediate_size=48, max_position_embeddings=64)
@@ -86,7 +72,7 @@ def _checkpoint(path, family: str, layers: int = 6, seed: int = 0):
         model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common, rotary_pct=0.5))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     model.config._attn_implementation = "eager"
     model.float().eval()
     model.save_pretrained(path, safe_serialization=True)

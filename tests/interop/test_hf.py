@@ -3,7 +3,6 @@ give transformers' own logits, in one forward and in prefill + token-by-token de
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from looplm.cache import LoopCache  # noqa: E402
 from looplm.interop.hf import load_hf_checkpoint  # noqa: E402
+from tests.conftest import randomize_weights  # noqa: E402
 
 VOCAB = 97
 ATOL = 1e-5
@@ -27,21 +27,6 @@ LLAMA_CASES = {
     "tied": dict(tie_word_embeddings=True, num_key_value_heads=1),
     "bias-theta500": dict(attention_bias=True, mlp_bias=True, rope_theta=500.0),
 }
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights of O(1) activations, norm gains and biases far from 1 and 0: HF's 0.02
-    init leaves attention almost uniform, which would hide a wrong rotary or head order."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
 
 
 def _neox(tmp_path, seed, **overrides):
@@ -62,7 +47,7 @@ def _llama(tmp_path, seed, **overrides):
 
 def _save(model, tmp_path, seed, **save_kwargs):
     torch.manual_seed(seed)
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     model.config._attn_implementation = "eager"
     model.float().eval()
     model.save_pretrained(tmp_path, safe_serialization=True, **save_kwargs)
