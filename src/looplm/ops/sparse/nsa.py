@@ -139,13 +139,12 @@ def _selected_branch(
     if n == 0 or S == 0:
         return torch.zeros_like(q)
     picked, index = torch.topk(selected.to(torch.uint8), n, dim=-1)  # [B, H_kv, T, n]; picked 0: a filler
-    pad = n_sel * L - S
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S, D] -> [B, H_kv, T, n·l', D]
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(B, Hkv, n_sel, L * D)
-        return x.gather(2, index.reshape(B, Hkv, T * n, 1).expand(-1, -1, -1, L * D)).view(B, Hkv, T, n * L, D)
-
     key = (index[..., None] * L + torch.arange(L, device=q.device)).view(B, Hkv, T, n * L)  # positions
+    rows = key.clamp(max=S - 1).reshape(B, Hkv, T * n * L, 1)  # the last block's tail: masked below
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S, D] -> [B, H_kv, T, n·l', D], only those rows
+        return x.gather(2, rows.expand(-1, -1, -1, x.shape[-1])).view(B, Hkv, T, n * L, x.shape[-1])
+
     allowed = (picked.bool()[..., None].expand(-1, -1, -1, -1, L).reshape(B, Hkv, T, n * L)
                & (key <= positions[:, None, :, None]))[:, :, :, None]  # [B, H_kv, T, 1, n·l']
     qt = q.permute(0, 1, 3, 2, 4)  # [B, H_kv, T, G, D]
