@@ -115,8 +115,9 @@ def test_missing_manifest_and_missing_file_are_refused(run_copy, caplog):
     (run_copy / STEP / "manifest.json").unlink()
     for args in readers(run_copy):
         refused(args, caplog, "manifest.json is missing")
-    refused(["train", "tiny-mesh", f"train.out_dir={run_copy}", *SMALL, "train.max_steps=3", "--resume",
-             "--no-progress"], caplog, "manifest.json is missing")
+    line = refused(["train", "tiny-mesh", f"train.out_dir={run_copy}", *SMALL, "train.max_steps=3", "--resume",
+                    "--no-progress"], caplog, "manifest.json is missing")
+    assert "earlier checkpoint" in line and "--no-verify" not in line  # training has no opt-out
 
 
 def test_corrupt_missing_or_empty_latest(run_copy, tmp_path, caplog):

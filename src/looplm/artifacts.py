@@ -96,10 +96,19 @@ def write_manifest(directory: Path, files: Iterable[str], **extra: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- reading
-def verify_manifest(directory: PathLike, required: Iterable[str]) -> dict[str, Any]:
+def verify_manifest(directory: PathLike, required: Iterable[str], skippable: bool = True) -> dict[str, Any]:
     """Check that ``directory`` has a manifest listing every ``required`` file and that every
-    file it lists exists with the recorded sha256; return the manifest."""
+    file it lists exists with the recorded sha256; return the manifest. ``skippable``: the
+    reader offers ``verify=False`` (--no-verify), and the refusal says so; resuming training
+    does not, and its refusal points at an earlier checkpoint instead."""
     directory = Path(directory)
+
+    def _unverified(problem: str) -> CheckpointError:
+        if not skippable:
+            return CheckpointError(f"{problem}; resume from an earlier checkpoint (pass its step directory)")
+        return CheckpointError(f"{problem}. To load it anyway for inspection, pass verify=False",
+                               cli_hint=f"{problem}. To load it anyway for inspection, add --no-verify")
+
     path = directory / MANIFEST
     if not path.is_file():
         raise _unverified(f"{directory} is incomplete or was not written by looplm: {MANIFEST} is missing, so its "
@@ -123,11 +132,6 @@ def verify_manifest(directory: PathLike, required: Iterable[str]) -> dict[str, A
             raise _unverified(f"{directory} is corrupted: {name} has sha256 {actual[:16]}…, the manifest records "
                               f"{str(recorded)[:16]}…; use an earlier checkpoint or a fresh copy")
     return manifest
-
-
-def _unverified(problem: str) -> CheckpointError:
-    return CheckpointError(f"{problem}. To load it anyway for inspection, pass verify=False",
-                           cli_hint=f"{problem}. To load it anyway for inspection, add --no-verify")
 
 
 def step_of(name: str) -> int | None:

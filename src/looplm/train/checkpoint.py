@@ -186,8 +186,9 @@ def resolve_checkpoint(path: PathLike) -> Path:
 
 
 def verify_checkpoint(step_dir: PathLike) -> dict[str, Any]:
-    """Check that every file exists and matches the manifest's sha256; return the manifest."""
-    return verify_manifest(step_dir, FILES)
+    """Check that every file exists and matches the manifest's sha256; return the manifest
+    (training resumes only from a verified checkpoint: no opt-out)."""
+    return verify_manifest(step_dir, FILES, skippable=False)
 
 
 def with_defaults(saved: dict[str, Any], config_cls: type, prefix: str) -> dict[str, Any]:

@@ -137,7 +137,7 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     query_valid = valid[:, first:S]
     allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
-        o = gathered_attention(q, k, v, allowed, min(top_k, S), scale)
+        o = gathered_attention(q, k, v, allowed, top_k, scale)
         return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
