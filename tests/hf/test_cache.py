@@ -57,3 +57,18 @@ def test_repeat_and_select_rows(model):
 def test_fresh_cache_reports_nothing():
     cache = LoopLMCache()
     assert cache.get_seq_length() == 0 and cache.batch_size == -1 and not cache.is_compileable
+
+
+@torch.no_grad()
+def test_cache_argument_under_either_name(model):
+    """transformers >= 5.24 passes the cache as ``cache``; older versions as
+    ``past_key_values``: both continue the same decoding, and giving both is refused."""
+    from looplm.config_base import ConfigError
+
+    ids = random_ids(2, 6)
+    full = model(ids).logits[:, -1]
+    for name in ("cache", "past_key_values"):
+        cache = model(ids[:, :5]).past_key_values  # a property for ``cache`` on >= 5.24
+        torch.testing.assert_close(model(ids[:, 5:6], **{name: cache}).logits[:, -1], full, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="one of cache or past_key_values"):
+        model(ids[:, :1], cache=LoopLMCache(), past_key_values=LoopLMCache())

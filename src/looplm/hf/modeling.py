@@ -25,6 +25,10 @@ from looplm.hf.configuration import LoopLMConfig
 from looplm.model import LoopLM
 from looplm.targets import IGNORE_INDEX
 
+#: transformers 5.24 renamed the cache argument and output field ``past_key_values`` to
+#: ``cache``; the adapter takes either name and fills whichever field this version has.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
     """A :class:`~looplm.model.LoopLM` for ``AutoModelForCausalLM`` and ``generate()``."""
@@ -78,6 +82,7 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor,
         attention_mask: Optional[torch.Tensor] = None,
         past_key_values: Optional[LoopLMCache] = None,
+        cache: Optional[LoopLMCache] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         iterations: Optional[int] = None,
@@ -90,14 +95,17 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         [B, T]; labels [B, T] unshifted (-100 ignored); iterations: loop count (default
         ``config.iterations``, else the trained count). Returns logits [B, T, V] (the last
         ``logits_to_keep`` positions when > 0), the loss with looplm's auxiliary losses,
-        and the cache when ``use_cache`` (a tuple of the set fields with ``return_dict=False``)."""
+        and the cache when ``use_cache`` (a tuple of the set fields with ``return_dict=False``).
+        The cache comes in as ``cache`` (transformers >= 5.24) or ``past_key_values``."""
         if output_attentions or output_hidden_states:
             raise ConfigError("output_attentions/output_hidden_states", True,
                               "False: use looplm's model.model(..., output_attentions=True, output_states=True)")
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache = past_key_values
+        if cache is not None and past_key_values is not None:
+            raise ConfigError("past_key_values", "<given with cache>", "one of cache or past_key_values")
+        cache = past_key_values if cache is None else cache
         if cache is not None and not isinstance(cache, LoopLMCache):
-            raise ConfigError("past_key_values", type(cache).__name__, "a LoopLMCache (or None: the model makes one)")
+            raise ConfigError("cache", type(cache).__name__, "a LoopLMCache (or None: the model makes one)")
         if cache is None and use_cache:
             cache = LoopLMCache()
         mask = self._new_mask(attention_mask, input_ids, cache)
@@ -105,7 +113,7 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.model(input_ids, targets, attention_mask=mask, cache=cache.loop if cache is not None else None,
                          iterations=self.config.iterations if iterations is None else iterations)
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep > 0 else out.logits
-        output = CausalLMOutputWithPast(loss=out.loss, logits=logits, past_key_values=cache if use_cache else None)
+        output = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
         return output.to_tuple() if return_dict is False else output
 
     @staticmethod
