@@ -180,6 +180,38 @@ def test_damaged_shard_is_refused_then_rebuilt(corpus, tmp_path) -> None:
     TrainStream(cfg.replace(seed=1), TOK, batch_size=2)  # verifies again (another cache key) and opens
 
 
+def test_shape_check_reads_no_bytes_but_catches_truncation(corpus, tmp_path) -> None:
+    """data.shard_check=shape: the same windows as the checksum check; a flipped byte passes
+    (that is what it gives up), a truncated or missing array is refused naming the file."""
+    from looplm.data.shard_windows import shard_corpus
+
+    out = tmp_path / "shards"
+    tokenize(corpus, out)
+    full = DataConfig(source=f"shards:{out}", seq_len=16, val_fraction=0.2)
+    shape = full.replace(shard_check="shape")
+    a, b = shard_corpus(full, TOK), shard_corpus(shape, TOK)
+    assert torch.equal(a.train[torch.arange(len(a.train))], b.train[torch.arange(len(b.train))])
+    path = out / "shard-00001.tokens.npy"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    TrainStream(shape.replace(seq_len=17), TOK, batch_size=2)  # opens: no checksum read (a new cache key)
+    with pytest.raises(CheckpointError, match="shard-00001.tokens.npy has sha256"):
+        TrainStream(full.replace(seq_len=17), TOK, batch_size=2)
+    path.write_bytes(bytes(data[:-10]))  # truncated: the header says more than the file holds
+    with pytest.raises(CheckpointError, match="shard-00001"):
+        TrainStream(shape.replace(seq_len=18), TOK, batch_size=2)
+    tokenize(corpus, out)  # rebuilt
+    np.save(out / "shard-00000.units.npy", np.zeros(3))  # a well-formed file of the wrong length
+    with pytest.raises(CheckpointError, match=r"shard-00000.units.npy holds float64\[3\], the manifest records"):
+        TrainStream(shape.replace(seq_len=19), TOK, batch_size=2)
+    (out / "shard-00000.offsets.npy").unlink()
+    with pytest.raises(CheckpointError, match="shard-00000"):
+        TrainStream(shape.replace(seq_len=20), TOK, batch_size=2)
+    with pytest.raises(ConfigError, match="data.shard_check.*sha256 or shape"):
+        DataConfig(source=f"shards:{out}", shard_check="none")
+
+
 def test_shard_source_refusals(corpus, tmp_path) -> None:
     with pytest.raises(ConfigError, match="data.streaming"):
         DataConfig(source=f"shards:{tmp_path}", streaming=True)
@@ -215,12 +247,36 @@ def test_cli_tokenize_then_train_from_shards_like_from_text(corpus, tmp_path, ca
     common = ["tiny-mesh", "model.d_model=32", "data.seq_len=16", "data.val_fraction=0.2", "train.batch_size=4",
               "train.max_steps=3", "train.eval_every=3", "train.log_every=1", "train.save_every=0", "train.sample_tokens=0"]
     losses = {}
-    for name, source in (("text", str(corpus)), ("shards", f"shards:{out}")):
+    for name, source in (("text", str(corpus)), ("shards", f"shards:{out}"),
+                         ("shape", f"shards:{out} data.shard_check=shape")):
         run = tmp_path / name
-        assert main(["train", *common, f"data.source={source}", f"train.out_dir={run}", "--no-progress"]) == 0
+        assert main(["train", *common, *f"data.source={source}".split(), f"train.out_dir={run}", "--no-progress"]) == 0
         events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [(e.get("loss"), e.get("val_loss")) for e in events if "loss" in e or "val_loss" in e]
-    assert losses["shards"] == losses["text"] and len(losses["text"]) >= 4  # same batches: the same losses
+    assert losses["shards"] == losses["text"] == losses["shape"] and len(losses["text"]) >= 4  # same batches
+
+
+def test_shard_check_is_resume_neutral(corpus, tmp_path, caplog) -> None:
+    """Switching data.shard_check on resume reads the same tokens: no config-difference warning."""
+    import logging
+
+    from looplm.config import RunConfig
+    from looplm.train import Trainer
+
+    out = tmp_path / "shards"
+    tokenize(corpus, out)
+
+    def cfg(check):
+        return RunConfig.from_dict({
+            "model": {"layout": "1+1R2+1", "d_model": 32, "n_heads": 2, "vocab_size": 257},
+            "data": {"source": f"shards:{out}", "seq_len": 16, "val_fraction": 0.2, "shard_check": check},
+            "train": {"out_dir": str(tmp_path / "run"), "batch_size": 2, "max_steps": 4, "save_every": 2,
+                      "eval_every": 0, "sample_tokens": 0}})
+
+    Trainer(cfg("sha256"), progress=False).fit(stop_after=2)
+    with caplog.at_level(logging.WARNING, logger="looplm"):
+        trainer = Trainer(cfg("shape"), resume=True, progress=False)
+    assert trainer.step == 2 and "differ" not in caplog.text
 
 
 def test_hf_dataset_source_packs_alike_and_reruns_write_nothing(tmp_path) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from looplm.config_base import Config, check
-from looplm.data.shards import is_shard_source
+from looplm.data.shards import SHARD_CHECKS, is_shard_source
 from looplm.tasks.config import validate_task_data
 
 
@@ -24,7 +24,12 @@ class DataConfig(Config):
     file or a ``transformers`` tokenizer directory.
     ``source="shards:DIR"`` trains from token shards written by ``looplm tokenize``
     (:mod:`looplm.data.shards`): the same windows and split, read by memory map; ``tokenizer``
-    must be the one the shards were made with, and ``streaming`` stays false.
+    must be the one the shards were made with, and ``streaming`` stays false. ``shard_check``
+    says how the shards are checked at every start, on every rank: ``sha256`` (every byte
+    against the manifest's checksums: minutes at hundreds of GB) or ``shape`` (every file
+    present, each array's dtype and length equal to the manifest's counts: a truncated or
+    missing file is still caught, a flipped byte is not; rerunning ``looplm tokenize`` with
+    the same arguments checks every checksum once).
     ``source="task:NAME"`` selects a generated task (``looplm.tasks``: copy, reverse,
     addition, state_tracking) with its parameters in ``task`` (defaults when omitted); a
     task brings its own vocabulary, so ``tokenizer`` stays at its default (or ``task``).
@@ -41,6 +46,7 @@ class DataConfig(Config):
     val_batches: int = 8
     shuffle: bool = True
     seed: int = 0
+    shard_check: str = "sha256"
     # Optional[TaskConfig], typed Any so that a mapping reaches validate_task_data, which
     # builds it with errors naming the exact data.task.* field.
     task: Any = None
@@ -50,6 +56,8 @@ class DataConfig(Config):
         check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
         check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in [0, 1)")
         check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
+        check(self.shard_check in SHARD_CHECKS, "data.shard_check", self.shard_check,
+              " or ".join(SHARD_CHECKS) + " (how token shards are checked at start)")
         check(not (self.streaming and is_shard_source(self.source)), "data.streaming", self.streaming,
               "false for a shards: source (shards are read by memory map, never loaded whole)")
         object.__setattr__(self, "task", validate_task_data(self.source, self.tokenizer, self.seq_len, self.task))  # None unless source is task:NAME

@@ -87,20 +87,21 @@ class ShardCorpus:
 
 def shard_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> ShardCorpus:
     """Open, verify, split and index ``cfg.source = "shards:DIR"``; cached per process on
-    (directory, seq_len, val_fraction, tokenizer), so a train stream and the validation
+    (directory, seq_len, val_fraction, tokenizer, shard check), so a train stream and the validation
     batches of one run verify the checksums once."""
+    args = (cfg.source, cfg.seq_len, cfg.val_fraction, tokenizer, cfg.shard_check)
     try:
         hash(tokenizer)
     except TypeError:
-        return _open(cfg.source, cfg.seq_len, cfg.val_fraction, tokenizer)
-    return _open_cached(cfg.source, cfg.seq_len, cfg.val_fraction, tokenizer)
+        return _open(*args)
+    return _open_cached(*args)
 
 
-def _open(source: str, seq_len: int, val_fraction: float, tokenizer: Tokenizer) -> ShardCorpus:
+def _open(source: str, seq_len: int, val_fraction: float, tokenizer: Tokenizer, check: str) -> ShardCorpus:
     if not source[len(SHARDS_PREFIX):]:
         raise ConfigError("data.source", source, "'shards:' followed by a directory written by `looplm tokenize`")
     directory = Path(source[len(SHARDS_PREFIX):]).expanduser()
-    shards = open_shards(directory, tokenizer)
+    shards = open_shards(directory, tokenizer, check)
     units = np.concatenate([s.units for s in shards])
     starts = np.concatenate([s.offsets[:-1] for s in shards]).astype(np.int64)
     lengths = np.concatenate([np.diff(s.offsets) for s in shards]).astype(np.int64)

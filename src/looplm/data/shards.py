@@ -43,6 +43,9 @@ from looplm.data.tokenizer import Tokenizer, same_tokenizer, tokenizer_identity
 SHARDS_PREFIX = "shards:"
 KIND = "looplm-token-shards"
 ARRAYS = ("tokens", "offsets", "units")
+#: How ``open_shards`` checks the files (``data.shard_check``): every checksum, or every
+#: array's dtype and length against the manifest's counts.
+SHARD_CHECKS = ("sha256", "shape")
 
 
 def is_shard_source(source: str) -> bool:
@@ -193,15 +196,38 @@ def verify_shard_files(directory: Path, manifest: dict[str, Any]) -> None:
             )
 
 
-def open_shards(directory: Path, tokenizer: Tokenizer) -> list[Shard]:
+def open_shards(directory: Path, tokenizer: Tokenizer, check: str = "sha256") -> list[Shard]:
     """The shards of ``directory`` in order, memory-mapped, after checking the tokenizer and
-    every checksum (a damaged or incomplete directory is a CheckpointError naming the file)."""
+    the files as ``check`` says (:data:`SHARD_CHECKS`); a damaged or incomplete directory
+    is a CheckpointError naming the file."""
     manifest = read_manifest(directory)
     check_tokenizer(manifest, tokenizer, directory)
-    verify_shard_files(directory, manifest)
+    if check == "sha256":
+        verify_shard_files(directory, manifest)
+    elif check != "shape":
+        raise ConfigError("data.shard_check", check, " or ".join(SHARD_CHECKS))
     shards = []
     for entry in manifest["shards"]:
         name = entry["name"]
-        arrays = [np.load(directory / array_file(name, key), mmap_mode="r", allow_pickle=False) for key in ARRAYS]
-        shards.append(Shard(name, *arrays))
+        try:
+            arrays = [np.load(directory / array_file(name, key), mmap_mode="r", allow_pickle=False) for key in ARRAYS]
+        except (OSError, ValueError) as e:  # missing, or a header np.load cannot read
+            raise CheckpointError(f"{directory} is damaged or incomplete: {name}: {e}; re-run `looplm tokenize` "
+                                  "with the same arguments to rebuild that shard") from e
+        shard = Shard(name, *arrays)
+        _check_shape(directory, shard, entry, np.dtype(manifest["dtype"]))
+        shards.append(shard)
     return shards
+
+
+def _check_shape(directory: Path, shard: Shard, entry: dict[str, Any], dtype: np.dtype) -> None:
+    """Each array's dtype and length as the manifest's counts say (O(1): the .npy headers)."""
+    expected = {"tokens": (dtype, entry["tokens"]), "offsets": (np.dtype(np.int64), entry["documents"] + 1),
+                "units": (np.dtype(np.float64), entry["documents"])}
+    for key, (kind, length) in expected.items():
+        array = getattr(shard, key)
+        if array.dtype != kind or array.shape != (length,):
+            raise CheckpointError(
+                f"{directory} is damaged: {array_file(shard.name, key)} holds {array.dtype}[{', '.join(map(str, array.shape))}], "
+                f"the manifest records {kind}[{length}]; re-run `looplm tokenize` with the same arguments to rebuild that shard"
+            )

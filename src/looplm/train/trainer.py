@@ -87,6 +87,8 @@ _RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_las
                    "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps", "loggers",
                    "wandb_project", "wandb_mode", "init_from",
                    "activation_checkpointing"}  # recomputes the same values: exact either way
+#: Data-config fields that may differ on resume: how shards are checked reads the same tokens.
+_DATA_RESUME_NEUTRAL = {"shard_check"}
 
 
 class Trainer:
@@ -215,7 +217,9 @@ class Trainer:
         saved_train = {k: v for k, v in saved_train.items() if k not in _RESUME_NEUTRAL}
         current_train = {k: v for k, v in tc.to_dict().items() if k not in _RESUME_NEUTRAL}
         saved_data = with_defaults(ckpt.config.get("data", {}), type(self.cfg.data), "data")
-        differences = config_differences(saved_data, self.cfg.data.to_dict(), "data")
+        saved_data = {k: v for k, v in saved_data.items() if k not in _DATA_RESUME_NEUTRAL}
+        current_data = {k: v for k, v in self.cfg.data.to_dict().items() if k not in _DATA_RESUME_NEUTRAL}
+        differences = config_differences(saved_data, current_data, "data")
         differences += config_differences(saved_train, current_train, "train")
         if differences:
             logger.warning(
