@@ -502,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--tokenizer", default=None, metavar="SPEC",
-                   help="byte, a tokenizer.json or a transformers tokenizer directory (default: HF_DIR's tokenizer files)")
+                   help="byte, a tokenizer.json or a transformers tokenizer directory "
+                        "(default: HF_DIR's tokenizer files)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("convert", help="a looped model from a dense GPT-NeoX / LLaMA checkpoint (Relaxed Recursive "

@@ -134,7 +134,8 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
             # already read for the gate
             grad = not halting.trains_readout
             if not halting.reads_norm:
-                plan.append(Step("final_norm", f"halting.target.norm.{t}", model.norm, at, grad=grad, targets_only=True))
+                plan.append(Step("final_norm", f"halting.target.norm.{t}", model.norm, at, grad=grad,
+                                 targets_only=True))
             plan.append(Step("head", f"halting.target.head.{t}", model.head, at, grad=grad, targets_only=True))
     return plan
 
