@@ -165,7 +165,15 @@ class ExitGateHaltingConfig(HaltingConfig):
     gate gets no gradient); ``expected`` is Ouro's Stage I objective, per position
     Σ_t p(t|x) L^(t) − β H(p(·|x)) with L^(t) the LM loss of head(norm(h_t)) and
     β = ``entropy_weight``, in place of the readout's loss. It reads every step's logits
-    straight from the loop's state, so it needs a layout without a coda."""
+    straight from the loop's state, so it needs a layout without a coda.
+
+    Sources for the formula (the paper's text was not at hand): public summaries of the
+    paper agree on the exit distribution above (the last step taking S_{T-1}'s mass) and on
+    L = Σ_t p(t|x) L^(t) − β H(p(·|x)) with H = −Σ_t p log p, the entropy of the exit
+    distribution (a KL to a uniform prior up to a constant). Default β = 0.1, the Stage I
+    value as far as is known; the summaries found say only that β was lowered for
+    stability during pre-training (one re-implementation uses 0.05), so set it explicitly
+    to reproduce a given recipe."""
 
     kind: str = "exit_gate"
     threshold: Optional[float] = 1.0
