@@ -50,6 +50,11 @@ class HaltingConfig(KindConfig):
         return None
 
     @property
+    def label(self) -> str:
+        """The rule as error messages name it (``model.halting.kind=act``)."""
+        return f"model.halting.kind={self.kind}"
+
+    @property
     def exit_at_step(self) -> Optional[int]:
         """The loop step every position reads out at, whatever the rule says (None: the rule chooses)."""
         return None
@@ -192,6 +197,10 @@ class ExitGateHaltingConfig(HaltingConfig):
         check(self.objective in self.OBJECTIVES, "model.halting.objective", self.objective,
               f"one of {', '.join(self.OBJECTIVES)}")
         check(self.entropy_weight >= 0.0, "model.halting.entropy_weight", self.entropy_weight, "a number >= 0")
+
+    @property
+    def label(self) -> str:
+        return f"model.halting.kind={self.kind} objective={self.objective}"
 
     @property
     def needs_no_coda(self) -> bool:  # type: ignore[override]
