@@ -10,13 +10,15 @@ units, bottom-up, in one place:
   the backward: peak memory holds one such block unsharded at a time);
 - the shared looped core (``model.core[0]``, all its blocks together) is one unit however
   many times it loops, with ``reshard_after_forward=False``: the loop runs it T times per
-  forward (and again for every recomputed pass under activation checkpointing), so
-  resharding after each pass would all-gather the same weights T times per forward and
-  again per pass in the backward; keeping them gathered from the first pass to the
-  backward costs the unsharded core once, which every iteration needs anyway. Its
-  gradients accumulate over all passes before the reduce-scatter. Without sharing
-  (``model.share_core=false``) each iteration has its own stack, run once, so each of
-  those blocks is an ordinary unit;
+  forward, so resharding after each pass would all-gather the same weights again for
+  every pass; kept gathered, the forward gathers the core once (measured for T = 3: 3
+  all-gathers per step instead of 7), at the memory cost of the unsharded core, which
+  every iteration needs anyway. In the backward FSDP2 runs one post-backward per module
+  call: after each pass's backward the core's gradient is reduce-scattered (summed into
+  the sharded gradient) and the core resharded, and the previous pass gathers it again,
+  so a step costs T reduce-scatters and T - 1 backward all-gathers of the core. Without
+  sharing (``model.share_core=false``) each iteration has its own stack, run once, so
+  each of those blocks is an ordinary unit;
 - the root (``model`` itself) last: embedding, head (tied or not), final norm and every
   loop-level part the recurrence calls between core passes (topology and MeSH routers,
   step embeddings, streams, halting, resolution scalers). FSDP2 keeps the root gathered

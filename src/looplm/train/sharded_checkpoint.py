@@ -124,11 +124,13 @@ def restore_weights(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.O
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     if is_sharded_checkpoint(ckpt.path):
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to fill, this world size
         target = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(target, checkpoint_id=str(ckpt.path / DCP_DIR))  # re-sliced from the saved shards
+        dcp.load(target, checkpoint_id=str(ckpt.path / DCP_DIR),  # re-sliced from the saved shards
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
         set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
         return
     if ckpt.state.get("optimizer") is None:
