@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from looplm.artifacts import CheckpointError
 from looplm.config_base import ConfigError
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
@@ -57,6 +58,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         _fit(f"{root}/fsdp-split", "mesh", resume=True, **fsdp)  # ... and resumed from its shards
         # 1 -> 2 ranks: the one-process run's full checkpoint, sharded on load
         _fit(f"{root}/fsdp-from-one", "mesh", resume=f"{root}/one-mesh/checkpoints/step_0000002", **fsdp)
+        # shards into DDP replicas (every rank reads the whole tensors)
+        _fit(f"{root}/ddp-from-fsdp", "mesh", resume=f"{root}/fsdp-mesh/checkpoints/step_0000002", batch_size=2,
+             parallel="ddp")
         for mode in ("block", "iteration"):
             _fit(f"{root}/fsdp-ac-{mode}", "mesh", max_steps=2, save_every=0, activation_checkpointing=mode, **fsdp)
         _fit(f"{root}/fsdp-bf16", "mesh", max_steps=2, save_every=0, fsdp_precision="bf16", **fsdp)
@@ -91,6 +95,7 @@ def test_fsdp_losses_match_one_process(runs, name):
     summary = json.loads((runs / f"fsdp-{name}" / "summary.json").read_text())
     single = json.loads((runs / f"one-{name}" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    assert summary["parameters"] == single["parameters"]  # counted on the sharded model: global sizes
     assert summary["sample"] == single["sample"]  # every rank sampled through the sharded model
 
 
@@ -131,6 +136,19 @@ def test_resume_on_another_number_of_ranks(runs):
     assert sorted(from_fsdp) == sorted(from_one) == [3, 4]
     _close(from_fsdp, {s: single[s] for s in (3, 4)})  # 2 ranks -> 1 process
     _close(from_one, {s: single[s] for s in (3, 4)})  # 1 process -> 2 ranks
+    _close(_losses(runs / "ddp-from-fsdp"), {s: single[s] for s in (3, 4)})  # FSDP -> DDP, 2 ranks
+
+
+def test_a_damaged_shard_is_refused_by_name(runs, tmp_path):
+    import shutil
+
+    step_dir = shutil.copytree(runs / "fsdp-mesh" / "checkpoints" / "step_0000004", tmp_path / "step_0000004")
+    shard = step_dir / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="dcp/__1_0.distcp"):
+        Trainer(run_config(tmp_path / "resumed", **RUNS["mesh"]), resume=step_dir, progress=False)
 
 
 @pytest.mark.parametrize("mode", ["block", "iteration"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,8 +130,10 @@ def restore_weights(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.O
 
         model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to fill, this world size
         target = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(target, checkpoint_id=str(ckpt.path / DCP_DIR),  # re-sliced from the saved shards
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
+        single = not (dist.is_available() and dist.is_initialized())
+        with warnings.catch_warnings():  # DCP warns that one process loads alone: here that is the intent
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(target, checkpoint_id=str(ckpt.path / DCP_DIR), no_dist=single)  # re-sliced from the shards
         set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
         return
     if ckpt.state.get("optimizer") is None:

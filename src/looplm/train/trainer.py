@@ -386,7 +386,7 @@ class Trainer:
         # max_norm=inf measures without clipping (clip coefficient clamps to exactly 1)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the sharded gradients
+        if self.parallel == "fsdp":  # a DTensor over the sharded gradients
             grad_norm = grad_norm.full_tensor()
         *mean_values, norm_value = torch.cat([means, grad_norm.float().view(1)]).tolist()  # one sync
         loss_value, self.last_aux = mean_values[0], dict(zip(aux_sum, mean_values[1:]))
