@@ -64,8 +64,29 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         for mode in ("block", "iteration"):
             _fit(f"{root}/fsdp-ac-{mode}", "mesh", max_steps=2, save_every=0, activation_checkpointing=mode, **fsdp)
         _fit(f"{root}/fsdp-bf16", "mesh", max_steps=2, save_every=0, fsdp_precision="bf16", **fsdp)
+        _record_rng_check(rank, f"{root}/rng-check.json")
     finally:
         dist.destroy_process_group()
+
+
+def _record_rng_check(rank: int, path: str) -> None:
+    """Whether a save warns when the ranks' generators agree, and when rank 1 drew alone."""
+    import logging
+
+    from looplm.train.sharded_checkpoint import _check_rng_agrees
+
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("looplm").addHandler(handler)
+    _check_rng_agrees(rank)
+    agreeing = len(warned)
+    if rank == 1:
+        torch.rand(1)
+    _check_rng_agrees(rank)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump({"agreeing": agreeing, "diverged": len(warned) - agreeing}, f)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +170,11 @@ def test_a_damaged_shard_is_refused_by_name(runs, tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="dcp/__1_0.distcp"):
         Trainer(run_config(tmp_path / "resumed", **RUNS["mesh"]), resume=step_dir, progress=False)
+
+
+def test_diverging_rng_states_are_reported(runs):
+    """The checkpoint keeps rank 0's RNG state; a save says so when the ranks' differ."""
+    assert json.loads((runs / "rng-check.json").read_text()) == {"agreeing": 0, "diverged": 1}
 
 
 @pytest.mark.parametrize("mode", ["block", "iteration"])

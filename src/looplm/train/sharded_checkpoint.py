@@ -26,12 +26,15 @@ RNG: every rank seeds its generators with ``train.seed`` and no looplm forward d
 random numbers (data order comes from the stream's own seeded position), so all ranks'
 generator states are identical by construction. ``trainer.pt`` keeps rank 0's, and every
 rank restores it whatever the new world size: per-rank states would have no owner
-after resharding 2 ranks onto 1 or 1 onto 2.
+after resharding 2 ranks onto 1 or 1 onto 2. Every save compares the ranks' torch
+generator states (one small all-gather) and logs a warning if they ever differ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import shutil
 import tempfile
 import warnings
@@ -41,11 +44,31 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from looplm.artifacts import CONFIG_FILE, FORMAT_VERSION, LATEST, MODEL_FILE, CheckpointError, fsync_dir, \
-    load_tensors, load_weights, write_manifest, write_text
+from looplm.artifacts import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    LATEST,
+    MODEL_FILE,
+    CheckpointError,
+    fsync_dir,
+    load_tensors,
+    load_weights,
+    write_manifest,
+    write_text,
+)
 from looplm.config_base import Config
-from looplm.train.checkpoint import FILES, TRAINER_FILE, Checkpoint, _commit_dir, _prune, _remove_leftovers, \
-    checkpoints_dir, step_dir_name
+from looplm.train.checkpoint import (
+    FILES,
+    TRAINER_FILE,
+    Checkpoint,
+    _commit_dir,
+    _prune,
+    _remove_leftovers,
+    checkpoints_dir,
+    step_dir_name,
+)
+
+logger = logging.getLogger("looplm")
 
 #: The DCP subdirectory of a sharded step directory.
 DCP_DIR = "dcp"
@@ -84,6 +107,7 @@ def save_sharded_checkpoint(
         _remove_leftovers(root)
         box[0] = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
     dist.broadcast_object_list(box, src=0)  # every rank writes its shards into rank 0's temporary directory
+    _check_rng_agrees(rank)
     tmp = Path(box[0])
     try:
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -111,6 +135,18 @@ def save_sharded_checkpoint(
             _prune(root, step, keep_last)
     dist.barrier()  # every rank returns once the checkpoint is complete
     return root / name
+
+
+def _check_rng_agrees(rank: int) -> None:
+    """Warn when the ranks' torch generators differ: the checkpoint keeps rank 0's (module
+    docstring), so a forward that drew random numbers per rank would not resume exactly."""
+    import torch.distributed as dist
+
+    states: list[Optional[bytes]] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest())
+    if rank == 0 and len(set(states)) > 1:
+        logger.warning("the ranks' torch RNG states differ; the checkpoint keeps rank 0's, so a resumed run's "
+                       "random draws will not continue exactly on the other ranks")
 
 
 def is_sharded_checkpoint(step_dir: Path) -> bool:
