@@ -6,7 +6,9 @@ expensive part); the one-process references run before it, in the test process."
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import socket
 
@@ -71,19 +73,14 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
 def _record_rng_check(rank: int, path: str) -> None:
     """Whether a save warns when the ranks' generators agree, and when rank 1 drew alone."""
-    import logging
-
     from looplm.train.sharded_checkpoint import _check_rng_agrees
 
-    warned = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("looplm").addHandler(handler)
-    _check_rng_agrees(rank)
-    agreeing = len(warned)
-    if rank == 1:
-        torch.rand(1)
-    _check_rng_agrees(rank)
+    with _warnings() as warned:
+        _check_rng_agrees(rank)
+        agreeing = len(warned)
+        if rank == 1:
+            torch.rand(1)
+        _check_rng_agrees(rank)
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"agreeing": agreeing, "diverged": len(warned) - agreeing}, f)
@@ -95,9 +92,24 @@ def runs(tmp_path_factory):
     for name in RUNS:
         _fit(root / f"one-{name}", name, batch_size=4)
     mp.spawn(_worker, args=(2, _free_port(), str(root)), nprocs=2)
-    # 2 -> 1: one process continues from the FSDP run's shards at step 2
-    _fit(root / "one-from-fsdp", "mesh", batch_size=4, resume=root / "fsdp-mesh" / "checkpoints" / "step_0000002")
+    # 2 -> 1: one process continues from the FSDP run's shards at step 2, with the same global batch
+    with _warnings() as warned:
+        _fit(root / "one-from-fsdp", "mesh", batch_size=4, resume=root / "fsdp-mesh" / "checkpoints" / "step_0000002")
+    (root / "one-from-fsdp" / "warnings.json").write_text(json.dumps(warned))
     return root
+
+
+@contextlib.contextmanager
+def _warnings():
+    """Messages of looplm's warnings while the block runs."""
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("looplm").addHandler(handler)
+    try:
+        yield warned
+    finally:
+        logging.getLogger("looplm").removeHandler(handler)
 
 
 def _losses(run) -> dict[int, float]:
@@ -156,6 +168,7 @@ def test_resume_on_another_number_of_ranks(runs):
     from_fsdp, from_one = _losses(runs / "one-from-fsdp"), _losses(runs / "fsdp-from-one")
     assert sorted(from_fsdp) == sorted(from_one) == [3, 4]
     _close(from_fsdp, {s: single[s] for s in (3, 4)})  # 2 ranks -> 1 process
+    assert json.loads((runs / "one-from-fsdp" / "warnings.json").read_text()) == []  # same global batch: no notice
     _close(from_one, {s: single[s] for s in (3, 4)})  # 1 process -> 2 ranks
     _close(_losses(runs / "ddp-from-fsdp"), {s: single[s] for s in (3, 4)})  # FSDP -> DDP, 2 ranks
 

@@ -229,6 +229,10 @@ class Trainer:
         saved_train = with_defaults(ckpt.config.get("train", {}), type(tc), "train")
         saved_train = {k: v for k, v in saved_train.items() if k not in _RESUME_NEUTRAL}
         current_train = {k: v for k, v in tc.to_dict().items() if k not in _RESUME_NEUTRAL}
+        saved_world = int(ckpt.state.get("world_size", 1))
+        if saved_train.get("batch_size", 0) * saved_world == tc.batch_size * self.world_size:
+            # another world size with the same global batch: the same rows, split differently
+            saved_train.pop("batch_size", None), current_train.pop("batch_size", None)
         saved_data = with_defaults(ckpt.config.get("data", {}), type(self.cfg.data), "data")
         saved_data = {k: v for k, v in saved_data.items() if k not in _DATA_RESUME_NEUTRAL}
         current_data = {k: v for k, v in self.cfg.data.to_dict().items() if k not in _DATA_RESUME_NEUTRAL}
