@@ -1,5 +1,5 @@
-"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, import, convert, info, probe,
-flops, ladder, config, presets.
+"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, import, convert, distill, info,
+probe, flops, ladder, config, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--streaming] [--shard-chars C]
@@ -10,6 +10,7 @@ flops, ladder, config, presets.
     looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
     looplm import HF_DIR OUT [--tokenizer SPEC]
     looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [model.key=value ...]
+    looplm distill TEACHER [STUDENT_CONFIG] [key=value ...] [--stage {1,select,2,3,all}] [--resume]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
@@ -229,6 +230,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     mapping = convert_checkpoint(args.hf_dir, args.out, args.layout, args.init, parse_overrides(args.overrides))
     sys.stdout.write(f"converted {args.hf_dir} -> {args.out} ({mapping.init}, {mapping.layout}); layer map in "
                      f"{args.out}/{MAP_FILE}; up-train with: looplm train {args.out}/{TRAIN_FILE} data.tokenizer=SPEC\n")
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from looplm.distill import load_distill_config, run_distill
+
+    source, overrides = _split_config_and_overrides(args.items)
+    cfg = load_distill_config(args.teacher, source, tuple(overrides))
+    run_distill(args.teacher, cfg, args.stage, resume=args.resume, progress=not args.no_progress)
     return 0
 
 
@@ -515,6 +525,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="average the tied layers, take every k-th (stepwise) or the first core-many (select)")
     p.add_argument("overrides", nargs="*", metavar="model.key=value", help="e.g. model.topology.kind=anchor")
     p.set_defaults(func=cmd_convert, trailing_overrides=True)
+
+    p = sub.add_parser("distill", help="distil a looped transformer into a linear-time hybrid (LT2 §5): stage 1 "
+                       "alignment, layer selection, stage 2 per-loop KD, stage 3 continuation")
+    p.add_argument("teacher", metavar="TEACHER", help="a looplm run or checkpoint, or a Hugging Face checkpoint looplm imports")
+    p.add_argument("items", nargs="*", metavar="[STUDENT_CONFIG] [key=value]")
+    p.add_argument("--stage", default="all", choices=["1", "select", "2", "3", "all"],
+                   help="run one stage (default: all, in order)")
+    p.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")

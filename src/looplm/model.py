@@ -373,6 +373,13 @@ class LoopLM(nn.Module):
         """Every distinct block module (prelude, core stacks, coda)."""
         return [*self.prelude, *(b for stack in self.core for b in stack), *self.coda]
 
+    def loop_logits(self, input_ids: torch.Tensor, states: list[torch.Tensor]) -> list[torch.Tensor]:
+        """z^(τ) = head(norm(coda(h^(τ)))) [B, T, V] for each loop state h^(τ) of
+        ``forward(input_ids, output_states=True).states`` (pass ``states[1:]`` for τ = 1..T):
+        what the model would emit had it stopped after τ iterations (LT2 §5, Eq. kd-loss)."""
+        ctx, _ = self._context(input_ids, None, None, states[0].dtype)
+        return [self.head(self.norm(self._run(self.coda, "coda", 0, h, ctx, None))) for h in states]
+
 
 def _block_output(block: Block, ctx: MixerContext, t: int, h: torch.Tensor) -> torch.Tensor:
     """A block's output without a cache: the region :attr:`LoopLM.recompute` may recompute."""

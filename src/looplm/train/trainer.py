@@ -141,7 +141,7 @@ class Trainer:
             raise ConfigError(
                 "data.seq_len", run_cfg.data.seq_len, f"at most model.max_seq_len={run_cfg.model.max_seq_len}"
             )
-        self.model = LoopLM(run_cfg.model).to(self.device)
+        self.model = self._build_model().to(self.device)
         # SGT (model.head_loop): entropy measured in training forwards, growth decided per step
         self.growth = Growth(self.model, self.device) if run_cfg.model.head_loop is not None else None
         source = self._checkpoint_to_resume(resume)
@@ -254,6 +254,17 @@ class Trainer:
         set_rng_state(s["rng"])
         self.resumed_from = self.last_checkpoint = ckpt.path
         self.last_saved_step = ckpt.step
+
+    def _build_model(self) -> LoopLM:
+        """The model to train, before a checkpoint is restored into it (a hook: distillation
+        builds its student from a teacher, :mod:`looplm.distill`)."""
+        return LoopLM(self.cfg.model)
+
+    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss to minimise, named auxiliary losses) of one micro-batch [B, T]; a hook for
+        objectives other than next-token cross-entropy (:mod:`looplm.distill`)."""
+        out = self.train_model(inputs, targets)
+        return out.loss, out.aux_losses
 
     def _wrap(self, model: LoopLM) -> nn.Module:
         tc = self.cfg.train
@@ -376,10 +387,10 @@ class Trainer:
             last = i == tc.grad_accum - 1
             with self._gradient_sync(last):  # DDP all-reduces only on the last micro-batch
                 with self._autocast():
-                    out = self.train_model(inputs[rows], targets[rows])
-                (out.loss / tc.grad_accum).backward()
-            loss_sum += out.loss.detach().float()
-            for name, value in out.aux_losses.items():
+                    loss, aux = self._forward_loss(inputs[rows], targets[rows])
+                (loss / tc.grad_accum).backward()
+            loss_sum += loss.detach().float()
+            for name, value in aux.items():
                 aux_sum[name] = aux_sum.get(name, 0.0) + value.detach().float()
         # the loss and its auxiliary terms (ponder cost, Q-halt BCE, DSA indexer), averaged
         # over micro-batches and ranks in one reduction
