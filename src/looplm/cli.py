@@ -236,7 +236,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_distill(args: argparse.Namespace) -> int:
     from looplm.distill import load_distill_config, run_distill
 
-    source, overrides = _split_config_and_overrides(args.items)
+    source, overrides = _split_config_and_overrides([*args.items, *args.overrides])
     cfg = load_distill_config(args.teacher, source, tuple(overrides))
     run_distill(args.teacher, cfg, args.stage, resume=args.resume, progress=not args.no_progress)
     return 0
@@ -534,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run one stage (default: all, in order)")
     p.add_argument("--resume", action="store_true", help="continue each stage from its latest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_distill)
+    p.set_defaults(func=cmd_distill, overrides=[], trailing_overrides=True)  # key=value after --stage too
 
     p = sub.add_parser("info", help="layout, unrolled depth and parameter counts of a config")
     p.add_argument("items", nargs="+", metavar="CONFIG [key=value]")

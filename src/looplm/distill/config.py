@@ -74,11 +74,11 @@ class StageConfig(Config):
     loss: Literal["kd", "lm"] = "kd"
 
     def __post_init__(self) -> None:
-        check(self.max_steps >= 0, "distill.stage.max_steps", self.max_steps, "an integer >= 0 (0 skips the stage)")
-        check(self.lr > 0, "distill.stage.lr", self.lr, "a number > 0")
-        check(self.min_lr_ratio is None or 0 <= self.min_lr_ratio <= 1, "distill.stage.min_lr_ratio",
+        check(self.max_steps >= 0, "max_steps", self.max_steps, "an integer >= 0 (0 skips the stage)")
+        check(self.lr > 0, "lr", self.lr, "a number > 0")
+        check(self.min_lr_ratio is None or 0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
               self.min_lr_ratio, "null or a number in [0, 1]")
-        check(self.loss in ("kd", "lm"), "distill.stage.loss", self.loss,
+        check(self.loss in ("kd", "lm"), "loss", self.loss,
               "'kd' (final-loop logit distillation) or 'lm' (next-token cross-entropy)")
 
 
