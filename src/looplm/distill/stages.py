@@ -89,13 +89,22 @@ class AlignmentTrainer(DistillTrainer):
     def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return alignment_loss(self.model, record_teacher(self.teacher, inputs)), {}
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.resumed_from is None and self.val_batches:  # where the alignment starts from
+            self.metrics.log("distill_eval", 0, align_mse=self.validation_mse())
+
+    @torch.no_grad()
+    def validation_mse(self) -> float:
+        """The alignment MSE on the held-out batches."""
+        with self._autocast():
+            return sum(alignment_loss(self.model, record_teacher(self.teacher, x.to(self.device))).item()
+                       for x, _ in self.val_batches) / len(self.val_batches)
+
     def evaluate(self) -> Optional[float]:
         val_loss = super().evaluate()
         if self.val_batches:
-            with torch.no_grad(), self._autocast():
-                mse = sum(alignment_loss(self.model, record_teacher(self.teacher, x.to(self.device))).item()
-                          for x, _ in self.val_batches) / len(self.val_batches)
-            self.metrics.log("distill_eval", self.step, align_mse=mse)
+            self.metrics.log("distill_eval", self.step, align_mse=self.validation_mse())
         return val_loss
 
 
