@@ -7,7 +7,7 @@ import torch
 
 from looplm import LoopLM
 from looplm.config_base import ConfigError
-from looplm.distill import DistillRunConfig, init_student, load_teacher, student_config
+from looplm.distill import DistillRunConfig, init_student, load_teacher, run_distill, student_config
 from looplm.distill.student import block_paths
 from looplm.mixers.attention import SoftmaxAttention
 from tests.distill.helpers import GDN, frozen_teacher
@@ -33,9 +33,14 @@ def test_student_keeps_attention_in_f_and_shares_everything_else():
     assert source["core.0.1.attn.k_proj.weight"] == "teacher core.0.1.attn k"
 
 
-def test_distilled_student_is_causal_and_decodes_like_its_full_forward():
-    teacher = frozen_teacher()
-    student = LoopLM(student_config(teacher.cfg, GDN, [0, 3])).eval()
+OURO_AXES = dict(layout="2R2", norm="rmsnorm", mlp="swiglu", bias=False, norm_placement="sandwich",
+                 loop_input_norm=True, halting={"kind": "exit_gate", "threshold": 0.5})
+
+
+@pytest.mark.parametrize("axes", [{}, OURO_AXES], ids=["looped", "ouro-axes"])
+def test_distilled_student_is_causal_and_decodes_like_its_full_forward(axes):
+    teacher = frozen_teacher(**axes)
+    student = LoopLM(student_config(teacher.cfg, GDN, [0, 3] if not axes else [1])).eval()
     init_student(student, teacher)
     x = torch.randint(0, 257, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -62,9 +67,10 @@ def test_bad_distill_config_names_the_field(raw, field):
 
 
 def test_lengths_must_divide_seq_len_and_layers_must_exist():
-    cfg = DistillRunConfig.from_dict({"distill": {"lengths": [24, 64]}})
     with pytest.raises(ConfigError, match="divide data.seq_len=64"):
-        cfg.distill.stage_lengths(64)
+        DistillRunConfig.from_dict({"distill": {"lengths": [24, 64]}, "data": {"seq_len": 64}})
+    with pytest.raises(ConfigError, match="distill.stage3.data.seq_len"):
+        DistillRunConfig.from_dict({"distill": {"stage3": {"data": {"seq_len": 0}}}})
     assert DistillRunConfig.from_dict({}).distill.stage_lengths(64) == (16, 32, 64)
     with pytest.raises(ConfigError, match="below 4"):
         DistillRunConfig.from_dict({"distill": {"layers": [1, 4]}}).distill.keep_count(4)
@@ -85,16 +91,24 @@ def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
     from tests.conftest import randomize_weights
 
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=257, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=48, max_position_embeddings=64))
     randomize_weights(hf, 0)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    teacher = load_teacher(tmp_path)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    teacher = load_teacher(tmp_path / "hf")
     assert not any(p.requires_grad for p in teacher.parameters())
     student = LoopLM(student_config(teacher.cfg, GDN, [1])).eval()
     init_student(student, teacher)
-    ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 257, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits = student(ids).logits
-        assert torch.isfinite(logits).all()
         assert_decodes_like_full_forward(student, ids, [prefill_then_tokens(4, 9)], atol=1e-4)
+    # the whole pipeline on it (a dense teacher: one "loop"), on the built-in corpus in bytes
+    cfg = DistillRunConfig.from_dict({
+        "distill": {"mixer": {"kind": "gated_deltanet", "expand_v": 1.0, "chunk_size": 16}, "keep_fraction": 0.5,
+                    "stage1": {"max_steps": 2}, "stage2": {"max_steps": 2}},
+        "data": {"source": "pydoc", "tokenizer": "byte", "seq_len": 16, "val_batches": 1},
+        "train": {"out_dir": str(tmp_path / "out"), "batch_size": 2, "eval_every": 0, "sample_tokens": 0,
+                  "device": "cpu", "precision": "fp32"},
+    })
+    results = run_distill(tmp_path / "hf", cfg, progress=False)
+    assert len(results["select"]["layers"]) == 1 and results["2"]["steps"] == 2

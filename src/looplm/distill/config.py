@@ -146,6 +146,10 @@ class DistillRunConfig(Config):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig(out_dir="runs/distill")
 
+    def __post_init__(self) -> None:
+        self.distill.stage_lengths(self.data.seq_len)  # checked at load, not when stage 2 starts
+        self.stage_data(3)
+
     @classmethod
     def from_dict(cls, data: Optional[dict[str, Any]], prefix: str = "") -> "DistillRunConfig":
         data = dict(data or {})
@@ -176,4 +180,8 @@ class DistillRunConfig(Config):
         spec = getattr(self.distill, f"stage{stage}")
         if spec.data is None:
             return self.data
-        return DataConfig.from_dict({**self.data.to_dict(), **spec.data}, prefix="distill.stage3.data")
+        try:
+            return DataConfig.from_dict({**self.data.to_dict(), **spec.data}, prefix="distill.stage3.data")
+        except ConfigError as err:  # DataConfig's checks name data.*: say where this one sits
+            field = err.field if not err.field.startswith("data.") else "distill.stage3." + err.field
+            raise ConfigError(field, err.value, err.allowed) from None
