@@ -12,7 +12,7 @@ from looplm import LoopLM
 from looplm.cli import main
 from looplm.distill import KDConfig, init_student, student_config
 from looplm.distill.alignment import alignment_loss, record_teacher
-from looplm.distill.selection import kl_guided, uniform_layers
+from looplm.distill.selection import attention_restored, kl_guided, uniform_layers
 from looplm.distill.stages import AlignmentTrainer, KDTrainer
 from looplm.train import read_metrics, train_losses
 from tests.distill.helpers import GDN, frozen_teacher, student_run
@@ -54,11 +54,32 @@ def test_kl_selector_picks_the_planted_layer():
     aligned = LoopLM(student_config(teacher.cfg, GDN, []))
     init_student(aligned, teacher)
     batches = [torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    selection = kl_guided(teacher, aligned, GDN, 1, batches)
+    selection = kl_guided(teacher, aligned, 1, batches)
     assert selection.layers == [planted]
     assert selection.scores[planted] > 0.5 * selection.base_kl
     assert all(abs(selection.scores[i]) < 1e-3 * selection.base_kl for i in (0, 1, 3))
     assert uniform_layers(4, 1) == [3] and uniform_layers(24, 6) == [3, 7, 11, 15, 19, 23]
+
+
+@torch.no_grad()
+def test_restoring_one_block_in_place_equals_the_built_hybrid():
+    teacher = frozen_teacher(seed=2)
+    aligned = LoopLM(student_config(teacher.cfg, GDN, []))
+    init_student(aligned, teacher)
+    torch.manual_seed(3)
+    for p in aligned.parameters():  # a stage-1 student whose mixers moved away from their init
+        p.add_(0.01 * torch.randn_like(p))
+    x = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(4))
+    before = aligned(x).logits
+    for index in range(4):
+        built = LoopLM(student_config(teacher.cfg, GDN, [index]))
+        init_student(built, teacher, linear_from=aligned)
+        for path, module in built.named_parameters():  # the shared weights are the aligned student's
+            if path in dict(aligned.named_parameters()) and ".attn." not in path:
+                module.copy_(dict(aligned.named_parameters())[path])
+        with attention_restored(aligned, teacher, index) as candidate:
+            torch.testing.assert_close(candidate(x).logits, built(x).logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(aligned(x).logits, before, atol=0, rtol=0)  # put back
 
 
 def _run(kind, teacher, out_dir, **train):

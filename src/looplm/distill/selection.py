@@ -14,15 +14,15 @@ interleaving baseline, |F| blocks evenly spread (every 4th for 25 %, as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from looplm.distill.losses import topk_kl
-from looplm.distill.student import block_paths, init_student, student_config
-from looplm.mixers.config import MixerConfig
+from looplm.distill.student import block_paths
 from looplm.model import LoopLM
 
 
@@ -66,9 +66,25 @@ def mean_kl(teacher: LoopLM, student: LoopLM, batches: Sequence[torch.Tensor]) -
     return total / len(batches)
 
 
+@contextlib.contextmanager
+def attention_restored(student: LoopLM, teacher: LoopLM, index: int) -> Iterator[LoopLM]:
+    """``student`` with block ``index`` running the teacher's own attention module (shared,
+    not copied) for the duration: the hybrid with F = {index} whose other weights are the
+    student's, without building a model per candidate."""
+    saved = []
+    for path in block_paths(student.cfg)[index]:
+        block, source = student.get_submodule(path), teacher.get_submodule(path)
+        saved.append((block, block.attn, block.per_iteration))
+        block.attn, block.per_iteration = source.attn, source.per_iteration
+    try:
+        yield student
+    finally:
+        for block, attn, views in saved:
+            block.attn, block.per_iteration = attn, views
+
+
 @torch.no_grad()
-def kl_guided(teacher: LoopLM, aligned: LoopLM, mixer: MixerConfig, count: int,
-              batches: Sequence[torch.Tensor]) -> Selection:
+def kl_guided(teacher: LoopLM, aligned: LoopLM, count: int, batches: Sequence[torch.Tensor]) -> Selection:
     """Score every block by the KL drop of restoring its attention in the all-linear
     ``aligned`` student (stage 1's), keep the ``count`` best (ties: the lower index)."""
     was_training = aligned.training
@@ -76,9 +92,8 @@ def kl_guided(teacher: LoopLM, aligned: LoopLM, mixer: MixerConfig, count: int,
     base = mean_kl(teacher, aligned, batches)
     scores, kls = {}, {}
     for index in range(len(block_paths(teacher.cfg))):
-        candidate = LoopLM(student_config(teacher.cfg, mixer, [index])).to(next(aligned.parameters()).device)
-        init_student(candidate, teacher, linear_from=aligned)
-        kls[index] = mean_kl(teacher, candidate.eval(), batches)
+        with attention_restored(aligned, teacher, index) as candidate:
+            kls[index] = mean_kl(teacher, candidate, batches)
         scores[index] = base - kls[index]
     aligned.train(was_training)
     ranked = sorted(scores, key=lambda i: (-scores[i], i))

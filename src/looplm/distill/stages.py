@@ -114,6 +114,8 @@ def loop_logits(model: LoopLM, ids: torch.Tensor, out: ModelOutput, needed: list
     if out.states is None:
         return [out.logits]
     states = out.states[1:]
+    # a halting rule that froze every position stops the loop early: the later states equal the last
+    states = states + [states[-1]] * (len(needed) - len(states))
     chosen = [h for h, need in zip(states, needed) if need]
     read = iter(model.loop_logits(ids, chosen)) if chosen else iter(())
     return [next(read) if need else None for need in needed]
@@ -258,18 +260,24 @@ def _select(teacher: LoopLM, cfg: DistillRunConfig, keep: int, root: Path) -> Se
     elif d.selector == "uniform" or keep == 0:
         selection = Selection("uniform", uniform_layers(n_blocks, keep))
     else:
-        aligned = _final_student(root / "stage1", "1")
+        device = _device(cfg.train.device)
+        aligned = _final_student(root / "stage1", "1").to(device)
         tokenizer = data_tokenizer(cfg.data)
         micro = cfg.train.batch_size // cfg.train.grad_accum
-        batches = [x for x, _ in validation_batches(cfg.data, tokenizer, micro)[: d.select_batches]]
+        batches = [x.to(device) for x, _ in validation_batches(cfg.data, tokenizer, micro)[: d.select_batches]]
         if not batches:
             raise ConfigError("data.val_fraction", cfg.data.val_fraction,
                               "a held-out split with at least one batch: the KL-guided selector scores on it")
-        selection = kl_guided(teacher, aligned, d.mixer, keep, batches)
+        selection = kl_guided(teacher.to(device), aligned, keep, batches)
     write_text(root / SELECTION_FILE, json.dumps(selection.to_dict(), indent=2) + "\n", atomic=True)
     log.info("distill: kept softmax attention in blocks %s (%s selector)%s", selection.layers, selection.selector,
              "".join(f"\n  block {i}: KL {selection.kl[i]:.4f}, score {s:+.4f}" for i, s in selection.scores.items()))
     return selection
+
+
+def _device(spec: str) -> torch.device:
+    """The selector's device: ``train.device``, ``auto`` being CUDA when available."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
 
 
 def _read_selection(root: Path) -> Selection:
