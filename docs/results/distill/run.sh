@@ -5,10 +5,15 @@
 # many tokens as distillation used (stage 1 + stage 2); per-loop vs final-only supervision
 # in stage 2 side by side (both from the same stage-1 student and the same selection).
 #
-#   bash docs/results/distill/run.sh            # the full run, about 45 min on 1 thread (see README)
-#   SCALE=0.05 bash docs/results/distill/run.sh # a shortened run (steps scaled down)
+#   bash docs/results/distill/run.sh            # the full run
+#   SCALE=0.05 bash docs/results/distill/run.sh # a shortened run: steps and evaluation intervals scaled
 #
-# Then: python docs/results/distill/make_results.py "$OUT" writes results.md beside this file.
+# Sizing, measured with SCALE=0.2 (on the 2-core machine shared with other jobs, load ~6):
+# 11.3 min wall, 4.4 min CPU; the training steps cost ~0.5 CPU-s each (teacher, stage 1,
+# stage 2, scratch alike at this size), so the full run is about 40-45 min on one idle core
+# and proportionally longer on a shared one. Reruns continue where a run stopped.
+#
+# At the end make_results.py writes results.md beside this file (a shortened run: $OUT/results.md).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -16,9 +21,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's loopl
 OUT=${OUT:-runs/distill-evidence}
 SCALE=${SCALE:-1}
 steps() { python -c "import sys; print(max(2, round($1 * float(sys.argv[1]))))" "$SCALE"; }
-TEACHER_STEPS=$(steps 800)
-S1_STEPS=$(steps 100)
-S2_STEPS=$(steps 300)
+TEACHER_STEPS=$(steps 1800)
+S1_STEPS=$(steps 200)
+S2_STEPS=$(steps 700)
 EVAL_EVERY=$(steps 100)
 LOOPLM="python -m looplm.cli"
 
@@ -58,4 +63,5 @@ EOF
 $LOOPLM train "$OUT/scratch.yaml" train.max_steps=$((S1_STEPS + S2_STEPS)) train.lr=2e-3 \
   train.out_dir="$OUT/scratch" "${COMMON[@]}"
 
-python docs/results/distill/make_results.py "$OUT"
+if [ "$SCALE" = 1 ]; then RESULTS=docs/results/distill/results.md; else RESULTS="$OUT/results.md"; fi
+python docs/results/distill/make_results.py "$OUT" --out-file "$RESULTS"
