@@ -152,8 +152,11 @@ class KDTrainer(DistillTrainer):
         inputs, targets = split_length(inputs, length), split_length(targets, length)
         loss, out = self.kd_terms(inputs, targets, self.weights(self.step))
         aux = dict(out.aux_losses)
-        if aux:
-            loss = loss + sum(aux.values())  # the student's own auxiliary losses (e.g. DSA's indexer)
+        halting = self.model.halting
+        # the student's own auxiliary losses (DSA's indexer, ACT's ponder cost), not a halting
+        # rule's task loss (the exit gate's expected objective): KD replaces that
+        if aux and (halting is None or halting.trains_readout):
+            loss = loss + sum(aux.values())
         aux.update(lm=out.lm_loss.detach(), seq_len=torch.tensor(float(length), device=loss.device))
         return loss, aux
 
