@@ -587,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/study-NAME[-quick|-paper])")
     p.add_argument("--threads", type=_POSITIVE, default=None, metavar="N", help="torch threads (torch.set_num_threads)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_study)
+    p.set_defaults(func=cmd_study, trailing_overrides=True)
 
     p = sub.add_parser("config", help="print the full resolved config of a preset or YAML (every field)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")

@@ -170,12 +170,22 @@ def check_overrides(overrides: Sequence[str], owned: Sequence[str]) -> list[tupl
     return pairs
 
 
+def varied_keys(size: Size) -> list[str]:
+    """The fields the runs of a size set to different values (what the table compares)."""
+    values: dict[str, set[str]] = {}
+    for spec in size.runs.values():
+        for key, value in parse_overrides(spec.overrides):
+            values.setdefault(key, set()).add(repr(value))
+    return sorted(k for k, v in values.items() if len(v) > 1 or
+                  sum(1 for spec in size.runs.values() if any(o.startswith(k + "=") for o in spec.overrides))
+                  < len(size.runs))
+
+
 def preset_configs(size: Size, out_dir: Path, seed: int, overrides: Sequence[str] = ()) -> dict[str, RunConfig]:
     """Layers, last wins: the run's preset; the size's shared overrides; the run's overrides;
     ``train.seed`` = ``data.seed`` = seed (init, training stream, evaluation problems); the
     user's overrides (not of a field any run sets); ``train.out_dir``."""
-    owned = sorted({key for spec in size.runs.values() for key, _ in parse_overrides(spec.overrides)})
-    user = check_overrides(overrides, owned)
+    user = check_overrides(overrides, varied_keys(size))
     configs = {}
     for run, spec in size.runs.items():
         data = read_config_source(spec.preset)

@@ -14,30 +14,40 @@ from looplm.study.definition import Measures
 from looplm.study.runs import Run
 
 
-def _flops_per_step(run: Run, convention: str) -> float:
+def _flops_per_step(run: Run, convention: str, model=None) -> float:
     """Training FLOPs of one optimiser step: a batch of ``train.batch_size`` sequences of
-    ``data.seq_len`` tokens (forward and backward, :attr:`FlopReport.training`)."""
+    ``data.seq_len`` tokens (forward and backward, :attr:`FlopReport.training`) at the
+    structure the model has at initialisation (SGT: nothing grown yet)."""
     from looplm.accounting import count_flops
 
     cfg = run.config
-    return count_flops(cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size, convention=convention).training
+    return count_flops(model if model is not None else cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size,
+                       convention=convention).training
 
 
 def lm(run: Run, convention: str = "default") -> Measures:
+    """See :func:`_lm`."""
+    return _lm(run, convention)[0]
+
+
+def _lm(run: Run, convention: str) -> tuple[Measures, float]:
     """Final validation loss; training FLOPs to the end, per step summed (a grown SGT
     structure is counted step by step, :func:`grown_flops`); forward FLOPs per token; the
-    validation-loss curve over steps and over cumulative training FLOPs."""
+    validation-loss curve over steps and over cumulative training FLOPs; and one step's
+    training FLOPs at the initial structure."""
     from looplm.accounting import count_flops
+    from looplm.accounting.flops import build_meta_model
 
     cfg = run.config
+    model = build_meta_model(cfg.model)  # one meta-device model for every count (building one is the slow part)
     evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
     steps = run.summary.get("steps", cfg.train.max_steps)
+    base = _flops_per_step(run, convention, model)
     if cfg.model.head_loop is not None:
-        cumulative = grown_flops(run, convention)
+        cumulative = grown_flops(run, convention, model)
     else:
-        per_step = _flops_per_step(run, convention)
-        cumulative = [per_step * s for s in range(steps + 1)]
-    forward = count_flops(cfg.model, cfg.data.seq_len, convention=convention)
+        cumulative = [base * s for s in range(steps + 1)]
+    forward = count_flops(model, cfg.data.seq_len, convention=convention)
     return {
         "scalars": {
             "val_loss": evals[-1]["val_loss"] if evals else run.summary.get("val_loss"),
@@ -49,10 +59,10 @@ def lm(run: Run, convention: str = "default") -> Measures:
             "val_loss_flops": [[cumulative[min(e["step"], len(cumulative) - 1)], e["val_loss"]] for e in evals],
         },
         "notes": [],
-    }
+    }, base
 
 
-def grown_flops(run: Run, convention: str = "sgt") -> list[float]:
+def grown_flops(run: Run, convention: str = "sgt", model=None) -> list[float]:
     """Cumulative training FLOPs after each step 0 … steps of an SGT run, from the structure
     its ``growth`` events describe (sparse-growing-transformer.txt §4, Tables 1-2: the sum
     over steps of each step's training FLOPs under the structure it ran with). Step s runs
@@ -84,7 +94,7 @@ def grown_flops(run: Run, convention: str = "sgt") -> list[float]:
                 state[layer] = (int(e["depth"]), keep)
             elif e["action"] == "drop":
                 state[layer] = (int(e["depth"]), [1.0 if i in e["heads"] else 0.0 for i in range(cfg.model.n_heads)])
-    model = build_meta_model(cfg.model)
+    model = model if model is not None else build_meta_model(cfg.model)
     cost: dict[tuple, float] = {}
     cumulative = [0.0]
     for structure in structures:
@@ -99,8 +109,8 @@ def grown_flops(run: Run, convention: str = "sgt") -> list[float]:
 def growth(run: Run) -> Measures:
     """SGT: :func:`lm` in SGT's FLOP convention, the compute overhead over the same model
     without growth, and the growth decisions as notes."""
-    measures = lm(run, "sgt")
-    base = _flops_per_step(run, "sgt") * run.summary.get("steps", run.config.train.max_steps)
+    measures, per_step = _lm(run, "sgt")
+    base = per_step * run.summary.get("steps", run.config.train.max_steps)
     measures["scalars"]["flops_overhead"] = measures["scalars"]["train_flops"] / base - 1.0
     decisions = [e for e in run.events_all("growth") if e["action"] not in ("hold",)]
     measures["scalars"]["looped_layers"] = float(len({e["layer"] for e in decisions if e["action"] == "activate"}))
@@ -156,7 +166,9 @@ def state_tracking(run: Run) -> Measures:
 
 def lt2(run: Run) -> Measures:
     """The LM part of an LT2 variant (:func:`lm`) or its state-tracking part."""
-    return state_tracking(run) if run.config.data.source.startswith("task:") else lm(run)
+    if run.config.data.source.startswith("task:"):
+        return state_tracking(run)
+    return lm(run)
 
 
 def character_task(run: Run, reference: str = "1") -> Measures:

@@ -176,7 +176,7 @@ def summary_rows(result: StudyResult) -> list[dict[str, Any]]:
             mean, std = mean_std(values)
             paper = [p.values[v] for p in result.study.paper_columns if v in p.values]
             rows.append({"study": result.study.name, "size": result.size, "variant": v, "metric": m.key,
-                         "n": len(values), "mean": mean, "std": std, "values": " ".join(f"{x:.6g}" for x in values),
+                         "n": len(values), "mean": mean, "std": std, "values": " ".join(f"{x:.10g}" for x in values),
                          "paper": " | ".join(paper)})
     return rows
 
