@@ -3,9 +3,10 @@ that trains on 2 CPU cores in about an hour with 3 seeds (``default``), a second
 smoke version (``quick``, used by the tests) and the paper's size (``paper``, GPUs).
 
 Every configuration and hyperparameter of a table is here (or in the presets named), so
-each table is one command. Wall times of the ``default`` sizes were estimated from a short
-timed run of every variant on this machine (2 cores of an AMD EPYC, 1 torch thread per
-run, fp32; see each size's ``wall_time``). Paper sizes need GPUs and the paper's corpus as
+each table is one command. Wall times of the ``default`` sizes (each size's ``wall_time``)
+were estimated from a timed 40-step run of every variant (``--seeds 1 --threads 1
+train.max_steps=40``) on the 2-core AMD EPYC this project is developed on, shared with other
+jobs at the time, so scaled by the CPU time the run used (its user/wall ratio); expect ±30 %. Paper sizes need GPUs and the paper's corpus as
 token shards (``data.source=shards:DIR data.tokenizer=TOKENIZER``), except the ladder's,
 whose data is synthetic.
 """
@@ -79,10 +80,11 @@ MESH = Study(
         "quick": Size(_runs("tiny-base", _mesh_variants("4", "1+1R2+1")), QUICK + ("data.seq_len=16",), seeds=2),
         "default": Size(_runs("tiny-base", _mesh_variants("6", "1+2R2+1")),
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
-                        wall_time="≈ 55 min on 2 cores (6 variants × 3 seeds, ≈ 3 min per run incl. probes)"),
+                        wall_time="≈ 45 min on one thread (18 runs; ≈ 0.22 s per step measured, probes ≈ 2 s per run)"),
         "paper": Size(_runs("pythia-160m", _mesh_variants("12", "2+4R2+2")), seeds=3,
-                      wall_time="Pythia-160M recipe (set data.source / data.tokenizer and train.max_steps to the "
-                                "paper's token budget); GPUs: hours to days per run"),
+                      wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
+                                "paper's 250B tokens: ≈ 2.4e20 training FLOPs per run, about a week per run on one "
+                                "H100 at 40 % MFU (18 runs)"),
     },
     metrics=(VAL_LOSS, Metric("update", "update (all blocks)", 3, better="higher"),
              Metric("update_core", "update (core iter.)", 3, better="higher"),
@@ -124,9 +126,10 @@ SPIRALFORMER = Study(
         "quick": Size(_runs("tiny-mesh", _spiral_variants(1, 1, 1, 1, 1)), QUICK + ("data.seq_len=32",), seeds=2),
         "default": Size(_runs("tiny-mesh", _spiral_variants(1, 2, 1, 2, 2)),
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(700)), seeds=3,
-                        wall_time="≈ 55 min on 2 cores (4 variants × 3 seeds)"),
+                        wall_time="≈ 45 min on one thread (12 runs; ≈ 0.30 s per step measured, the T = 4 loop 0.45)"),
         "paper": Size(_runs("spiralformer-b-160m", _spiral_variants(2, 4, 2, 4, 4)), seeds=3,
-                      wall_time="Pythia-160M recipe (set data.source / data.tokenizer and train.max_steps); GPUs"),
+                      wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
+                                "paper's 250B tokens: about a week per run on one H100 at 40 % MFU (12 runs)"),
     },
     metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True),
              Metric("train_flops", "train FLOPs", 3, sci=True)),
@@ -178,10 +181,12 @@ SGT = Study(
         "quick": Size(_runs("sgt-tiny-vanilla", _sgt_variants(1, 1)), QUICK + ("data.seq_len=16",), seeds=2),
         "default": Size(_runs("sgt-tiny-vanilla", _sgt_variants(100, 50)),
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(800)), seeds=3,
-                        wall_time="≈ 55 min on 2 cores (5 variants × 3 seeds)"),
+                        wall_time="≈ 50 min on one thread (15 runs; ≈ 0.22 s per step measured before growth, "
+                                  "+5-25 % once grown)"),
         "paper": Size(_runs("sgt-275m-vanilla", _sgt_variants(250, 250)), seeds=3,
-                      wall_time="SGT 275M (Table 8; 5035 steps of 128 × 4096 tokens): GPUs, about a day per run "
-                                "on 8 A100s as in the paper"),
+                      wall_time="SGT 275M (Table 8; 5035 steps of 128 × 4096 tokens; set data.source / "
+                                "data.tokenizer): ≈ 4.3e19 FLOPs per run (Table 1), about 30 hours per run on one H100 "
+                                "at 40 % MFU (15 runs)"),
     },
     metrics=(VAL_LOSS, Metric("train_flops", "train FLOPs (SGT conv.)", 3, sci=True),
              Metric("flops_overhead", "FLOPs overhead", 2, percent=True), Metric("looped_layers", "grown layers", 1)),
@@ -253,16 +258,19 @@ LT2 = Study(
     sizes={
         "quick": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5], 120, QUICK + ("data.seq_len=16",),
                                 _LT2_QUICK_TASK), seeds=2),
-        "default": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176, ("model.d_model=64", *_cpu_lm(400)),
-                                  ("model.d_model=64", "train.max_steps=400", "train.eval_every=50",
-                                   "train.save_every=100", "train.keep_last=1", "train.log_every=50",
-                                   "train.sample_tokens=0", "train.device=cpu", "data.task.eval_samples=32")),
-                        seeds=3,
-                        wall_time="≈ 60 min on 2 cores (6 models × 2 tasks × 3 seeds)"),
+        "default": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176,
+                                  ("model.d_model=64", *_cpu_lm(300, seq_len=64)),
+                                  ("model.d_model=64", "train.batch_size=8", "train.lr=1e-3", "train.max_steps=300",
+                                   "train.eval_every=37", "train.save_every=75", "train.keep_last=1",
+                                   "train.log_every=50", "train.sample_tokens=0", "train.device=cpu",
+                                   "data.task.eval_samples=32")),
+                        seeds=3, wall_time="≈ 55 min on one thread (36 runs; ≈ 0.2 s per LM step and 0.3 s "
+                                           "per state-tracking step measured, GDN's chunked recurrence the most)"),
         "paper": Size(_lt2_runs("lt2-0.6b-transformer", 25, 4, [8, 16, 32, 64, 128, 256], 4888, (),
                                 ("model.d_model=256", "model.n_heads=4", "train.max_steps=100000")), seeds=3,
-                      wall_time="0.6B at 100B tokens (255k steps) per LM run and up to 100k steps per curriculum "
-                                "stage: GPU-weeks; the state-tracking part alone is GPU-days"),
+                      wall_time="0.6B, T = 4, 100B tokens per LM run (set data.source / data.tokenizer): ≈ 1.4e21 "
+                                "FLOPs, over a month per run on one H100; the state-tracking part (up to 100k steps "
+                                "per curriculum stage) days per run"),
     },
     metrics=(VAL_LOSS, Metric("n_max", "state n_max", 1, better="higher"),
              Metric("state_acc", "state acc (last)", 1, percent=True)),
@@ -279,9 +287,10 @@ LT2 = Study(
     figures=(*_lm_figures(), Curve("n_max.png", "n_max", "state tracking: n_max over training", "step", "n_max")),
     describe=_lt2_describe,
     deviations=(
-        "Shrunk: 5 LLaMA blocks at d = 64 looped T = 2 (paper: 0.6B, T = 4), pydoc bytes, 400 LM steps; the "
-        "state-tracking curriculum stops at n = m = 8 (paper: up to 256, 100k steps per stage) with 300 steps "
-        "at d = 64 and 5 layers (paper: 4 layers, d = 256), so that the 4:1 hybrid has its attention layer.",
+        "Shrunk: 5 LLaMA blocks at d = 64 looped T = 2 (paper: 0.6B, T = 4), pydoc bytes, 300 LM steps of "
+        "16 × 64 tokens; the state-tracking curriculum is n = m ∈ {5, 8} (paper: 8 … 256, 100k steps per "
+        "stage) with 300 steps of batch 8 at lr 1e-3 (paper: batch 32, lr 3e-4), d = 64 and 5 layers (paper: 4 "
+        "layers, d = 256) so that the 4:1 hybrid has its attention layer.",
         "Non-looped = the same blocks run once (layout 5, base topology): matched parameters, half the compute.",
     ),
 )
@@ -384,7 +393,8 @@ def _ladder_sizes(budget_default: int) -> dict[str, Size]:
     return {
         "quick": Size(runs, _LADDER_QUICK, seeds=2),
         "default": Size(runs, _LADDER_CPU, seeds=3,
-                        wall_time="≈ 60 min on 2 cores (7 rungs × 3 seeds)"),
+                        wall_time="≈ 50 min on one thread (21 runs; ≈ 0.09 s per step measured, 6 greedy "
+                                "evaluations of 5 α × 100 problems per run)"),
         "paper": Size(runs, _LADDER_PAPER, seeds=3,
                       wall_time="C = 24, d = 384, 6 heads, L_train = 10, 5000 steps of batch 64: on one H100 "
                                 "about 10-20 minutes per rung"),
