@@ -51,7 +51,8 @@ def test_ladder_writes_one_row_per_rung_and_alpha(trained) -> None:
         assert int(row["steps"]) == STEPS and row["seed"] == "0"
         assert all(0.0 <= float(row[k]) <= 1.0 for k in rates if row[k])
         # the table is the run's own final task evaluation, not a recomputation
-        final = [e for e in read_metrics(out / row["run"] / "seed-0" / "metrics.jsonl") if e["event"] == "task_eval"][-1]
+        metrics = read_metrics(out / row["run"] / "seed-0" / "metrics.jsonl")
+        final = [e for e in metrics if e["event"] == "task_eval"][-1]
         assert final["step"] == STEPS and final["alphas"]["1"]["samples"] == 2
         for a in ("1", "2"):
             assert float(row[f"char@{a}"]) == pytest.approx(final["alphas"][a]["char_acc"])

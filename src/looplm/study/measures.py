@@ -115,7 +115,8 @@ def growth(run: Run) -> Measures:
     decisions = [e for e in run.events_all("growth") if e["action"] not in ("hold",)]
     measures["scalars"]["looped_layers"] = float(len({e["layer"] for e in decisions if e["action"] == "activate"}))
     measures["notes"] = [
-        f"step {e['step']}: {e['action']} {e.get('block') or e.get('layer')} (depth {e.get('depth')}, heads {e.get('heads')})"
+        f"step {e['step']}: {e['action']} {e.get('block') or e.get('layer')} "
+        f"(depth {e.get('depth')}, heads {e.get('heads')})"
         for e in decisions
     ]
     return measures

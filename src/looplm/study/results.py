@@ -125,7 +125,8 @@ def results_table(result: StudyResult) -> str:
         steps = sorted({r.summary.get("steps", 0) for r in runs})
         times = [r.wall_time_s for r in runs if r.wall_time_s is not None]
         per_seed = sum(times) / len(result.seeds) if times else None
-        row += ["/".join(str(s) for s in steps), "–" if per_seed is None else f"{per_seed:.0f}" if per_seed >= 10 else f"{per_seed:.1f}"]
+        time = "–" if per_seed is None else f"{per_seed:.0f}" if per_seed >= 10 else f"{per_seed:.1f}"
+        row += ["/".join(str(s) for s in steps), time]
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

@@ -6,7 +6,8 @@ Every configuration and hyperparameter of a table is here (or in the presets nam
 each table is one command. Wall times of the ``default`` sizes (each size's ``wall_time``)
 were estimated from a timed 40-step run of every variant (``--seeds 1 --threads 1
 train.max_steps=40``) on the 2-core AMD EPYC this project is developed on, shared with other
-jobs at the time, so scaled by the CPU time the run used (its user/wall ratio); expect ±30 %. Paper sizes need GPUs and the paper's corpus as
+jobs at the time, so scaled by the CPU time the run used (its user/wall ratio); expect ±30 %.
+Paper sizes need GPUs and the paper's corpus as
 token shards (``data.source=shards:DIR data.tokenizer=TOKENIZER``), except the ladder's,
 whose data is synthetic.
 """
@@ -80,7 +81,8 @@ MESH = Study(
         "quick": Size(_runs("tiny-base", _mesh_variants("4", "1+1R2+1")), QUICK + ("data.seq_len=16",), seeds=2),
         "default": Size(_runs("tiny-base", _mesh_variants("6", "1+2R2+1")),
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
-                        wall_time="≈ 45 min on one thread (18 runs; ≈ 0.22 s per step measured, probes ≈ 2 s per run)"),
+                        wall_time="≈ 45 min on one thread (18 runs; ≈ 0.22 s per step measured, "
+                                  "probes ≈ 2 s per run)"),
         "paper": Size(_runs("pythia-160m", _mesh_variants("12", "2+4R2+2")), seeds=3,
                       wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
                                 "paper's 250B tokens: ≈ 2.4e20 training FLOPs per run, about a week per run on one "
@@ -93,7 +95,8 @@ MESH = Study(
     paper_columns=(PaperColumn(
         "Pile PPL (1B)", "mesh.txt Table 1, Pythia-1B rows (vanilla 16 layers; recursive 3+5R2+3, −31.3 % "
         "non-embedding parameters): Pile perplexity",
-        {"vanilla": "7.96", "base": "8.20", "residual": "8.19", "anchor_embedding": "8.07", "anchor": "8.10", "mesh": "7.90"}),),
+        {"vanilla": "7.96", "base": "8.20", "residual": "8.19", "anchor_embedding": "8.07", "anchor": "8.10",
+         "mesh": "7.90"}),),
     figures=(*_lm_figures(False), Bars("probes.png", ("update", "update_core", "cka_loop"),
                                        ("update (all)", "update (core)", "CKA loop"), "MeSH probes", "value")),
     deviations=(
@@ -126,7 +129,8 @@ SPIRALFORMER = Study(
         "quick": Size(_runs("tiny-mesh", _spiral_variants(1, 1, 1, 1, 1)), QUICK + ("data.seq_len=32",), seeds=2),
         "default": Size(_runs("tiny-mesh", _spiral_variants(1, 2, 1, 2, 2)),
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(700)), seeds=3,
-                        wall_time="≈ 45 min on one thread (12 runs; ≈ 0.30 s per step measured, the T = 4 loop 0.45)"),
+                        wall_time="≈ 45 min on one thread (12 runs; ≈ 0.30 s per step measured, "
+                                  "the T = 4 loop 0.45)"),
         "paper": Size(_runs("spiralformer-b-160m", _spiral_variants(2, 4, 2, 4, 4)), seeds=3,
                       wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
                                 "paper's 250B tokens: about a week per run on one H100 at 40 % MFU (12 runs)"),
@@ -138,7 +142,8 @@ SPIRALFORMER = Study(
         PaperColumn("Pile PPL (160M)", "spiralformer.txt Table 1, Pythia-160M rows: Pile perplexity "
                     "(LoopedFormer 2+4×{1,1}+2 is the paper's full-resolution loop, T = 2)",
                     {"looped-T2": "11.37", "SpiralFormer-B": "11.29", "SpiralFormer-L": "10.94"}),
-        PaperColumn("prefill TFLOPs (160M)", "spiralformer.txt Table 1, Pythia-160M rows: FLOPs of a 4096-token prefill",
+        PaperColumn("prefill TFLOPs (160M)",
+                    "spiralformer.txt Table 1, Pythia-160M rows: FLOPs of a 4096-token prefill",
                     {"looped-T2": "1.65", "SpiralFormer-B": "1.48", "SpiralFormer-L": "1.49"}),
     ),
     figures=_lm_figures(),
@@ -173,7 +178,8 @@ def _growth_notes(result) -> str:
 
 SGT = Study(
     name="sgt",
-    title="Sparse Growing Transformer: head looping against Block Loop (sparse-growing-transformer.txt Table 1, shrunk)",
+    title="Sparse Growing Transformer: head looping against Block Loop "
+          "(sparse-growing-transformer.txt Table 1, shrunk)",
     paper="sparse-growing-transformer.txt (SGT), Tables 1-2, Fig. 4",
     claim="looping 2 high-entropy heads in a few grown layers lowers the loss at a few % more training FLOPs, "
           "where Block Loop costs +16-20 %",
@@ -185,7 +191,8 @@ SGT = Study(
                                   "+5-25 % once grown)"),
         "paper": Size(_runs("sgt-275m-vanilla", _sgt_variants(250, 250)), seeds=3,
                       wall_time="SGT 275M (Table 8; 5035 steps of 128 × 4096 tokens; set data.source / "
-                                "data.tokenizer): ≈ 4.3e19 FLOPs per run (Table 1), about 30 hours per run on one H100 "
+                                "data.tokenizer): ≈ 4.3e19 FLOPs per run (Table 1), about 30 hours per run on one "
+                                "H100 "
                                 "at 40 % MFU (15 runs)"),
     },
     metrics=(VAL_LOSS, Metric("train_flops", "train FLOPs (SGT conv.)", 3, sci=True),
@@ -386,7 +393,7 @@ _LADDER_PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length
                  "train.save_every=1000", "train.keep_last=1")
 
 
-def _ladder_sizes(budget_default: int) -> dict[str, Size]:
+def _ladder_sizes() -> dict[str, Size]:
     from looplm.ladder.rungs import RUNGS
 
     runs = {r: RunSpec("task-addition") for r in RUNGS}
@@ -402,18 +409,19 @@ def _ladder_sizes(budget_default: int) -> dict[str, Size]:
 
 
 def _registered_ladder() -> Study:
-    study = ladder_study("addition", 12, sizes=_ladder_sizes(12), deviations=(
+    """``looplm study ladder``: addition at C = 12 with a learnable carry chain (CPU sizes)."""
+    sizes = {k: v for k, v in _ladder_sizes().items() if k != "paper"}  # the paper size is C = 24
+    return ladder_study("addition", 12, sizes=sizes, deviations=(
         "Operands of up to 4 digits (L_train = 4, the paper: 10) so that the carry chain is learnable in a CPU "
         "hour: at L_train = 10 no rung passed chance on the last character in 2000 steps "
         "(docs/results/ladder-addition/).",
         "d = 64, 4 heads (the paper gives no width), C = 12; 1500 steps of batch 64, lr 3e-4.",
     ))
-    return study
 
 
 def _paper_ladder_budget() -> Study:
-    """``--paper`` of the ladder: C = 24 (the issue's GPU size)."""
-    return ladder_study("addition", 24, sizes=_ladder_sizes(24), name="ladder")
+    """``looplm study ladder --paper``: C = 24, d = 384, 6 heads, L_train = 10 (the paper's size)."""
+    return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
 
 
 STUDIES: dict[str, Study] = {}
