@@ -5,7 +5,8 @@ of the chosen size, the runner trains ``out_dir/RUN/seed-S`` or reuses it
 (:mod:`looplm.study.runs`: a finished run is read back, an interrupted one resumes from its
 checkpoint, a run of other settings is refused before anything trains), measures it with
 the study's ``measure`` (cached in the run's ``study.json``, so a reused run is not probed
-again) and finally writes into ``out_dir``:
+again) and, after every seed (the tables of the seeds done so far; the figures at the end),
+writes into ``out_dir``:
 
 - ``results.md``: command, machine, settings, one row per variant with each metric's mean ±
   standard deviation over seeds, the paper's numbers beside them, the deviations;
@@ -98,16 +99,18 @@ def run_study(
     runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
     measures: dict[str, list[Measures]] = {name: [] for name in runs}
     total, done = len(seeds) * len(runs), 0
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
         for name, cfg in configs[seed].items():
             done += 1
             logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, total, name, seed)
             run = train_or_reuse(name, seed, cfg, finished[(name, seed)], progress=progress)
             runs[name].append(run)
             measures[name].append(measure_run(study, run))
-    result = StudyResult(study=study, size=size, out_dir=out_dir, seeds=seeds, runs=runs, measures=measures,
-                         command=command, machine=machine_info(next(iter(runs.values()))[0].device))
-    written = write_results(result)
+        result = StudyResult(study=study, size=size, out_dir=out_dir, seeds=seeds[:i + 1], runs=runs,
+                             measures=measures, command=command,
+                             machine=machine_info(next(iter(runs.values()))[0].device))
+        last = i == len(seeds) - 1
+        written = write_results(result, figures=last)  # an interrupted study leaves the tables of its whole seeds
     logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
                 ", ".join(str(p) for p in written))
     return result
@@ -145,8 +148,9 @@ def equivalent_command(name, size, out_dir, seeds, overrides, threads) -> str:
     return text if seeds == list(range(len(seeds))) else f"{text}  # Python: run_study(..., seeds={seeds})"
 
 
-def write_results(result: StudyResult) -> list[Path]:
-    """results.md, results.csv, runs.csv and the figures (skipped, with a note, without matplotlib)."""
+def write_results(result: StudyResult, figures: bool = True) -> list[Path]:
+    """results.md, results.csv, runs.csv and, with ``figures``, the figures (skipped, with a
+    note, without matplotlib)."""
     result.out_dir.mkdir(parents=True, exist_ok=True)
     md = result.out_dir / "results.md"
     write_text(md, results_markdown(result), atomic=True)
@@ -154,4 +158,4 @@ def write_results(result: StudyResult) -> list[Path]:
     write_text(summary, csv_text(SUMMARY_FIELDS, summary_rows(result)), atomic=True)
     per_run = result.out_dir / "runs.csv"
     write_text(per_run, csv_text(*run_rows(result)), atomic=True)
-    return [md, summary, per_run, *write_plots(result)]
+    return [md, summary, per_run, *(write_plots(result) if figures else [])]
