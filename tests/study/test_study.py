@@ -107,16 +107,19 @@ def test_study_specific_measures(quick) -> None:
 
 
 def test_sgt_flops_follow_the_growth_events(quick) -> None:
-    """The per-step sum over the logged structure equals the counter on the final structure
-    for the steps after the last decision (nothing grows after it)."""
-    (run, _) = quick["sgt"].runs["sgt-k1"]
-    cumulative = study_measures.grown_flops(run)
-    last = max(e["step"] for e in run.events_all("growth"))
-    steps = run.summary["steps"]
-    if last < steps - 1:
-        tail = [b - a for a, b in zip(cumulative[last + 1:], cumulative[last + 2:])]
-        assert max(tail) == pytest.approx(min(tail))
-    assert cumulative[steps] > study_measures._flops_per_step(run, "sgt") * steps
+    """Block Loop activates its layers at the first decision (step 1 of the quick size): step 1
+    runs the plain model, steps 2 … 4 the grown one (SGT Tables 1-2 sum each step's FLOPs)."""
+    from looplm.accounting.growth import training_flops_over_steps
+
+    (run, _) = quick["sgt"].runs["block-loop"]
+    cfg = run.config
+    activated = [e for e in run.events_all("growth") if e["action"] == "activate"]
+    assert {e["step"] for e in activated} == {1} and len(activated) == 3
+    grown = training_flops_over_steps(cfg.model, cfg.data.seq_len, cfg.train.batch_size,
+                                      [{e["layer"]: (1, None) for e in activated}], convention="sgt")
+    base = study_measures._flops_per_step(run, "sgt")
+    assert grown > base
+    assert study_measures.grown_flops(run) == pytest.approx([0, base, base + grown, base + 2 * grown, base + 3 * grown])
 
 
 # ------------------------------------------------------------------ resume
