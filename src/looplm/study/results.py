@@ -111,7 +111,7 @@ def results_table(result: StudyResult) -> str:
     desc_cols = list(next(iter(described.values()))) if described else []
     papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
     metrics = shown_metrics(result)
-    header = ["variant", *desc_cols, *(m.label for m in metrics), *(f"paper: {p.label}" for p in papers),
+    header = ["variant", *desc_cols, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
               "steps", "time (s)"]
     best = {m.key: _best(result, m) for m in metrics}
     rows = []
@@ -175,7 +175,7 @@ def summary_rows(result: StudyResult) -> list[dict[str, Any]]:
         for m in shown_metrics(result):
             values = result.values(v, m.key)
             mean, std = mean_std(values)
-            paper = [p.values[v] for p in result.study.paper_columns if v in p.values]
+            paper = [f"{p.label}: {p.values[v]}" for p in result.study.paper_columns if v in p.values]
             rows.append({"study": result.study.name, "size": result.size, "variant": v, "metric": m.key,
                          "n": len(values), "mean": mean, "std": std, "values": " ".join(f"{x:.10g}" for x in values),
                          "paper": " | ".join(paper)})
