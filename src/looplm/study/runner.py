@@ -117,10 +117,11 @@ def run_study(
 
 
 def measure_run(study: Study, run: Run) -> Measures:
-    """The study's measures of a run, read from its ``study.json`` when they were taken at
-    the same final step, else measured and stored there."""
+    """The study's measures of a run, read from its ``study.json`` when the same measure took
+    them at the same final step, else measured and stored there."""
     path = run.run_dir / MEASURES_FILE
-    key = {"study": study.name, "steps": run.summary.get("steps")}
+    key = {"study": study.name, "measure": getattr(study.measure, "__qualname__", ""),
+           "steps": run.summary.get("steps")}
     if run.reused and path.is_file():
         stored = json.loads(path.read_text(encoding="utf-8"))
         if {k: stored.get(k) for k in key} == key:
