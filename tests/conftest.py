@@ -82,6 +82,11 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                       norm_placement="sandwich", loop_input_norm=True,
                                       halting={"kind": "exit_gate", "threshold": 0.5})),
         ("sandwich-neox-anchor", tiny_config("anchor", norm_placement="sandwich", parallel_residual=True)),
+        # Ouro's fixed exit step and Stage I objective (the objective acts on the loss, not the logits)
+        ("ouro-fixed-exit-expected", tiny_config("base", layout="1R3", norm="rmsnorm", mlp="swiglu", bias=False,
+                                                 norm_placement="sandwich", loop_input_norm=True,
+                                                 halting={"kind": "exit_gate", "exit_at_step": 1,
+                                                          "objective": "expected"})),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

@@ -1,5 +1,5 @@
-"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, convert, info, probe, flops,
-ladder, study, config, presets.
+"""The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, import, convert, info, probe,
+flops, ladder, study, config, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--streaming] [--shard-chars C]
@@ -8,6 +8,7 @@ ladder, study, config, presets.
     looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
     looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
+    looplm import HF_DIR OUT [--tokenizer SPEC]
     looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [model.key=value ...]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
@@ -210,6 +211,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = export(args.run, args.out, iterations=args.iterations, tokenizer=args.tokenizer, verify=not args.no_verify)
     sys.stdout.write(f"exported {args.run} -> {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained)\n")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from looplm.interop.import_run import import_checkpoint
+
+    step = import_checkpoint(args.hf_dir, args.out, tokenizer=args.tokenizer)
+    sys.stdout.write(f"imported {args.hf_dir} -> {args.out} (checkpoint {step}); use it as a run: looplm eval / "
+                     f"generate / export {args.out}; fine-tune with train.init_from={args.out}\n")
     return 0
 
 
@@ -502,6 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="byte, a tokenizer.json or a transformers tokenizer directory (default: the run's data.tokenizer)")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="a run directory from an Ouro, GPT-NeoX or LLaMA checkpoint (its weights and "
+                       "tokenizer), for eval / generate / export")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="byte, a tokenizer.json or a transformers tokenizer directory "
+                        "(default: HF_DIR's tokenizer files)")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("convert", help="a looped model from a dense GPT-NeoX / LLaMA checkpoint (Relaxed Recursive "
                        "Transformers init; see looplm.interop.convert for the layer maps)")

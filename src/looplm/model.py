@@ -44,7 +44,8 @@ from looplm.topology import Topology, build_topology
 class ModelOutput:
     """logits: [B, T, V]. lm_loss: mean next-token cross-entropy over targets != -100
     (None without targets). loss: lm_loss plus every auxiliary loss, what training
-    minimises. aux_losses: named auxiliary losses already weighted (e.g. ``dsa_index``),
+    minimises (a halting rule whose losses hold the task loss leaves lm_loss out: the exit
+    gate's expected objective). aux_losses: named auxiliary losses already weighted (e.g. ``dsa_index``),
     present whether or not targets are given.
     states: [h^(0), ..., h^(T)] (each [B, T, d]) when ``output_states``; the per-iteration
     hidden states of the loop. record: per-iteration topology values (e.g. MeSH router
@@ -172,7 +173,10 @@ class LoopLM(nn.Module):
             lm_loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
             )
-            loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
+            if self.halting is not None and not self.halting.trains_readout:
+                loss = sum(ctx.losses.values())  # the halting rule's losses hold the task loss (Ouro's Stage I)
+            else:
+                loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
         output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses,
                              attentions=ctx.attentions)
         if recurrence is not None:

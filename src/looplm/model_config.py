@@ -175,8 +175,12 @@ class ModelConfig(Config):
             check(self.head_loop is None, "model.head_loop", self.head_loop, f"null with model.halting.kind={kind}")
         if self.halting.needs_no_coda:
             check(layout.coda == 0, "model.layout", self.layout,
-                  f"a layout ending in the loop (no coda) with model.halting.kind={self.halting.kind}: its target "
+                  f"a layout ending in the loop (no coda) with {self.halting.label}: its target "
                   "reads logits straight from the solution stream")
+        exit_at = self.halting.exit_at_step
+        if exit_at is not None:
+            check(exit_at < layout.iterations, "model.halting.exit_at_step", exit_at,
+                  f"null or a 0-based loop step below the {layout.iterations} iterations of layout {self.layout!r}")
 
     @property
     def passes_per_step(self) -> int:

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from looplm.accounting import analytic_parameter_counts, count_flops, parameter_counts
+from looplm.accounting import analytic_parameter_counts, count_flops, get_convention, parameter_counts
 from looplm.accounting.flops import build_meta_model
 from tests.conftest import all_configs, tiny_config
 
@@ -55,3 +55,44 @@ def test_exit_gate_counts_its_norm_gate_and_selection_every_step():
     per_step = rows * d * 4 + rows * d + rows + rows * d  # norm(Y), the gate d -> 1 and its bias, the selection
     assert a.forward - b.forward == 3 * per_step
     assert analytic_parameter_counts(gated)["halting"] == d + 1 == parameter_counts(build_meta_model(gated))["halting"]
+
+
+@pytest.mark.parametrize("convention,per_mac", [("default", 2), ("mesh", 1)])
+def test_expected_objective_counts_a_trained_head_every_step_and_an_untrained_readout(convention, per_mac):
+    """Ouro's Stage I objective reads head(norm(Y_t)) at every step with gradient (on the
+    norm the gate already reads), and the readout's final norm and head then run without
+    backward. Hand count: H = per_mac·rows·d·V per head call, N the final norm."""
+    readout = tiny_config("base", layout="2R3", norm="rmsnorm", mlp="swiglu", bias=False,
+                          halting={"kind": "exit_gate", "threshold": 0.5})
+    expected = dataclasses.replace(readout, halting={"kind": "exit_gate", "threshold": 0.5, "objective": "expected"})
+    seq, batch, steps = 8, 2, 3
+    rows, d, V = seq * batch, readout.d_model, readout.vocab_size
+    head = per_mac * rows * d * V
+    norm = rows * d * 4 if convention == "mesh" else 0  # RMSNorm: 4 per element where norms count
+    a = count_flops(expected, seq, batch=batch, convention=convention)
+    b = count_flops(readout, seq, batch=batch, convention=convention)
+    m = get_convention(convention).training_multiplier
+    assert a.forward == b.forward  # an inference forward is the same
+    assert b.targets_only == {} and b.targets_only_grad == 0
+    assert a.targets_only == {f"halting.target.head.{t}": head for t in range(steps)}
+    assert a.targets_only_grad == steps * head
+    assert a.forward_with_targets == a.forward + steps * head
+    # training: every step's head m times; the readout's norm + head once instead of m times
+    assert a.training == b.training + m * steps * head - (m - 1) * (head + norm)
+
+
+def test_expected_objective_targets_only_flops_match_flop_counter():
+    """FlopCounterMode (matmuls) over a forward given targets: the per-step heads are there."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looplm.model import LoopLM
+    from tests.conftest import random_ids
+
+    cfg = tiny_config("base", layout="1R3", norm="rmsnorm", mlp="swiglu", bias=False,
+                      halting={"kind": "exit_gate", "objective": "expected"})
+    model = LoopLM(cfg)
+    x, y = random_ids(2, 10), random_ids(2, 10, seed=1)
+    report = count_flops(model, 10, batch=2, convention="torch")
+    with FlopCounterMode(display=False) as fc:
+        model(x, y, output_attentions=True)
+    assert report.forward_with_targets == sum(fc.get_flop_counts()["Global"].values())

@@ -199,6 +199,51 @@ def test_exit_threshold_reads_out_the_reference_exit_step(tmp_path, threshold, s
         assert len(exit_step.unique()) == steps
 
 
+@pytest.mark.parametrize("exit_step", [0, 1, 2])
+def test_early_exit_step_reads_out_that_steps_reference_state(tmp_path, exit_step):
+    """Ouro's ``early_exit_step`` (modeling_ouro.py ``exit_at_step``): the LM head on that
+    step's final-normed state for every position, whatever the threshold."""
+    hf = {**BASE, "early_exit_step": exit_step, "early_exit_threshold": 0.5}
+    weights = ouro_weights(hf, seed=10)
+    model = load_hf_checkpoint(write_checkpoint(tmp_path, hf, weights))
+    assert model.cfg.halting.exit_at_step == exit_step
+    ids = _ids(seed=11)
+    expected, _ = ouro_logits(weights, hf, ids, exit_step + 1)  # the last of exit_step + 1 steps: that state
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=ATOL, rtol=0)
+        cache, pieces = LoopCache(), []
+        for start, end in ((0, 5), (5, 6), (6, 11)):
+            pieces.append(model(ids[:, start:end], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, atol=ATOL, rtol=0)
+
+
+def test_an_early_exit_step_beyond_the_loop_is_ignored_as_ouro_ignores_it():
+    assert config_from_hf({**BASE, "early_exit_step": 3}).halting.exit_at_step is None  # total_ut_steps = 3
+    with pytest.raises(ConfigError, match="hf_config.early_exit_step"):
+        config_from_hf({**BASE, "early_exit_step": 1.5})
+
+
+def test_training_loss_is_ouros_stage_one_objective_on_the_reference_states(tmp_path):
+    """Imported with Ouro's Stage I objective: Σ_t p(t) CE(head(h_t)) − 0.1·H(p) per token,
+    averaged, from the reference forward's states and gate."""
+    hf = dict(BASE)
+    weights = ouro_weights(hf, seed=12)
+    model = load_hf_checkpoint(write_checkpoint(tmp_path, hf, weights))
+    assert (model.cfg.halting.objective, model.cfg.halting.entropy_weight) == ("expected", 0.1)
+    ids, targets = _ids(seed=13), _ids(seed=14)
+    states = ouro_states(weights, hf, ids, hf["total_ut_steps"])
+    survive, loss = torch.ones(ids.shape), 0.0
+    for t, h in enumerate(states):
+        lam = torch.sigmoid(h @ weights["model.early_exit_gate.weight"].T + weights["model.early_exit_gate.bias"])
+        p = survive if t == len(states) - 1 else lam.squeeze(-1) * survive
+        survive = survive * (1 - lam.squeeze(-1))
+        ce = torch.nn.functional.cross_entropy((h @ weights["lm_head.weight"].T).transpose(1, 2), targets,
+                                               reduction="none")
+        loss = loss + p * ce + 0.1 * p * p.log()  # Σ_t p L^(t) − β H(p), H = −Σ p log p
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, targets).loss, loss.mean(), atol=ATOL, rtol=1e-5)
+
+
 @pytest.mark.parametrize("field,value", [
     ("use_sliding_window", True), ("hidden_act", "gelu"), ("total_ut_steps", 0), ("head_dim", 16),
     ("layer_types", ["full_attention", "sliding_attention"]), ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}),

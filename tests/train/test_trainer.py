@@ -31,9 +31,11 @@ RESUME_GRID = (
        ("base", {"layout": "1R3", "step_embeddings": True, "halting": {"kind": "act", "ponder_cost": 0.1}}, 1),
        ("base", {"layout": "1R2", "streams": {"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True},
                  "halting": {"kind": "qhalt"}, "position": "learned"}, 2),
-       # Ouro's axes: sandwich norms, the loop-input norm and the exit gate's readout
+       # Ouro's axes: sandwich norms, the loop-input norm, the exit gate's readout and its
+       # Stage I objective (expected loss under the exit distribution, entropy bonus)
        ("base", {"layout": "2R2", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "norm_placement": "sandwich",
-                 "loop_input_norm": True, "halting": {"kind": "exit_gate", "threshold": 0.5}}, 1)]
+                 "loop_input_norm": True, "halting": {"kind": "exit_gate", "threshold": 0.5,
+                                                      "objective": "expected"}}, 1)]
 )
 
 

@@ -42,9 +42,11 @@ class FlopReport:
     per component. ``forward`` is an inference forward (no targets).
 
     targets_only: forward FLOPs of the calls that run only when the forward is given
-    targets (Q-halt's per-step target readout), per plan step name; they are not in
-    ``forward`` or ``components``, they are in ``training`` (once: they run under
-    ``torch.no_grad``) and in :attr:`forward_with_targets`. no_grad: the part of
+    targets (Q-halt's per-step target readout, the exit gate's per-step LM heads under its
+    expected objective), per plan step name; they are not in ``forward`` or
+    ``components``, they are in ``training`` (once where they run under ``torch.no_grad``,
+    ``training_multiplier`` times the ``targets_only_grad`` part that is backpropagated)
+    and in :attr:`forward_with_targets`. no_grad: the part of
     ``forward`` that training runs without gradient (TRM's no-grad cycles), counted once
     in ``training``. training: see :attr:`training`."""
 
@@ -56,6 +58,7 @@ class FlopReport:
     steps: dict[str, float]
     costs: dict[str, Cost]
     targets_only: dict[str, float] = dataclasses.field(default_factory=dict)
+    targets_only_grad: float = 0.0
     no_grad: float = 0.0
     embedding_matmul: float = 0.0  # the embedding lookups' one-hot matmul FLOPs (``convention.embedding``)
 
@@ -64,9 +67,10 @@ class FlopReport:
         """One training step's FLOPs: ``training_multiplier`` × the forward of every call
         the backward runs through; an embedding counted as a matmul (``convention.embedding``)
         2 × its forward (forward and weight gradient, no input gradient); calls run under
-        ``torch.no_grad`` (no-grad cycles, Q-halt's target readout) once."""
-        extra = sum(self.targets_only.values())
-        grad = self.forward - self.no_grad - self.embedding_matmul
+        ``torch.no_grad`` (no-grad cycles, Q-halt's target readout) once; the calls given
+        targets that the backward runs through (the exit gate's per-step heads) like the rest."""
+        extra = sum(self.targets_only.values()) - self.targets_only_grad
+        grad = self.forward - self.no_grad - self.embedding_matmul + self.targets_only_grad
         return self.convention.training_multiplier * grad + 2 * self.embedding_matmul + self.no_grad + extra
 
     @property
@@ -94,6 +98,7 @@ class FlopReport:
             "components": self.components,
             "steps": self.steps,
             "targets_only": self.targets_only,
+            "targets_only_grad_flops": self.targets_only_grad,
             "no_grad_flops": self.no_grad,
         }
 
@@ -120,7 +125,7 @@ def count_flops(
     steps: dict[str, float] = {}
     costs: dict[str, Cost] = {}
     targets_only: dict[str, float] = {}
-    no_grad = embedding_matmul = 0.0
+    no_grad = embedding_matmul = targets_only_grad = 0.0
     for step in execution_plan(model, seq_len, batch, targets=True):
         if step.component == "head" and not conv.head:
             cost = Cost()
@@ -129,6 +134,7 @@ def count_flops(
         flops = cost.flops(conv)
         if step.targets_only:
             targets_only[step.name] = targets_only.get(step.name, 0) + flops
+            targets_only_grad += flops if step.grad else 0.0
             continue
         components[step.component] = components.get(step.component, 0) + flops
         steps[step.name] = steps.get(step.name, 0) + flops
@@ -138,7 +144,8 @@ def count_flops(
         elif conv.embedding:
             embedding_matmul += conv.flops_per_mac * cost.embed
     return FlopReport(conv, seq_len, batch, sum(components.values()), components, steps, costs,
-                      targets_only=targets_only, no_grad=no_grad, embedding_matmul=embedding_matmul)
+                      targets_only=targets_only, targets_only_grad=targets_only_grad, no_grad=no_grad,
+                      embedding_matmul=embedding_matmul)
 
 
 def realised_block_passes(output: ModelOutput, mask: Optional[torch.Tensor] = None) -> float:

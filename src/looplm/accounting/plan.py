@@ -35,7 +35,8 @@ class Step:
     the first H − 1 cycles of ``streams.no_grad_cycles`` and for Q-halt's target readout,
     both run under ``torch.no_grad``): training counts it once, not ``training_multiplier``
     times. ``targets_only``: the call runs only in a forward given targets (training, or
-    an evaluation loss): Q-halt's per-step norm + LM head that builds its BCE target."""
+    an evaluation loss): Q-halt's per-step norm + LM head that builds its BCE target (no
+    gradient), the exit gate's per-step LM head of its expected objective (gradient)."""
 
     component: str
     name: str
@@ -58,7 +59,9 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     the halting rule's call (ACT: the unit d -> 1 and the readout accumulation Σ w·h;
     Q-halt: the q head d -> 1). ``targets``: also list the calls that run only in a forward
     given targets, flagged ``targets_only`` (Q-halt: the final norm and LM head on the
-    solution at every macro step, under ``torch.no_grad``).
+    solution at every macro step, under ``torch.no_grad``; the exit gate's expected
+    objective: the LM head on the normed state of every step, with gradient, while the
+    readout's final norm and head then run without backward, ``grad=False``).
 
     A multi-resolution iteration t (``model.resolution``, spiralformer.txt Alg. 1) adds S↓
     on the tokens of its L_t complete chunks, runs the core on L_t positions
@@ -76,8 +79,11 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
         plan.extend(_recurrence_plan(model, seq_len, batch, targets))
     for j, block in enumerate(model.coda):
         plan.append(Step("coda", f"coda.{j}", BlockCall(block, 0), full))
-    plan.append(Step("final_norm", "norm", model.norm, full))
-    plan.append(Step("head", "head", model.head, full))
+    # the readout's logits carry the training loss unless the halting rule's own losses hold
+    # the task loss (the exit gate's expected objective): then training runs them without backward
+    trained = model.halting is None or model.halting.trains_readout
+    plan.append(Step("final_norm", "norm", model.norm, full, grad=trained))
+    plan.append(Step("head", "head", model.head, full, grad=trained))
     return plan
 
 
@@ -122,9 +128,15 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
             plan.append(Step("final_norm", f"halting.norm.{t}", model.norm, at))
         if halting.evaluates:
             plan.append(Step("halting", f"halting.{t}", halting, at))
-        if halting.reads_logits(targets):  # e.g. Q-halt's BCE target 1[argmax head(norm(Y)) = target]
-            plan.append(Step("final_norm", f"halting.target.norm.{t}", model.norm, at, grad=False, targets_only=True))
-            plan.append(Step("head", f"halting.target.head.{t}", model.head, at, grad=False, targets_only=True))
+        if halting.reads_logits(targets):
+            # Q-halt's BCE target 1[argmax head(norm(Y)) = target], under no_grad; the exit
+            # gate's expected objective: L^(t) of head(norm(Y)) with gradient, on the norm it
+            # already read for the gate
+            grad = not halting.trains_readout
+            if not halting.reads_norm:
+                plan.append(Step("final_norm", f"halting.target.norm.{t}", model.norm, at, grad=grad,
+                                 targets_only=True))
+            plan.append(Step("head", f"halting.target.head.{t}", model.head, at, grad=grad, targets_only=True))
     return plan
 
 

@@ -25,7 +25,8 @@ def format_flops(report: FlopReport) -> str:
         lines.append(f"  {name:<14} {_g(flops):>12}  {share:6.2f}%")
     if report.targets_only:
         lines.append(f"with targets only {_g(sum(report.targets_only.values()))} FLOPs more per forward "
-                     "(Q-halt target readout, no grad; in training, not in forward)")
+                     "(per-step target readout: Q-halt's without grad, the exit gate's expected objective's "
+                     "with grad; in training, not in forward)")
     return "\n".join(lines)
 
 
@@ -33,7 +34,9 @@ def _training_note(report: FlopReport) -> str:
     notes = []
     if report.no_grad:
         notes.append(f"no-grad passes {_g(report.no_grad)} once")
-    if report.targets_only:
+    if report.targets_only_grad:
+        notes.append(f"+ per-step readout {_g(report.targets_only_grad)} x {report.convention.training_multiplier:g}")
+    if sum(report.targets_only.values()) > report.targets_only_grad:
         notes.append("+ target readout once")
     if report.embedding_matmul:
         notes.append("embedding 2 x")

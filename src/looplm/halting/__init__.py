@@ -5,7 +5,7 @@
 | none | every macro step | last state | |
 | act | Σ σ(wᵀh) ≥ 1 − ε | Σ_τ w_τ h^(τ), ponder cost N + R | Graves 2016; LT2 App. ACT |
 | qhalt | σ(wᵀY) > 0.5 | terminal solution, BCE on correctness | TRM; autoregressive-trm App. B.1 |
-| exit_gate | CDF of λ_t ∏(1 − λ_s) ≥ threshold (every step still runs) | the exit step's state | Ouro (modeling_ouro.py) |
+| exit_gate | step ``exit_at_step``, else CDF of λ_t ∏(1 − λ_s) ≥ threshold (every step still runs) | the exit step's state; trained on it, or on Σ_t p_t L^(t) − β H(p) (``objective: expected``) | Ouro (modeling_ouro.py; paper §3.2-3.3) |
 """
 
 from __future__ import annotations

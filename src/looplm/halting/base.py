@@ -57,10 +57,14 @@ class Halting(nn.Module):
     freezes = False  # whether halted positions stop updating (the loop may then stop early)
     evaluates = False  # whether ``observe`` runs a module of the rule's own (ACT's unit, the Q head) every step
     reads_norm = False  # whether ``observe`` applies the model's final norm to the solution every step
+    #: whether the LM loss of the readout is the task term of the training loss; false where
+    #: the rule's own losses hold the task loss (the exit gate's expected objective)
+    trains_readout = True
 
     def reads_logits(self, targets: bool) -> bool:
-        """Whether ``observe`` reads the solution's logits (final norm and head, under
-        ``torch.no_grad``) every step, in a forward given targets or not."""
+        """Whether ``observe`` reads the solution's logits (final norm and head; under
+        ``torch.no_grad`` unless ``trains_readout`` is false, where they carry the task loss)
+        every step, in a forward given targets or not."""
         return False
 
     def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:

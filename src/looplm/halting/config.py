@@ -49,6 +49,16 @@ class HaltingConfig(KindConfig):
         """The halting head's starting bias (None without a head)."""
         return None
 
+    @property
+    def label(self) -> str:
+        """The rule as error messages name it (``model.halting.kind=act``)."""
+        return f"model.halting.kind={self.kind}"
+
+    @property
+    def exit_at_step(self) -> Optional[int]:
+        """The loop step every position reads out at, whatever the rule says (None: the rule chooses)."""
+        return None
+
     def build(self, d_model: int) -> Halting:
         raise NotImplementedError(f"{type(self).__name__} builds no halting rule")
 
@@ -146,22 +156,59 @@ class QHaltingConfig(HaltingHeadConfig):
 
 @dataclasses.dataclass(frozen=True)
 class ExitGateHaltingConfig(HaltingConfig):
-    """Ouro's per-step exit gate (modeling_ouro.py): λ_t = σ(wᵀ norm(h_t) + b), exit
-    distribution p_t = λ_t ∏_{s<t}(1 − λ_s) (the last step takes the rest); each position
-    reads out the first step whose CDF reaches ``threshold`` (Ouro's ``early_exit_threshold``,
-    default 1.0; null: always the last step, the gate only recorded). Every position runs
-    every step; only the readout is chosen."""
+    """Ouro's per-step exit gate (modeling_ouro.py; Zhu et al. 2025, "Scaling Latent
+    Reasoning via Looped Language Models", §3.2-3.3): λ_t = σ(wᵀ norm(h_t) + b), exit
+    distribution p(t) = λ_t S_{t-1}, S_t = ∏_{j≤t}(1 − λ_j) (the last step takes the rest).
+
+    Readout (inference): ``exit_at_step`` (Ouro's ``early_exit_step``, 0-based) reads every
+    position out at that step whatever the gate says; otherwise each position reads out the
+    first step whose CDF reaches ``threshold`` (Ouro's ``early_exit_threshold``, default
+    1.0; null: always the last step, the gate only recorded). Every position runs every
+    step; only the readout is chosen.
+
+    Training (``objective``): ``readout`` minimises the LM loss of the selected readout (the
+    gate gets no gradient); ``expected`` is Ouro's Stage I objective, per position
+    Σ_t p(t|x) L^(t) − β H(p(·|x)) with L^(t) the LM loss of head(norm(h_t)) and
+    β = ``entropy_weight``, in place of the readout's loss. It reads every step's logits
+    straight from the loop's state, so it needs a layout without a coda.
+
+    Sources for the formula (the paper's text was not at hand): public summaries of the
+    paper agree on the exit distribution above (the last step taking S_{T-1}'s mass) and on
+    L = Σ_t p(t|x) L^(t) − β H(p(·|x)) with H = −Σ_t p log p, the entropy of the exit
+    distribution (a KL to a uniform prior up to a constant). Default β = 0.1, the Stage I
+    value as far as is known; the summaries found say only that β was lowered for
+    stability during pre-training (one re-implementation uses 0.05), so set it explicitly
+    to reproduce a given recipe."""
 
     kind: str = "exit_gate"
     threshold: Optional[float] = 1.0
+    exit_at_step: Optional[int] = None
+    objective: str = "readout"
+    entropy_weight: float = 0.1
+
+    OBJECTIVES: ClassVar[tuple[str, ...]] = ("readout", "expected")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.threshold is None or 0.0 < self.threshold <= 1.0, "model.halting.threshold", self.threshold,
               "null (read out the last step) or a number in (0, 1]")
+        check(self.exit_at_step is None or self.exit_at_step >= 0, "model.halting.exit_at_step", self.exit_at_step,
+              "null (the threshold rule chooses) or a 0-based loop step >= 0")
+        check(self.objective in self.OBJECTIVES, "model.halting.objective", self.objective,
+              f"one of {', '.join(self.OBJECTIVES)}")
+        check(self.entropy_weight >= 0.0, "model.halting.entropy_weight", self.entropy_weight, "a number >= 0")
+
+    @property
+    def label(self) -> str:
+        return f"model.halting.kind={self.kind} objective={self.objective}"
+
+    @property
+    def needs_no_coda(self) -> bool:  # type: ignore[override]
+        """The expected objective reads every step's logits straight from the loop."""
+        return self.objective == "expected"
 
     def build(self, d_model: int) -> Halting:
-        return ExitGateHalting(d_model, self.threshold)
+        return ExitGateHalting(d_model, self.threshold, self.exit_at_step, self.objective, self.entropy_weight)
 
     def parameter_count(self, d_model: int) -> int:
         return d_model + 1  # the gate: d -> 1 with bias

@@ -1,41 +1,69 @@
-"""A per-step exit gate with a cumulative-probability threshold (Ouro: modeling_ouro.py,
-``OuroModel.early_exit_gate`` and ``OuroForCausalLM``'s ``exit_threshold`` rule).
+"""A per-step exit gate with a fixed exit step or a cumulative-probability threshold, and
+Ouro's entropy-regularised training objective (Zhu et al. 2025, "Scaling Latent Reasoning
+via Looped Language Models", §3.2-3.3; modeling_ouro.py, ``OuroModel.early_exit_gate`` and
+``OuroForCausalLM``'s ``exit_at_step`` / ``exit_threshold`` rules).
 
 Every position runs every step (the later steps of an exited position still feed the
 attention of later positions, as in Ouro); the rule only chooses, per position, which
-step's state is read out."""
+step's state is read out, and, under the expected objective, trains every step's readout."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from looplm.halting.base import Halting, HaltState, Readout
+from looplm.halting.base import Halting, HaltState, Readout, masked_mean
+from looplm.targets import IGNORE_INDEX
 
 
 class ExitGateHalting(Halting):
     """λ_t = σ(wᵀ norm(y_t) + b) on the final-normed state of step t; the exit distribution
-    p_t = λ_t ∏_{s<t}(1 − λ_s) for t < T, and p_T the remaining mass (so Σ p = 1); a position
-    exits at the first step whose CDF Σ_{s≤t} p_s reaches ``threshold`` (else the last) and
-    its readout is y at that step. ``threshold`` 1.0 reads out the last step, unless the
-    gate saturates (the CDF reaching 1.0 in floating point: Ouro exits there too); None
-    always reads out the last step (Ouro without ``exit_threshold``).
-    Records the exit probabilities p_t (``exit_probability``) and each position's exit step
-    (``exit_step``). The gate is an inference rule here: a training forward reads out the
-    same selected states and gives the gate no gradient."""
+    p(t) = λ_t S_{t-1} with S_t = ∏_{j≤t}(1 − λ_j), S_{-1} = 1, for t < T − 1, and p(T − 1)
+    = S_{T-2}, the remaining mass (so Σ p = 1).
+
+    Readout: with ``exit_at_step`` k < T every position reads out y_k (Ouro's ``exit_at_step``
+    wins over the threshold; a k the forward does not reach, as with ``iterations`` < k + 1
+    at test time, is ignored, as Ouro ignores it); otherwise a position exits at the first
+    step whose CDF Σ_{s≤t} p(s) reaches ``threshold`` (else the last) and reads out y there.
+    ``threshold`` 1.0 reads out the last step unless the gate saturates (the CDF reaching
+    1.0 in floating point: Ouro exits there too); None always reads out the last step.
+
+    Training, in a forward given targets: ``objective="readout"`` leaves the LM loss of the
+    readout as the task loss (the gate gets no gradient). ``objective="expected"`` is Ouro's
+    Stage I loss (§3.3, Eq. 3), per position with a target,
+        L = Σ_t p(t|x) L^(t) − β H(p(·|x)),   H(p) = −Σ_t p(t) log p(t),
+    L^(t) the cross-entropy of head(norm(y_t)), β = ``entropy_weight`` (the entropy is
+    that of the exit distribution, not of λ; equivalently a KL to the uniform prior up to a
+    constant). It joins the loss as ``exit_expected_lm`` (Σ_t p L^(t), averaged over
+    positions with a target) and ``exit_entropy`` (−β H, likewise) in place of the
+    readout's LM loss (:attr:`trains_readout` is false); the model still reports the
+    readout's loss as ``lm_loss``. The norm(y_t) the gate reads is the one the step's head
+    reads (one norm per step).
+
+    Records the exit probabilities p(t) (``exit_probability``) and each position's exit
+    step (``exit_step``)."""
 
     evaluates = True
     reads_norm = True
 
-    def __init__(self, d_model: int, threshold: Optional[float]):
+    def __init__(self, d_model: int, threshold: Optional[float], exit_at_step: Optional[int] = None,
+                 objective: str = "readout", entropy_weight: float = 0.1):
         super().__init__()
         self.gate = nn.Linear(d_model, 1)
-        self.threshold = threshold
+        self.threshold, self.exit_at_step = threshold, exit_at_step
+        self.objective, self.entropy_weight = objective, entropy_weight
+        self.trains_readout = objective == "readout"
 
     def extra_repr(self) -> str:
-        return f"threshold={self.threshold}"
+        return (f"threshold={self.threshold}, exit_at_step={self.exit_at_step}, objective={self.objective}, "
+                f"entropy_weight={self.entropy_weight}")
+
+    def reads_logits(self, targets: bool) -> bool:
+        """The expected objective reads every step's logits (with gradient), given targets."""
+        return targets and self.objective == "expected"
 
     def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:
         state = super().begin(h, valid)
@@ -47,19 +75,39 @@ class ExitGateHalting(Halting):
     def observe(self, state: HaltState, y: torch.Tensor, t: int, last: bool, read_logits: Readout,
                 targets: Optional[torch.Tensor]) -> None:
         survive = state.extra["survive"]
-        lam = torch.sigmoid(self.gate(read_logits.norm(y)).squeeze(-1).float())  # λ_t: [B, T]
-        p = survive if last else lam * survive  # the last step takes the remaining mass
+        normed = read_logits.norm(y)
+        lam = torch.sigmoid(self.gate(normed).squeeze(-1).float())  # λ_t: [B, T]
+        p = survive if last else lam * survive  # p(t) = λ_t S_{t-1}; the last step takes S_{T-2}
         cdf = state.extra["cdf"] + p
         reached = cdf >= self.threshold if self.threshold is not None else torch.zeros_like(state.halted)
         exits = ~state.halted & (reached | last)
         state.readout = y if state.readout is None else torch.where(exits.unsqueeze(-1), y, state.readout)
         state.extra.update(survive=survive * (1.0 - lam), cdf=cdf,
                            exit_step=torch.where(exits, t, state.extra["exit_step"]))
+        if t == self.exit_at_step:
+            state.extra["fixed"] = y
+        if self.reads_logits(targets is not None):
+            logits = read_logits.head(normed).float()  # L^(t): [B, T] per-position cross-entropy
+            loss_t = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                     ignore_index=IGNORE_INDEX, reduction="none").view_as(p)
+            neg_entropy = p * torch.log(p.clamp_min(1e-12))  # p log p (0 where p = 0, finite gradient)
+            state.extra["expected"] = state.extra.get("expected", 0.0) + p * loss_t  # Σ_t p(t) L^(t)
+            state.extra["neg_entropy"] = state.extra.get("neg_entropy", 0.0) + neg_entropy  # −H(p)
+            state.extra["has_target"] = targets != IGNORE_INDEX
         state.halted = state.halted | exits
         state.steps = state.steps + state.running.long()  # every position runs every step
         state.record.setdefault("exit_probability", []).append(p.detach())
-        if last:
-            state.record["exit_step"] = [state.extra["exit_step"]]
+
+    def finish(self, state: HaltState) -> torch.Tensor:
+        if "expected" in state.extra:
+            mask = state.extra["has_target"]
+            state.losses["exit_expected_lm"] = masked_mean(state.extra["expected"], mask)
+            state.losses["exit_entropy"] = self.entropy_weight * masked_mean(state.extra["neg_entropy"], mask)
+        if "fixed" in state.extra:  # exit_at_step reached: it wins over the threshold rule
+            state.extra["exit_step"] = torch.full_like(state.extra["exit_step"], self.exit_at_step)
+            state.readout = state.extra["fixed"]
+        state.record["exit_step"] = [state.extra["exit_step"]]
+        return state.readout
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.normal_(self.gate.weight, std=init_std)

@@ -173,7 +173,12 @@ def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
     that normalised state to the next step; and the halting rule ``exit_gate`` with
     ``threshold: early_exit_threshold``: OuroForCausalLM's inference logits read each
     position's state at the first step whose exit CDF reaches the threshold (null: the
-    last step). Ouro's ``exit_at_step`` and weighted-exit training loss are not mapped."""
+    last step); ``exit_at_step: early_exit_step`` (0-based; it wins over the threshold, and
+    a step beyond ``total_ut_steps``, which Ouro ignores, maps to null); ``objective:
+    expected`` with ``entropy_weight`` 0.1: fine-tuning continues Ouro's Stage I loss
+    (expected LM loss under the exit distribution minus β·entropy, paper §3.3), whose β
+    the checkpoint does not record. Ouro's ``use_weighted_exit`` logits (Σ_t p_t logits_t,
+    an inference-time option, not a config field) are not mapped."""
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         _require(key in hf_config, key, None, "present in config.json")
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
@@ -193,6 +198,10 @@ def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
     threshold = hf_config.get("early_exit_threshold", 1.0)  # OuroConfig's default
     _require(threshold is None or (isinstance(threshold, (int, float)) and 0.0 < threshold <= 1.0),
              "early_exit_threshold", threshold, "null or a number in (0, 1]")
+    exit_at = hf_config.get("early_exit_step")
+    _require(exit_at is None or (isinstance(exit_at, int) and not isinstance(exit_at, bool)), "early_exit_step",
+             exit_at, "null or an integer (a 0-based UT step)")
+    exit_at = exit_at if exit_at is not None and 0 <= exit_at < steps else None  # Ouro ignores one out of range
     return ModelConfig(
         vocab_size=hf_config["vocab_size"],
         d_model=hidden,
@@ -212,7 +221,8 @@ def _ouro_config(hf_config: dict[str, Any]) -> ModelConfig:
         bias=False,
         rotary_pct=1.0,
         rope_theta=rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)),
-        halting={"kind": "exit_gate", "threshold": threshold},
+        halting={"kind": "exit_gate", "threshold": threshold, "exit_at_step": exit_at, "objective": "expected",
+                 "entropy_weight": 0.1},
     )
 
 

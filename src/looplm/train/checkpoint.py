@@ -10,6 +10,9 @@ Layout of a run directory::
             trainer.pt           # optimiser state, step, tokens seen, data position, RNG, counters
             manifest.json        # {"format", "step", "files": {name: sha256}}, written last
 
+An FSDP run's step directory also holds ``dcp/``, the sharded weights and optimiser state
+(:mod:`looplm.train.sharded_checkpoint`), listed in the manifest like the other files.
+
 Atomicity: a checkpoint is written into a hidden temporary directory beside the final
 one, every file and the directory are fsync'ed, the directory is renamed to
 ``step_NNNNNNN`` and only then is ``latest`` replaced (temporary file, fsync,
@@ -253,7 +256,9 @@ def load_checkpoint(
         load_weights(model, step_dir / MODEL_FILE, device=str(next(model.parameters()).device))
     if optimizer is not None:
         if state.get("optimizer") is None:
-            raise CheckpointError(f"checkpoint {step_dir} has no optimizer state")
+            where = (": it is sharded in dcp/ (an FSDP run's); restore it with "
+                     "looplm.train.sharded_checkpoint.restore_weights") if (step_dir / "dcp").is_dir() else ""
+            raise CheckpointError(f"checkpoint {step_dir} has no optimizer state{where}")
         optimizer.load_state_dict(state["optimizer"])
     return Checkpoint(path=step_dir, step=int(state["step"]), config=config, state=state)
 

@@ -15,7 +15,13 @@ class TrainConfig(Config):
     1% warmup and a 10% floor). ``batch_size`` is sequences per optimiser step per
     data-parallel rank, split into ``grad_accum`` micro-batches. ``activation_checkpointing``
     (none, block, iteration) recomputes activations in the backward instead of keeping them
-    (:mod:`looplm.train.checkpointing`); it does not change what is computed."""
+    (:mod:`looplm.train.checkpointing`); it does not change what is computed. ``parallel``
+    picks the data-parallel wrapper under torchrun: ``auto`` (DDP when the world size is
+    above 1), ``ddp`` (full replicas) or ``fsdp`` (FSDP2, parameters, gradients and
+    optimiser state sharded across ranks, :mod:`looplm.train.fsdp`); ``fsdp_precision`` is
+    FSDP2's mixed-precision policy: ``bf16`` (bf16 parameters for compute and all-gathers,
+    fp32 gradient reduction), ``fp32``, or ``auto`` (bf16 when ``precision`` resolves to
+    bf16 autocast, else fp32). Sharded weights and optimiser state stay fp32 either way."""
 
     out_dir: str = "runs/default"
     max_steps: int = 1000
@@ -34,6 +40,8 @@ class TrainConfig(Config):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
     activation_checkpointing: Literal["none", "block", "iteration"] = "none"
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    fsdp_precision: Literal["auto", "bf16", "fp32"] = "auto"
     device: str = "auto"
     seed: int = 0
     log_every: int = 10
@@ -97,6 +105,16 @@ class TrainConfig(Config):
         check(not (self.compile and self.activation_checkpointing != "none"), "train.activation_checkpointing",
               self.activation_checkpointing, "none while train.compile=true: recomputation under torch.compile "
               "is not supported yet (set train.compile=false to checkpoint activations)")
+        check(self.parallel in ("auto", "ddp", "fsdp"), "train.parallel", self.parallel,
+              "auto (ddp when launched on several processes), ddp or fsdp")
+        check(self.fsdp_precision in ("auto", "bf16", "fp32"), "train.fsdp_precision", self.fsdp_precision,
+              "auto, bf16 (bf16 compute, fp32 gradient reduction) or fp32")
+        check(self.fsdp_precision == "auto" or self.parallel == "fsdp", "train.fsdp_precision",
+              self.fsdp_precision, f"auto unless train.parallel=fsdp (it is {self.parallel}): the policy only "
+              "applies to FSDP2; set train.parallel=fsdp or drop train.fsdp_precision")
+        check(not (self.compile and self.parallel == "fsdp"), "train.compile", self.compile,
+              "false with train.parallel=fsdp: compiling the FSDP2-sharded model is not supported yet (set "
+              "train.compile=false, or train.parallel=ddp to compile)")
         from looplm.train.trackers import LOGGERS
 
         check(all(name in LOGGERS for name in self.loggers) and len(set(self.loggers)) == len(self.loggers),

@@ -5,21 +5,29 @@ code stays single-device; everything distributed or compiled is applied from out
 
 1. seed Python and torch from ``train.seed``; pick the device (``auto``: CUDA if
    available, else CPU; ``cuda`` under torchrun means ``cuda:$LOCAL_RANK``);
-2. build the tokenizer and check it fits ``model.vocab_size``; build ``LoopLM``, the AdamW
-   optimiser (:func:`~looplm.train.optim.build_optimizer`), the training stream (sharded
+2. build the tokenizer and check it fits ``model.vocab_size``; build ``LoopLM`` (and load
+   ``train.init_from``);
+3. wrap for execution (:meth:`Trainer._wrap`): activation checkpointing as
+   ``train.activation_checkpointing`` says (:mod:`looplm.train.checkpointing`, in place
+   through the model's ``recompute`` seam, inert in ``no_grad`` forwards), then the
+   data-parallel wrapper of ``train.parallel`` when a process group is initialised
+   (``DistributedDataParallel``, or FSDP2's ``fully_shard`` in place,
+   :mod:`looplm.train.fsdp`), then ``torch.compile`` when ``train.compile`` (compiling
+   the DDP module lets Dynamo's DDP optimiser split graphs at gradient-bucket boundaries);
+4. build the AdamW optimiser (:func:`~looplm.train.optim.build_optimizer`) over the
+   parameters as wrapped (FSDP2's are the sharded ones), the training stream (sharded
    by the torch.distributed rank when a process group is initialised) and the validation
    batches; for ``data.source=task:NAME`` the task's own tokenizer and stream, and a
    :class:`~looplm.tasks.TaskEvaluator` that logs ``task_eval`` metrics at every
    evaluation and advances the state-tracking curriculum;
-3. restore a checkpoint when resuming (weights, optimiser, step, data position, counters,
-   and the RNG states last, so that everything after it sees the saved streams);
-4. wrap for execution: activation checkpointing as ``train.activation_checkpointing`` says
-   (:mod:`looplm.train.checkpointing`, in place through the model's ``recompute`` seam,
-   inert in ``no_grad`` forwards), then ``DistributedDataParallel`` when
-   a process group is initialised, then ``torch.compile`` when ``train.compile`` (compiling
-   the DDP module lets Dynamo's DDP optimiser split graphs at gradient-bucket boundaries).
+5. restore a checkpoint when resuming (weights, optimiser, step, data position, counters,
+   and the RNG states last, so that everything after it sees the saved streams); a
+   sharded checkpoint of an FSDP run, or a full one into an FSDP run, goes through
+   :mod:`looplm.train.sharded_checkpoint`, on any number of ranks.
 
-Checkpoints, evaluation, sampling and parameter counts always use the plain model.
+Checkpoints, evaluation, sampling and parameter counts use ``self.model``: the plain
+model, or under FSDP the same object sharded in place (its forwards are collective, so
+under FSDP every rank evaluates and samples, and saving is collective).
 
 Precision: ``auto`` is bf16 autocast on a CUDA device that supports bf16 and fp32
 otherwise; ``bf16`` forces bf16 autocast, on CPU too (CPU autocast: slow, meant for
@@ -60,6 +68,7 @@ from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.head_loop.training import Growth
 from looplm.model import LoopLM
 from looplm.tasks import task_evaluator
+from looplm.tasks.config import is_task_source
 from looplm.train.checkpoint import (
     config_differences,
     has_checkpoints,
@@ -75,6 +84,7 @@ from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perpl
 from looplm.train.optim import build_optimizer
 from looplm.train.params import parameter_counts
 from looplm.train.schedule import lr_at
+from looplm.train.sharded_checkpoint import restore_weights, save_sharded_checkpoint
 from looplm.train.trackers import build_trackers
 
 if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
@@ -86,7 +96,8 @@ logger = logging.getLogger("looplm")
 _RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last", "sample_prompt",
                    "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps", "loggers",
                    "wandb_project", "wandb_mode", "init_from",
-                   "activation_checkpointing"}  # recomputes the same values: exact either way
+                   "activation_checkpointing",  # recomputes the same values: exact either way
+                   "parallel"}  # ddp and fsdp compute the same step; both read either checkpoint format
 #: Data-config fields that may differ on resume: how shards are checked reads the same tokens.
 _DATA_RESUME_NEUTRAL = {"shard_check"}
 
@@ -133,6 +144,14 @@ class Trainer:
         self.model = LoopLM(run_cfg.model).to(self.device)
         # SGT (model.head_loop): entropy measured in training forwards, growth decided per step
         self.growth = Growth(self.model, self.device) if run_cfg.model.head_loop is not None else None
+        source = self._checkpoint_to_resume(resume)
+        if tc.init_from is not None:
+            if source is not None:
+                raise ConfigError("train.init_from", tc.init_from,
+                                  "null when resuming: the checkpoint already holds the weights")
+            _load_initial_weights(self.model, tc.init_from, run_cfg.model, self.device)
+        self.parallel = _parallel_mode(tc.parallel, self.distributed, run_cfg.data.source)
+        self.train_model = self._wrap(self.model)  # FSDP shards in place: before the optimiser
         self.optimizer = build_optimizer(self.model, tc)
         self.stream = train_stream(run_cfg.data, self.tokenizer, tc.batch_size, self.rank, self.world_size)
         # Task sources (data.source=task:NAME): task metrics at each evaluation, curriculum included.
@@ -164,15 +183,8 @@ class Trainer:
         self.last_saved_step: Optional[int] = None
         self.last_eval_step: Optional[int] = None
         self.last_checkpoint: Optional[Path] = None
-        source = self._checkpoint_to_resume(resume)
-        if tc.init_from is not None:
-            if source is not None:
-                raise ConfigError("train.init_from", tc.init_from,
-                                  "null when resuming: the checkpoint already holds the weights")
-            _load_initial_weights(self.model, tc.init_from, run_cfg.model, self.device)
         if source is not None:
             self._restore(source)
-        self.train_model = self._wrap(self.model)
 
         metrics_path = self.out_dir / "metrics.jsonl"
         if self.rank == 0 and self.resumed_from is None and metrics_path.exists():
@@ -207,7 +219,8 @@ class Trainer:
         return resume
 
     def _restore(self, source: Union[str, os.PathLike]) -> None:
-        ckpt = load_checkpoint(source, model=self.model, optimizer=self.optimizer, model_config=self.cfg.model)
+        ckpt = load_checkpoint(source, model_config=self.cfg.model)
+        restore_weights(ckpt, self.model, self.optimizer, sharded=self.parallel == "fsdp")
         tc = self.cfg.train
         # The optimiser's groups come back with the saved hyper-parameters; the current
         # config is authoritative (differences are reported below). lr is set every step.
@@ -216,6 +229,10 @@ class Trainer:
         saved_train = with_defaults(ckpt.config.get("train", {}), type(tc), "train")
         saved_train = {k: v for k, v in saved_train.items() if k not in _RESUME_NEUTRAL}
         current_train = {k: v for k, v in tc.to_dict().items() if k not in _RESUME_NEUTRAL}
+        saved_world = int(ckpt.state.get("world_size", 1))
+        if saved_train.get("batch_size", 0) * saved_world == tc.batch_size * self.world_size:
+            # another world size with the same global batch: the same rows, split differently
+            saved_train.pop("batch_size", None), current_train.pop("batch_size", None)
         saved_data = with_defaults(ckpt.config.get("data", {}), type(self.cfg.data), "data")
         saved_data = {k: v for k, v in saved_data.items() if k not in _DATA_RESUME_NEUTRAL}
         current_data = {k: v for k, v in self.cfg.data.to_dict().items() if k not in _DATA_RESUME_NEUTRAL}
@@ -239,9 +256,15 @@ class Trainer:
         self.last_saved_step = ckpt.step
 
     def _wrap(self, model: LoopLM) -> nn.Module:
-        apply_activation_checkpointing(model, self.cfg.train.activation_checkpointing)
+        tc = self.cfg.train
+        apply_activation_checkpointing(model, tc.activation_checkpointing)
         wrapped: nn.Module = model
-        if self.distributed:
+        if self.parallel == "fsdp":
+            from looplm.train.fsdp import apply_fsdp
+
+            apply_fsdp(model, fsdp_precision=tc.fsdp_precision, autocast_dtype=self.autocast_dtype,
+                       world_size=self.world_size)
+        elif self.parallel == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -318,7 +341,8 @@ class Trainer:
             raise
         finally:
             bar.close()
-        sample = self.sample() if self.rank == 0 else None
+        # sharded forwards are collective: under FSDP every rank samples (the same tokens)
+        sample = self.sample() if self.rank == 0 or self.parallel == "fsdp" else None
         summary = self._summary(
             tokens_per_s=session_tokens / session_time if session_time > 0 else None,
             wall_time_s=time.perf_counter() - wall_start,
@@ -366,6 +390,8 @@ class Trainer:
         # max_norm=inf measures without clipping (clip coefficient clamps to exactly 1)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.parallel == "fsdp":  # a DTensor over the sharded gradients
+            grad_norm = grad_norm.full_tensor()
         *mean_values, norm_value = torch.cat([means, grad_norm.float().view(1)]).tolist()  # one sync
         loss_value, self.last_aux = mean_values[0], dict(zip(aux_sum, mean_values[1:]))
         if math.isfinite(loss_value) and math.isfinite(norm_value):
@@ -404,7 +430,9 @@ class Trainer:
             )
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        if self.distributed and not enabled:
+        # FSDP reduce-scatters every micro-batch: accumulating unsharded gradients would
+        # undo the sharding's memory saving
+        if self.parallel == "ddp" and not enabled:
             return self._ddp_module().no_sync()
         return contextlib.nullcontext()
 
@@ -447,9 +475,15 @@ class Trainer:
         return val_loss
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step (rank 0) and wait for it on every rank."""
+        """Write a checkpoint of the current step (rank 0; under FSDP every rank writes its
+        shards) and wait for it on every rank."""
         path = self.out_dir / "checkpoints" / f"step_{self.step:07d}"
-        if self.rank == 0:
+        if self.parallel == "fsdp":
+            path = save_sharded_checkpoint(
+                self.out_dir, step=self.step, model=self.model, optimizer=self.optimizer, run_config=self.cfg,
+                state=self._state(), keep_last=self.cfg.train.keep_last, rank=self.rank,
+            )
+        elif self.rank == 0:
             path = save_checkpoint(
                 self.out_dir, step=self.step, model=self.model, run_config=self.cfg,
                 optimizer=self.optimizer, state=self._state(), keep_last=self.cfg.train.keep_last,
@@ -587,6 +621,21 @@ def _check_writable(out_dir: Path) -> None:
                 "train.out_dir", str(out_dir),
                 f"a directory this process can write to: {directory} is not writable ({err.strerror or err})",
             ) from None
+
+
+def _parallel_mode(parallel: str, distributed: bool, source: str) -> str:
+    """``none``, ``ddp`` or ``fsdp`` for ``train.parallel`` (``auto``: ddp when distributed)."""
+    if parallel == "auto":
+        return "ddp" if distributed else "none"
+    if not distributed:
+        raise ConfigError("train.parallel", parallel,
+                          f"auto in a single process: {parallel} needs several processes; launch with torchrun "
+                          "--nproc_per_node=N (N >= 2)")
+    if parallel == "fsdp" and is_task_source(source):
+        raise ConfigError("train.parallel", parallel, "auto or ddp with data.source=task:NAME: task evaluation "
+                          "generates a different number of tokens on each rank, which sharded (collective) "
+                          "forwards cannot do; these models are small enough to replicate")
+    return parallel
 
 
 def _pick_device(spec: str, distributed: bool) -> torch.device:
