@@ -1,5 +1,5 @@
 """The ``looplm`` command line: train, tokenize, eval, lm-eval, niah, generate, export, import, convert, distill, info,
-probe, flops, ladder, config, presets.
+probe, flops, ladder, study, config, presets.
 
     looplm train [CONFIG] [key=value ...] [--resume [PATH]]
     looplm tokenize SOURCE OUT [--tokenizer SPEC] [--num-proc N] [--text-field F] [--streaming] [--shard-chars C]
@@ -15,6 +15,7 @@ probe, flops, ladder, config, presets.
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
     looplm ladder --task {addition,copy,reverse} --budget C [--quick] [--rungs RUNG ...] [key=value ...]
+    looplm study NAME [--quick | --paper] [--seeds N] [--out DIR] [--threads N] [key=value ...]
     looplm config [CONFIG] [key=value ...]
     looplm presets
 
@@ -307,7 +308,8 @@ def _is_number(text: str) -> bool:
 def cmd_ladder(args: argparse.Namespace) -> int:
     import shlex
 
-    from looplm.ladder import results_table, run_ladder
+    from looplm.ladder import run_ladder
+    from looplm.study import results_table
 
     out = args.out or f"runs/ladder-{args.task}-C{args.budget}{'-quick' if args.quick else ''}"
     # `--rungs dense tied k=v`: argparse hands k=v to --rungs; no rung name has an "="
@@ -316,11 +318,25 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     # Started as `looplm ladder …`: results.md records the command as typed; called as
     # main([...]) from Python, run_ladder spells out the equivalent command instead.
     command = shlex.join(["looplm", *sys.argv[1:]]) if sys.argv[1:2] == ["ladder"] else None
-    ladder = run_ladder(
+    result = run_ladder(
         args.task, args.budget, out, rungs=rungs, quick=args.quick, steps=args.steps, seed=args.seed,
         outer=args.outer, inner=args.inner, overrides=overrides, command=command, progress=not args.no_progress,
+        threads=args.threads,
     )
-    sys.stdout.write(results_table(ladder) + f"\n\nresults: {ladder.out_dir}/results.md\n")
+    sys.stdout.write(results_table(result) + f"\n\nresults: {result.out_dir}/results.md\n")
+    return 0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    import shlex
+
+    from looplm.study import results_table, run_study
+
+    size = "quick" if args.quick else "paper" if args.paper else "default"
+    command = shlex.join(["looplm", *sys.argv[1:]]) if sys.argv[1:2] == ["study"] else None
+    result = run_study(args.name, args.out, size=size, seeds=args.seeds, overrides=args.overrides,
+                       threads=args.threads, command=command, progress=not args.no_progress)
+    sys.stdout.write(results_table(result) + f"\n\nresults: {result.out_dir}/results.md\n")
     return 0
 
 
@@ -590,8 +606,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init, training stream and evaluation problems")
     p.add_argument("--outer", type=int, default=1, metavar="H", help="outer cycles of the nested rungs (default 1)")
     p.add_argument("--inner", type=int, default=2, metavar="L", help="inner refinements of the nested rungs (default 2)")
+    p.add_argument("--threads", type=_POSITIVE, default=None, metavar="N", help="torch threads (torch.set_num_threads)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_ladder)
+
+    from looplm.study.studies import study_names
+
+    p = sub.add_parser("study", help="train a study (a paper's comparison) over seeds and tabulate it",
+                       description="Train every configuration of a study at every seed on the same data and "
+                       "budget, then write results.md (mean ± std over seeds, the paper's numbers beside), "
+                       "results.csv, runs.csv and plots into --out. Rerunning the same command reuses finished "
+                       "runs and resumes an interrupted one. Studies: " + ", ".join(study_names()) + ".")
+    p.add_argument("name", metavar="NAME", help="the study: " + ", ".join(study_names()))
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="fields shared by every run, e.g. train.device=cuda")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a seconds-scale smoke version (2 seeds)")
+    size.add_argument("--paper", action="store_true", help="the paper's size (GPUs; see README 'Reproductions')")
+    p.add_argument("--seeds", type=int, default=None, metavar="N", help="seeds 0 … N-1 (default: the size's, 3)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/study-NAME[-quick|-paper])")
+    p.add_argument("--threads", type=_POSITIVE, default=None, metavar="N", help="torch threads (torch.set_num_threads)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_study, trailing_overrides=True)
 
     p = sub.add_parser("config", help="print the full resolved config of a preset or YAML (every field)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")

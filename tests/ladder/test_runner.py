@@ -12,7 +12,8 @@ import pytest
 from looplm.cli import main
 from looplm.config_base import ConfigError
 from looplm.ladder import RUNGS, ladder_configs, run_ladder
-from looplm.ladder import runner as runner_module
+from looplm.study import ladder_study
+from looplm.study import runs as runs_module
 from looplm.train import Trainer, read_metrics, train_losses
 
 # A CPU-second ladder: copy at L_train = 4 (10 tokens), evaluated at α = 1 and 2 on 2 problems.
@@ -36,22 +37,31 @@ def trained(tmp_path_factory):
     return tiny_ladder(out)
 
 
+def history(result, rung):
+    return result.runs[rung][0].events("task_eval")
+
+
 def test_ladder_writes_one_row_per_rung_and_alpha(trained) -> None:
     out = trained.out_dir
-    with open(out / "results.csv", newline="") as f:
+    with open(out / "runs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert sorted((r["rung"], float(r["alpha"])) for r in rows) == sorted(
-        (rung, a) for rung in RUNG_SUBSET for a in (1.0, 2.0))
-    rates = ("exact_match", "char_acc", "q1_acc", "q2_acc", "q3_acc", "q4_acc", "last_char_acc")
+    assert sorted(r["run"] for r in rows) == sorted(RUNG_SUBSET)
+    rates = [f"{m}@{a}" for m in ("em", "char") for a in (1, 2)] + ["q1", "q2", "q3", "q4", "last"]
     for row in rows:
-        assert int(row["block_passes"]) == BUDGET and int(row["step"]) == STEPS and int(row["samples"]) == 2
-        assert all(0.0 <= float(row[k]) <= 1.0 for k in rates)
+        assert int(row["steps"]) == STEPS and row["seed"] == "0"
+        assert all(0.0 <= float(row[k]) <= 1.0 for k in rates if row[k])
         # the table is the run's own final task evaluation, not a recomputation
-        final = [e for e in read_metrics(out / row["rung"] / "metrics.jsonl") if e["event"] == "task_eval"][-1]
-        assert final["step"] == STEPS
-        assert float(row["char_acc"]) == pytest.approx(final["alphas"][f"{float(row['alpha']):g}"]["char_acc"])
-    params = {r["rung"]: int(r["parameters"]) for r in rows}
+        metrics = read_metrics(out / row["run"] / "seed-0" / "metrics.jsonl")
+        final = [e for e in metrics if e["event"] == "task_eval"][-1]
+        assert final["step"] == STEPS and final["alphas"]["1"]["samples"] == 2
+        for a in ("1", "2"):
+            assert float(row[f"char@{a}"]) == pytest.approx(final["alphas"][a]["char_acc"])
+    params = {r["run"]: int(r["parameters"]) for r in rows}
     assert params["dense"] > params["ut_act"]  # six untied blocks against one tied block
+    with open(out / "results.csv", newline="") as f:
+        summary = {(r["variant"], r["metric"]): r for r in csv.DictReader(f)}
+    assert int(summary[("dense", "char@1")]["n"]) == 1  # one seed: a mean, no std
+    assert summary[("dense", "char@1")]["std"] == ""
 
     markdown = (out / "results.md").read_text()
     assert "looplm ladder --task copy --budget 6" in markdown and "torch" in markdown
@@ -60,8 +70,8 @@ def test_ladder_writes_one_row_per_rung_and_alpha(trained) -> None:
         assert f"| {BUDGET} |" in line
     for name in ("accuracy.png", "quartiles.png", "length.png", "last_char.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for rung in trained.rungs:  # evaluated every train.eval_every steps: a learning curve
-        assert [e["step"] for e in rung.history] == [2, 4] and not rung.reused
+    for rung in RUNG_SUBSET:  # evaluated every train.eval_every steps: a learning curve
+        assert [e["step"] for e in history(trained, rung)] == [2, 4] and not trained.runs[rung][0].reused
 
 
 def test_every_rung_spends_the_budget_on_one_shared_setup(tmp_path) -> None:
@@ -85,32 +95,34 @@ def test_finished_rungs_are_reused_and_plots_are_optional(trained, tmp_path, mon
     shutil.copytree(trained.out_dir, moved)
     for png in moved.glob("*.png"):
         png.unlink()
-    before = {r: (moved / r / "metrics.jsonl").read_bytes() for r in RUNG_SUBSET}
+    before = {r: (moved / r / "seed-0" / "metrics.jsonl").read_bytes() for r in RUNG_SUBSET}
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished rung was retrained")
 
-    monkeypatch.setattr(runner_module, "Trainer", no_training)
+    monkeypatch.setattr(runs_module, "Trainer", no_training)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if looplm[plot] were not installed
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     ladder = tiny_ladder(moved)
-    assert all(r.reused for r in ladder.rungs)
-    assert {r: (moved / r / "metrics.jsonl").read_bytes() for r in RUNG_SUBSET} == before
+    assert all(runs[0].reused for runs in ladder.runs.values())
+    assert {r: (moved / r / "seed-0" / "metrics.jsonl").read_bytes() for r in RUNG_SUBSET} == before
     assert (moved / "results.csv").read_text() == (trained.out_dir / "results.csv").read_text()
     assert not list(moved.glob("*.png")) and "plots skipped: matplotlib is not installed" in caplog.text
 
 
 def test_interrupted_rung_resumes_from_its_checkpoint(trained, tmp_path) -> None:
-    (cfg,) = ladder_configs("copy", BUDGET, tmp_path, rungs=["dense"], steps=STEPS, overrides=TINY).values()
+    study = ladder_study("copy", BUDGET, rungs=["dense"])
+    (cfg,) = study.configs("default", tmp_path, 0, [f"train.max_steps={STEPS}", *TINY]).values()
     Trainer(cfg, progress=False).fit(stop_after=3)  # killed after step 3: a checkpoint and a partial summary
-    (rung,) = tiny_ladder(tmp_path, rungs=["dense"]).rungs
-    events = read_metrics(tmp_path / "dense" / "metrics.jsonl")
+    result = tiny_ladder(tmp_path, rungs=["dense"])
+    (rung,) = result.runs["dense"]
+    events = read_metrics(tmp_path / "dense" / "seed-0" / "metrics.jsonl")
     assert not rung.reused and "resume" in [e["event"] for e in events]
-    assert [e["step"] for e in rung.history] == [2, 3, 4]
+    assert [e["step"] for e in history(result, "dense")] == [2, 3, 4]
     # resumed exactly: the same losses and final scores as the uninterrupted run
-    uninterrupted = trained.rungs[0]
-    assert train_losses(tmp_path / "dense" / "metrics.jsonl") == train_losses(uninterrupted.run_dir / "metrics.jsonl")
-    assert rung.final["alphas"] == uninterrupted.final["alphas"]
+    uninterrupted = trained.runs["dense"][0]
+    assert train_losses(rung.run_dir / "metrics.jsonl") == train_losses(uninterrupted.run_dir / "metrics.jsonl")
+    assert history(result, "dense")[-1]["alphas"] == history(trained, "dense")[-1]["alphas"]
 
 
 def test_a_run_of_other_settings_is_refused_before_training(trained, tmp_path) -> None:
@@ -150,7 +162,7 @@ def test_cli_trains_and_prints_the_table(tmp_path, capsys, caplog) -> None:
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[7] == "2" and cells[-2] == "2"  # C and the steps trained
     assert f"{out}/results.md" in printed
-    assert (out / "dense" / "summary.json").is_file() and (out / "results.csv").is_file()
+    assert (out / "dense" / "seed-0" / "summary.json").is_file() and (out / "results.csv").is_file()
     assert "looplm ladder --task copy --budget 2 --out" in (out / "results.md").read_text()
 
     assert main(["ladder", "--task", "copy", "--budget", "5", "--rungs", "dual_ut", "--out", str(out)]) == 2

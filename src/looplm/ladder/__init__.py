@@ -1,7 +1,6 @@
-"""The compute-placement ladder: rung configurations at a block-pass budget, and the runner
-that trains them on a character task and tabulates the results (``looplm ladder``)."""
+"""The compute-placement ladder: rung configurations at a block-pass budget (``rungs``) and
+the ladder as a study of :mod:`looplm.study` (``looplm ladder``, ``looplm study ladder``)."""
 
-from looplm.ladder.results import Ladder, LadderRung, results_table
 from looplm.ladder.rungs import MECHANISMS, RUNGS, passes_per_step, rung_model
 from looplm.ladder.runner import QUICK_OVERRIDES, ladder_configs, run_ladder
 
@@ -9,11 +8,8 @@ __all__ = [
     "MECHANISMS",
     "QUICK_OVERRIDES",
     "RUNGS",
-    "Ladder",
-    "LadderRung",
     "ladder_configs",
     "passes_per_step",
-    "results_table",
     "rung_model",
     "run_ladder",
 ]

@@ -4,57 +4,39 @@ Every rung starts from the same task preset ``task-<task>`` (width, heads, block
 optimiser, data stream, evaluation problems and seed all identical) and differs only in the
 ``model`` fields of :func:`~looplm.ladder.rung_model`, which make each forward spend exactly
 ``budget`` = C block passes (App. B "Compute normalization"; ACT and Q-halt in full-compute
-mode, B.1). Each rung is an ordinary :class:`~looplm.train.Trainer` run in ``out_dir/<rung>/``;
-the ladder reads the ``task_eval`` events of each run's ``metrics.jsonl`` and writes into
-``out_dir``:
+mode, B.1). The ladder is a study (:func:`looplm.study.ladder_study`, ``looplm study ladder``
+for the registered multi-seed one): each rung is an ordinary :class:`~looplm.train.Trainer`
+run in ``out_dir/<rung>/seed-<seed>/``, and the study runner writes into ``out_dir``:
 
 - ``results.md``: the command line, the machine, and one row per rung: Table 1's ticks, C,
-  parameters, exact match / character accuracy at every α, and the quartile (Fig. 4) and
-  last-character (Fig. 5) accuracies at α = 1;
-- ``results.csv``: the same numbers, one row per rung × α (final evaluation);
+  parameters, exact match and character accuracy at every α, and the quartile (Fig. 4) and
+  last-character (Fig. 5) accuracies at α = 1 (mean ± std where several seeds ran);
+- ``results.csv`` (per rung × metric) and ``runs.csv`` (per rung × seed);
 - ``accuracy.png`` (Fig. 6), ``quartiles.png`` (Fig. 4), ``length.png`` and ``last_char.png``
   (Fig. 5), when matplotlib is installed (``pip install 'looplm[plot]'``).
 
-Resuming: rerunning the same ladder finishes what an interrupted one left. A rung whose
-directory holds a finished run of the same configuration (``summary.json`` at
-``train.max_steps`` and a ``task_eval`` event at that step) is read back, not retrained; a rung
-stopped midway continues from its latest checkpoint (the Trainer's exact resume); a directory
-holding a run of another configuration is refused before anything trains, so one table never
-mixes settings.
+Resuming (:mod:`looplm.study.runs`): rerunning the same ladder finishes what an interrupted
+one left. A rung whose directory holds a finished run of the same configuration is read back,
+not retrained; a rung stopped midway continues from its latest checkpoint (the Trainer's
+exact resume); a directory holding a run of another configuration is refused before anything
+trains, so one table never mixes settings.
 """
 
 from __future__ import annotations
 
 import copy
-import csv
-import json
 import logging
 import os
-import platform
 import shlex
-import subprocess
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
-
-import torch
 
 from looplm.config import RunConfig, parse_overrides, read_config_source
 from looplm.config_base import ConfigError, set_dotted
 from looplm.halting.config import HaltingConfig
-from looplm.ladder.plots import write_plots
-from looplm.ladder.results import CSV_FIELDS, Ladder, LadderRung, results_markdown, results_rows
 from looplm.ladder.rungs import MECHANISMS, RUNGS, rung_model
+from looplm.study.results import StudyResult
 from looplm.tasks.config import CHARACTER_TASKS
-from looplm.train import Trainer
-from looplm.train.checkpoint import (
-    CONFIG_FILE,
-    config_differences,
-    has_checkpoints,
-    resolve_checkpoint,
-    with_defaults,
-)
-from looplm.train.metrics import read_metrics
 
 logger = logging.getLogger("looplm")
 
@@ -154,86 +136,24 @@ def _refuse_rung_owned(key: str, value: Any) -> None:
 def run_ladder(
     task: str, budget: int, out_dir: PathLike, *, rungs: Sequence[str] = RUNGS, quick: bool = False,
     steps: Optional[int] = None, seed: int = 0, outer: int = 1, inner: int = 2, overrides: Sequence[str] = (),
-    command: Optional[str] = None, progress: bool = False,
-) -> Ladder:
-    """Train every rung of the ladder (or reuse its finished run) and write the results.
+    command: Optional[str] = None, progress: bool = False, threads: Optional[int] = None,
+) -> StudyResult:
+    """Train every rung of the ladder at one seed (or reuse its finished run) and write the
+    results: the ladder as a one-seed study (:func:`looplm.study.ladder_study`), each rung in
+    ``out_dir/<rung>/seed-<seed>/``.
 
     See the module docstring for what is written and how an interrupted ladder resumes.
     command: the command line recorded in results.md (default: the equivalent ``looplm
     ladder`` call). progress: the Trainer's progress bar for each rung.
     """
-    out_dir = Path(out_dir)
-    configs = ladder_configs(task, budget, out_dir, rungs=rungs, quick=quick, steps=steps, seed=seed,
-                             outer=outer, inner=inner, overrides=overrides)
-    finished = {rung: _finished_run(cfg) for rung, cfg in configs.items()}  # refuses foreign runs up front
+    from looplm.study import ladder_study, run_study
+
+    study = ladder_study(task, budget, rungs=rungs, outer=outer, inner=inner)
+    layered = [] if steps is None else [f"train.max_steps={steps}"]
     if command is None:
-        command = _equivalent_command(task, budget, out_dir, list(configs), quick, steps, seed, outer, inner, overrides)
-    start = time.perf_counter()
-    results = []
-    for i, (rung, cfg) in enumerate(configs.items(), 1):
-        head = (f"ladder {task} C={budget}: rung {i}/{len(configs)} {rung} "
-                f"(layout {cfg.model.layout}, {cfg.model.block_passes} block passes)")
-        summary = finished[rung]
-        if summary is None:
-            resume = has_checkpoints(cfg.train.out_dir)
-            logger.info("%s: %s in %s", head, "resuming" if resume else "training", cfg.train.out_dir)
-            summary = Trainer(cfg, resume=resume, progress=progress).fit()
-        else:
-            logger.info("%s: finished run reused from %s", head, cfg.train.out_dir)
-        results.append(LadderRung(
-            rung=rung, run_dir=Path(cfg.train.out_dir), config=cfg, parameters=summary["parameters"]["total"],
-            history=task_history(Path(cfg.train.out_dir) / "metrics.jsonl"), reused=finished[rung] is not None,
-            wall_time_s=summary.get("wall_time_s"), device=summary.get("device", cfg.train.device),
-        ))
-    ladder = Ladder(task=task, budget=budget, out_dir=out_dir, rungs=results, command=command,
-                    machine=machine_info(results[0].device))
-    written = write_results(ladder)
-    logger.info("ladder %s C=%d done in %.0f s; wrote %s", task, budget, time.perf_counter() - start,
-                ", ".join(str(p) for p in written))
-    return ladder
-
-
-def task_history(metrics_path: PathLike) -> list[dict[str, Any]]:
-    """The ``task_eval`` records of a run, in step order; the last record of a step wins (a
-    resumed run logs the steps after its checkpoint again)."""
-    by_step = {e["step"]: e for e in read_metrics(metrics_path) if e["event"] == "task_eval"}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
-    """The summary of ``cfg``'s finished run in ``train.out_dir``, or None when it has yet to
-    (finish) training. Refuses a directory whose run (finished or checkpointed) has another config."""
-    run_dir = Path(cfg.train.out_dir)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else None
-    saved = summary["config"] if summary is not None else None
-    if saved is None and has_checkpoints(run_dir):
-        saved = json.loads((resolve_checkpoint(run_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    if saved is not None:
-        _check_same_config(run_dir, saved, cfg)
-    if summary is None or summary.get("steps", 0) < cfg.train.max_steps:
-        return None
-    metrics = run_dir / "metrics.jsonl"
-    steps = [e["step"] for e in task_history(metrics)] if metrics.is_file() else []
-    return summary if steps and steps[-1] >= cfg.train.max_steps else None
-
-
-def _check_same_config(run_dir: Path, saved: dict[str, Any], cfg: RunConfig) -> None:
-    current = cfg.to_dict()
-    differences = []
-    for section in ("model", "data", "train"):
-        a = with_defaults(saved.get(section, {}), type(getattr(cfg, section)), section)  # fields added since
-        a, b = dict(a), dict(current[section])
-        if section == "train":  # where the ladder lives does not change what it computes
-            a.pop("out_dir", None), b.pop("out_dir", None)
-        differences += config_differences(a, b, section)
-    if differences:
-        raise ConfigError(
-            "out_dir", str(run_dir.parent),
-            f"a new directory, or one holding this ladder: {run_dir} holds a run of other settings ("
-            + "; ".join(differences[:4]) + (" …" if len(differences) > 4 else "")
-            + "); choose another --out or delete that run",
-        )
+        command = _equivalent_command(task, budget, out_dir, list(rungs), quick, steps, seed, outer, inner, overrides)
+    return run_study(study, out_dir, size="quick" if quick else "default", seeds=[seed],
+                     overrides=[*layered, *overrides], threads=threads, command=command, progress=progress)
 
 
 def _equivalent_command(task, budget, out_dir, rungs, quick, steps, seed, outer, inner, overrides) -> str:
@@ -246,61 +166,3 @@ def _equivalent_command(task, budget, out_dir, rungs, quick, steps, seed, outer,
         args += ["--steps", str(steps)]
     args += ["--seed", str(seed), "--outer", str(outer), "--inner", str(inner), *overrides]
     return shlex.join(args)
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    """What a reader needs to compare timings and reproduce the numbers."""
-    info: dict[str, Any] = {
-        "looplm": _looplm_version(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-    }
-    if torch.cuda.is_available() and device != "cpu":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
-def _looplm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        text = version("looplm")
-    except PackageNotFoundError:
-        text = "unknown"
-    try:
-        described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                                   capture_output=True, text=True, timeout=5)
-        if described.returncode == 0 and described.stdout.strip():
-            text += f" (git {described.stdout.strip()})"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return text
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# ---------------------------------------------------------------------- results
-def write_results(ladder: Ladder) -> list[Path]:
-    """results.md, results.csv and the plots (skipped, with a note, without matplotlib)."""
-    ladder.out_dir.mkdir(parents=True, exist_ok=True)
-    md = ladder.out_dir / "results.md"
-    md.write_text(results_markdown(ladder), encoding="utf-8")
-    table = ladder.out_dir / "results.csv"
-    with open(table, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(results_rows(ladder))
-    return [md, table, *write_plots(ladder)]

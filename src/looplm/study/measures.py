@@ -1,0 +1,198 @@
+"""What the studies read from a finished run: validation loss over training and over
+training FLOPs (looplm's accounting), SGT's growth decisions, the MeSH probes, the
+character tasks' greedy accuracies and the state-tracking curriculum's n_max.
+
+Each function takes a :class:`~looplm.study.runs.Run` and returns
+:data:`~looplm.study.definition.Measures` (``scalars``, ``series``, ``notes``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from looplm.study.definition import Measures
+from looplm.study.runs import Run
+
+
+def _flops_per_step(run: Run, convention: str, model=None) -> float:
+    """Training FLOPs of one optimiser step: a batch of ``train.batch_size`` sequences of
+    ``data.seq_len`` tokens (forward and backward, :attr:`FlopReport.training`) at the
+    structure the model has at initialisation (SGT: nothing grown yet)."""
+    from looplm.accounting import count_flops
+
+    cfg = run.config
+    return count_flops(model if model is not None else cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size,
+                       convention=convention).training
+
+
+def lm(run: Run, convention: str = "default") -> Measures:
+    """See :func:`_lm`."""
+    return _lm(run, convention)[0]
+
+
+def _lm(run: Run, convention: str) -> tuple[Measures, float]:
+    """Final validation loss; training FLOPs to the end, per step summed (a grown SGT
+    structure is counted step by step, :func:`grown_flops`); forward FLOPs per token; the
+    validation-loss curve over steps and over cumulative training FLOPs; and one step's
+    training FLOPs at the initial structure."""
+    from looplm.accounting import count_flops
+    from looplm.accounting.flops import build_meta_model
+
+    cfg = run.config
+    model = build_meta_model(cfg.model)  # one meta-device model for every count (building one is the slow part)
+    evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
+    steps = run.summary.get("steps", cfg.train.max_steps)
+    base = _flops_per_step(run, convention, model)
+    if cfg.model.head_loop is not None:
+        cumulative = grown_flops(run, convention, model)
+    else:
+        cumulative = [base * s for s in range(steps + 1)]
+    forward = count_flops(model, cfg.data.seq_len, convention=convention)
+    return {
+        "scalars": {
+            "val_loss": evals[-1]["val_loss"] if evals else run.summary.get("val_loss"),
+            "train_flops": cumulative[min(steps, len(cumulative) - 1)],
+            "forward_flops_per_token": forward.forward / cfg.data.seq_len,
+        },
+        "series": {
+            "val_loss": [[e["step"], e["val_loss"]] for e in evals],
+            "val_loss_flops": [[cumulative[min(e["step"], len(cumulative) - 1)], e["val_loss"]] for e in evals],
+        },
+        "notes": [],
+    }, base
+
+
+def grown_flops(run: Run, convention: str = "sgt", model=None) -> list[float]:
+    """Cumulative training FLOPs after each step 0 … steps of an SGT run, from the structure
+    its ``growth`` events describe (sparse-growing-transformer.txt §4, Tables 1-2: the sum
+    over steps of each step's training FLOPs under the structure it ran with). Step s runs
+    with the structure written after step s − 1; an activated layer loops all heads until
+    its fade ends (a ``drop`` event), then only the selected heads."""
+    from looplm.accounting.flops import build_meta_model
+    from looplm.accounting.growth import training_flops_over_steps
+
+    cfg = run.config
+    loop = cfg.model.head_loop
+    steps = run.summary.get("steps", cfg.train.max_steps)
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for e in run.events_all("growth"):
+        by_step.setdefault(e["step"], []).append(e)
+    state: dict[int, tuple[int, Optional[list[float]]]] = {}
+    structures = []
+    for step in range(1, steps + 1):
+        structures.append(dict(state))
+        for e in by_step.get(step, []):
+            layer = e.get("layer")
+            if layer is None or e["action"] == "hold":
+                continue
+            if e["action"] in ("activate", "deepen", "freeze"):
+                heads = e.get("heads")
+                faded = e["action"] == "activate" and (loop.kind == "block" or getattr(loop, "fade_steps", 0) > 0)
+                weights = None if heads is None or faded else [1.0 if i in heads else 0.0
+                                                               for i in range(cfg.model.n_heads)]
+                keep = state.get(layer, (0, None))[1] if e["action"] != "activate" else weights
+                state[layer] = (int(e["depth"]), keep)
+            elif e["action"] == "drop":
+                state[layer] = (int(e["depth"]), [1.0 if i in e["heads"] else 0.0 for i in range(cfg.model.n_heads)])
+    model = model if model is not None else build_meta_model(cfg.model)
+    cost: dict[tuple, float] = {}
+    cumulative = [0.0]
+    for structure in structures:
+        key = tuple(sorted((l, k, None if w is None else tuple(w)) for l, (k, w) in structure.items()))
+        if key not in cost:
+            cost[key] = training_flops_over_steps(model, cfg.data.seq_len, cfg.train.batch_size, [structure],
+                                                  convention=convention)
+        cumulative.append(cumulative[-1] + cost[key])
+    return cumulative
+
+
+def growth(run: Run) -> Measures:
+    """SGT: :func:`lm` in SGT's FLOP convention, the compute overhead over the same model
+    without growth, and the growth decisions as notes."""
+    measures, per_step = _lm(run, "sgt")
+    base = per_step * run.summary.get("steps", run.config.train.max_steps)
+    measures["scalars"]["flops_overhead"] = measures["scalars"]["train_flops"] / base - 1.0
+    decisions = [e for e in run.events_all("growth") if e["action"] not in ("hold",)]
+    measures["scalars"]["looped_layers"] = float(len({e["layer"] for e in decisions if e["action"] == "activate"}))
+    measures["notes"] = [
+        f"step {e['step']}: {e['action']} {e.get('block') or e.get('layer')} "
+        f"(depth {e.get('depth')}, heads {e.get('heads')})"
+        for e in decisions
+    ]
+    return measures
+
+
+def mesh_probes(run: Run, samples: int = 16) -> Measures:
+    """:func:`lm` plus the MeSH probes (mesh.txt §2 Fig. 1, §4.1 Figs. 3-4) on ``samples``
+    held-out sequences: ``update`` the mean relative update magnitude
+    2‖f(h)−h‖/(‖f(h)‖+‖h‖) over every block call; ``update_core`` the same for the whole
+    core stack per iteration (loops only); ``cka_loop`` the mean RBF-CKA between consecutive
+    loop states h⁽ᵗ⁾, h⁽ᵗ⁺¹⁾ (loops only; high = the stagnation MeSH reports for ``base``)."""
+    from looplm.probes import ProbeError, load_probe_input
+    from looplm.probes.mesh import cka_probe, update_magnitude
+
+    measures = lm(run)
+    probe = load_probe_input(run.run_dir, samples=samples, batch_size=min(8, samples))
+    update = update_magnitude(probe).numbers
+    blocks = [b["mean"] for b in update["blocks"]]
+    core = [c["mean"] for c in update["core_iterations"]]
+    cka_loop = None
+    try:
+        cka = cka_probe(probe).numbers
+        names = cka["states"]
+        loop = [i for i, n in enumerate(names) if n.startswith("h^(")]
+        pairs = [cka["cka"][i][j] for i, j in zip(loop, loop[1:])]
+        cka_loop = sum(pairs) / len(pairs) if pairs else None
+    except ProbeError:  # no loop (the vanilla model)
+        pass
+    measures["scalars"].update({
+        "update": sum(blocks) / len(blocks) if blocks else None,
+        "update_core": sum(core) / len(core) if core else None,
+        "cka_loop": cka_loop,
+    })
+    return measures
+
+
+def state_tracking(run: Run) -> Measures:
+    """LT2 §4.6: n_max, the largest n = m of the curriculum passed (0 when none was), and the
+    accuracy at the last evaluation, with the n_max curve over steps."""
+    history = run.events("task_eval")
+    final = history[-1] if history else {}
+    return {
+        "scalars": {"n_max": float(final.get("n_max") or 0), "state_acc": final.get("accuracy")},
+        "series": {"n_max": [[e["step"], float(e.get("n_max") or 0)] for e in history]},
+        "notes": [],
+    }
+
+
+def lt2(run: Run) -> Measures:
+    """The LM part of an LT2 variant (:func:`lm`) or its state-tracking part."""
+    if run.config.data.source.startswith("task:"):
+        return state_tracking(run)
+    return lm(run)
+
+
+def character_task(run: Run, reference: str = "1") -> Measures:
+    """The ladder's final greedy evaluation (autoregressive-trm.txt §5, App. B.3): exact match
+    ``em@α`` and character accuracy ``char@α`` at every α; by output quartile ``q1``–``q4``
+    and of the last character ``last`` at α = ``reference`` (Figs. 4-5); curves of character
+    and last-character accuracy over training (Figs. 5-6) and of accuracy against α."""
+    history = run.events("task_eval")
+    final = history[-1]["alphas"]
+    ref = reference if reference in final else next(iter(final))
+    scalars: dict[str, Optional[float]] = {}
+    for key, m in final.items():
+        scalars[f"em@{key}"] = m["exact_match"]
+        scalars[f"char@{key}"] = m["char_acc"]
+    for q, value in enumerate(final[ref]["quartile_acc"], 1):
+        scalars[f"q{q}"] = value
+    scalars["last"] = final[ref]["last_char_acc"]
+    return {
+        "scalars": scalars,
+        "series": {
+            "char": [[e["step"], e["alphas"][ref]["char_acc"]] for e in history],
+            "last": [[e["step"], e["alphas"][ref]["last_char_acc"]] for e in history],
+            "length": [[m["alpha"], m["char_acc"]] for m in final.values()],
+        },
+        "notes": [],
+    }

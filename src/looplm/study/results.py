@@ -1,0 +1,210 @@
+"""A finished study as data, and its tables: results.md, results.csv (mean ± std per row and
+metric) and runs.csv (every run's numbers, one row per run and seed)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from looplm.study.definition import Measures, Metric, Study, variant_of
+from looplm.study.runs import Run, machine_line
+
+
+@dataclasses.dataclass
+class StudyResult:
+    """What ran (``runs[run][i]`` for ``seeds[i]``), what was measured, where, and on what machine."""
+
+    study: Study
+    size: str
+    out_dir: Path
+    seeds: list[int]
+    runs: dict[str, list[Run]]
+    measures: dict[str, list[Measures]]
+    command: str
+    machine: dict[str, Any]
+
+    @property
+    def variants(self) -> list[str]:
+        return list(dict.fromkeys(variant_of(r) for r in self.runs))
+
+    def row_runs(self, variant: str) -> list[Run]:
+        return [r for name, runs in self.runs.items() if variant_of(name) == variant for r in runs]
+
+    def scalars(self, variant: str) -> list[dict[str, Optional[float]]]:
+        """Per seed, the scalars of every part of the row, merged."""
+        merged: list[dict[str, Optional[float]]] = [{} for _ in self.seeds]
+        for name, measures in self.measures.items():
+            if variant_of(name) == variant:
+                for i, m in enumerate(measures):
+                    merged[i].update(m["scalars"])
+        return merged
+
+    def values(self, variant: str, key: str) -> list[float]:
+        """The row's values of ``key`` over seeds (seeds where it is undefined left out)."""
+        return [s[key] for s in self.scalars(variant) if s.get(key) is not None]
+
+    def series(self, variant: str, key: str) -> list[list[list[float]]]:
+        out = []
+        for name, measures in self.measures.items():
+            if variant_of(name) == variant:
+                out += [m["series"][key] for m in measures if m["series"].get(key)]
+        return out
+
+
+def mean_std(values: list[float]) -> tuple[Optional[float], Optional[float]]:
+    """Mean and sample standard deviation (None from fewer than 2 values)."""
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def _number(value: float, metric: Metric) -> str:
+    if metric.percent:
+        return f"{100 * value:.1f}"
+    return f"{value:.{metric.digits}e}" if metric.sci else f"{value:.{metric.digits}f}"
+
+
+def cell(values: list[float], metric: Metric, expected: int) -> str:
+    """``mean ± std``; ``(n=k)`` where only k of the seeds define the metric; – where none do."""
+    mean, std = mean_std(values)
+    if mean is None:
+        return "–"
+    text = _number(mean, metric) + ("" if std is None else f" ± {_number(std, metric)}")
+    return text + (f" (n={len(values)})" if len(values) < expected else "")
+
+
+def _best(result: StudyResult, metric: Metric) -> Optional[str]:
+    if metric.better is None:
+        return None
+    means = {v: mean_std(result.values(v, metric.key))[0] for v in result.variants}
+    means = {v: m for v, m in means.items() if m is not None and math.isfinite(m)}
+    if len(means) < 2:
+        return None
+    if len(set(means.values())) == 1:
+        return None  # a tie everywhere is no one's best
+    pick = min if metric.better == "lower" else max
+    return pick(means, key=means.get)
+
+
+def describe_default(variant: str, runs: list[Run]) -> dict[str, str]:
+    """Layout and non-embedding parameters of a row's first run."""
+    first = runs[0]
+    return {"layout": f"`{first.config.model.layout}`", "params (non-emb)": f"{first.parameters['non_embedding']:,}"}
+
+
+def shown_metrics(result: StudyResult) -> list[Metric]:
+    """The study's metrics that some run measured (the ladder lists every α it may evaluate)."""
+    return [m for m in result.study.metrics if any(result.values(v, m.key) for v in result.variants)]
+
+
+def results_table(result: StudyResult) -> str:
+    """The markdown table: one row per variant, its description, each metric's mean ± std
+    over seeds (best in bold), the paper's columns, the steps trained and the mean wall time."""
+    study = result.study
+    describe = study.describe or describe_default
+    described = {v: describe(v, result.row_runs(v)) for v in result.variants}
+    desc_cols = list(next(iter(described.values()))) if described else []
+    papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
+    metrics = shown_metrics(result)
+    header = ["variant", *desc_cols, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
+              "steps", "time (s)"]
+    best = {m.key: _best(result, m) for m in metrics}
+    rows = []
+    for v in result.variants:
+        runs = result.row_runs(v)
+        row = [v, *(described[v].get(c, "") for c in desc_cols)]
+        for m in metrics:
+            text = cell(result.values(v, m.key), m, len(result.seeds))
+            row.append(f"**{text}**" if best[m.key] == v else text)
+        row += [p.values.get(v, "–") for p in papers]
+        steps = sorted({r.summary.get("steps", 0) for r in runs})
+        times = [r.wall_time_s for r in runs if r.wall_time_s is not None]
+        per_seed = sum(times) / len(result.seeds) if times else None
+        time = "–" if per_seed is None else f"{per_seed:.0f}" if per_seed >= 10 else f"{per_seed:.1f}"
+        row += ["/".join(str(s) for s in steps), time]
+        rows.append(row)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def results_markdown(result: StudyResult) -> str:
+    study, m = result.study, result.machine
+    first = next(iter(result.runs.values()))[0].config
+    seeds = ", ".join(str(s) for s in result.seeds)
+    lines = [
+        f"# {study.title}",
+        "",
+        "```",
+        result.command,
+        "```",
+        "",
+        f"- paper: {study.paper}",
+        f"- claim tested: {study.claim}",
+        f"- size `{result.size}`, seeds {seeds} (each seed: model init, training stream and evaluation problems); "
+        f"data `{first.data.source}`, batch {first.train.batch_size}, seq_len {first.data.seq_len}, "
+        f"lr {first.train.lr:g}, {first.train.max_steps} steps",
+        f"- looplm {m['looplm']}, torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- machine: {machine_line(m)}",
+        "",
+        f"Each cell: mean ± sample standard deviation over the {len(result.seeds)} seed(s) (best mean in bold). "
+        f"Runs: `{result.out_dir}/<variant>/seed-<s>/`; every seed's numbers in runs.csv.",
+        "",
+        results_table(result),
+        "",
+    ]
+    papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
+    if papers:
+        lines += ["Paper columns:", ""] + [f"- {p.label}: {p.source}" for p in papers] + [""]
+    if study.deviations:
+        lines += ["Deviations from the paper:", ""] + [f"- {d}" for d in study.deviations] + [""]
+    if study.notes is not None:
+        lines += [study.notes(result), ""]
+    return "\n".join(lines)
+
+
+def summary_rows(result: StudyResult) -> list[dict[str, Any]]:
+    """results.csv: one row per variant × metric."""
+    rows = []
+    for v in result.variants:
+        for m in shown_metrics(result):
+            values = result.values(v, m.key)
+            mean, std = mean_std(values)
+            paper = [f"{p.label}: {p.values[v]}" for p in result.study.paper_columns if v in p.values]
+            rows.append({"study": result.study.name, "size": result.size, "variant": v, "metric": m.key,
+                         "n": len(values), "mean": mean, "std": std, "values": " ".join(f"{x:.10g}" for x in values),
+                         "paper": " | ".join(paper)})
+    return rows
+
+
+SUMMARY_FIELDS = ("study", "size", "variant", "metric", "n", "mean", "std", "values", "paper")
+
+
+def run_rows(result: StudyResult) -> tuple[list[str], list[dict[str, Any]]]:
+    """runs.csv: one row per run × seed with every scalar it measured."""
+    keys: list[str] = []
+    rows = []
+    for name, runs in result.runs.items():
+        for run, measures in zip(runs, result.measures[name]):
+            for k in measures["scalars"]:
+                if k not in keys:
+                    keys.append(k)
+            rows.append({"study": result.study.name, "run": name, "variant": variant_of(name), "seed": run.seed,
+                         "steps": run.summary.get("steps"), "parameters": run.parameters["total"],
+                         "non_embedding": run.parameters["non_embedding"], "wall_time_s": run.wall_time_s,
+                         "reused": run.reused, **measures["scalars"]})
+    fields = ["study", "run", "variant", "seed", "steps", "parameters", "non_embedding", "wall_time_s", "reused", *keys]
+    return fields, rows
+
+
+def csv_text(fields, rows) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(fields), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()

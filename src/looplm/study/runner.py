@@ -1,0 +1,162 @@
+"""Run a study (``looplm study NAME``): every configuration at every seed, then the tables and figures.
+
+For each seed (outer loop, so an interrupted study already holds whole seeds) and each run
+of the chosen size, the runner trains ``out_dir/RUN/seed-S`` or reuses it
+(:mod:`looplm.study.runs`: a finished run is read back, an interrupted one resumes from its
+checkpoint, a run of other settings is refused before anything trains), measures it with
+the study's ``measure`` (cached in the run's ``study.json``, so a reused run is not probed
+again) and, after every seed (the tables of the seeds done so far; the figures at the end),
+writes into ``out_dir``:
+
+- ``results.md``: command, machine, settings, one row per variant with each metric's mean ±
+  standard deviation over seeds, the paper's numbers beside them, the deviations;
+- ``results.csv``: one row per variant × metric (mean, std, every seed's value, the paper's);
+- ``runs.csv``: one row per run × seed with everything measured;
+- the study's figures (``*.png``) when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from looplm.artifacts import write_text
+from looplm.config_base import ConfigError
+from looplm.study.definition import Measures, Study
+from looplm.study.plots import write_plots
+from looplm.study.results import (
+    SUMMARY_FIELDS,
+    StudyResult,
+    csv_text,
+    results_markdown,
+    run_rows,
+    summary_rows,
+)
+from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse
+
+logger = logging.getLogger("looplm")
+
+PathLike = Union[str, os.PathLike]
+
+MEASURES_FILE = "study.json"
+
+
+def resolve_seeds(seeds: Union[int, Sequence[int]]) -> list[int]:
+    """``N`` means seeds 0 … N−1; a sequence is taken as given (distinct integers >= 0)."""
+    if isinstance(seeds, bool):
+        raise ConfigError("seeds", seeds, "an integer >= 1 (seeds 0 … N-1) or a list of distinct seeds")
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise ConfigError("seeds", seeds, "an integer >= 1 (seeds 0 … N-1)")
+        return list(range(seeds))
+    seeds = list(seeds)
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise ConfigError("seeds", seeds, "distinct integers >= 0")
+    return seeds
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """``torch.set_num_threads``: single-thread speed decides a CPU study's wall time."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError("threads", threads, "an integer >= 1 (torch intra-op threads)")
+    torch.set_num_threads(threads)
+
+
+def run_study(
+    study: Union[str, Study], out_dir: Optional[PathLike] = None, *, size: str = "default",
+    seeds: Union[int, Sequence[int], None] = None, overrides: Sequence[str] = (), threads: Optional[int] = None,
+    command: Optional[str] = None, progress: bool = False,
+) -> StudyResult:
+    """Train (or reuse) every run of ``study`` at ``size`` for each seed and write the results.
+
+    study: a :class:`Study` or a name of :data:`~looplm.study.STUDIES`. out_dir: default
+    ``runs/study-NAME[-SIZE]``. seeds: N (seeds 0 … N−1) or a list; default the size's.
+    overrides: ``key=value`` fields shared by every run (not the fields the variants set).
+    threads: torch threads. command: recorded in results.md (default: the equivalent
+    ``looplm study`` call)."""
+    from looplm.study.studies import get_study
+
+    study = get_study(study, size) if isinstance(study, str) else study
+    spec = study.size(size)
+    seeds = resolve_seeds(spec.seeds if seeds is None else seeds)
+    set_threads(threads)
+    out_dir = Path(out_dir if out_dir is not None else default_out(study.name, size))
+    configs = {seed: study.configs(size, out_dir, seed, overrides) for seed in seeds}  # validated up front
+    finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
+    if command is None:
+        command = equivalent_command(study.name, size, out_dir, seeds, overrides, threads)
+    start = time.perf_counter()
+    runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
+    measures: dict[str, list[Measures]] = {name: [] for name in runs}
+    total, done = len(seeds) * len(runs), 0
+    for i, seed in enumerate(seeds):
+        for name, cfg in configs[seed].items():
+            done += 1
+            logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, total, name, seed)
+            run = train_or_reuse(name, seed, cfg, finished[(name, seed)], progress=progress)
+            runs[name].append(run)
+            measures[name].append(measure_run(study, run))
+        result = StudyResult(study=study, size=size, out_dir=out_dir, seeds=seeds[:i + 1], runs=runs,
+                             measures=measures, command=command,
+                             machine=machine_info(next(iter(runs.values()))[0].device))
+        last = i == len(seeds) - 1
+        written = write_results(result, figures=last)  # an interrupted study leaves the tables of its whole seeds
+    logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
+                ", ".join(str(p) for p in written))
+    return result
+
+
+def measure_run(study: Study, run: Run) -> Measures:
+    """The study's measures of a run, read from its ``study.json`` when the same measure took
+    them at the same final step, else measured and stored there."""
+    path = run.run_dir / MEASURES_FILE
+    key = {"study": study.name, "measure": getattr(study.measure, "__qualname__", ""),
+           "steps": run.summary.get("steps")}
+    if run.reused and path.is_file():
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if {k: stored.get(k) for k in key} == key:
+            return stored["measures"]
+    measures = study.measure(run)
+    measures.setdefault("series", {})
+    measures.setdefault("notes", [])
+    write_text(path, json.dumps({**key, "measures": measures}, indent=1) + "\n", atomic=True)
+    return measures
+
+
+def default_out(name: str, size: str) -> str:
+    return f"runs/study-{name}" + ("" if size == "default" else f"-{size}")
+
+
+def equivalent_command(name, size, out_dir, seeds, overrides, threads) -> str:
+    args = ["looplm", "study", name, "--out", str(out_dir)]
+    if size != "default":
+        args.append(f"--{size}")
+    if seeds == list(range(len(seeds))):
+        args += ["--seeds", str(len(seeds))]
+    if threads is not None:
+        args += ["--threads", str(threads)]
+    text = shlex.join([*args, *overrides])
+    return text if seeds == list(range(len(seeds))) else f"{text}  # Python: run_study(..., seeds={seeds})"
+
+
+def write_results(result: StudyResult, figures: bool = True) -> list[Path]:
+    """results.md, results.csv, runs.csv and, with ``figures``, the figures (skipped, with a
+    note, without matplotlib)."""
+    result.out_dir.mkdir(parents=True, exist_ok=True)
+    md = result.out_dir / "results.md"
+    write_text(md, results_markdown(result), atomic=True)
+    summary = result.out_dir / "results.csv"
+    write_text(summary, csv_text(SUMMARY_FIELDS, summary_rows(result)), atomic=True)
+    per_run = result.out_dir / "runs.csv"
+    write_text(per_run, csv_text(*run_rows(result)), atomic=True)
+    return [md, summary, per_run, *(write_plots(result) if figures else [])]

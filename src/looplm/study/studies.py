@@ -1,0 +1,448 @@
+"""The studies of ``looplm study NAME``: each paper's headline comparison, shrunk to a size
+that trains on 2 CPU cores in about an hour with 3 seeds (``default``), a seconds-scale
+smoke version (``quick``, used by the tests) and the paper's size (``paper``, GPUs).
+
+Every configuration and hyperparameter of a table is here (or in the presets named), so
+each table is one command. Wall times of the ``default`` sizes (each size's ``wall_time``)
+were estimated from a timed 40-step run of every variant (``--seeds 1 --threads 1
+train.max_steps=40``) on the 2-core AMD EPYC this project is developed on, shared with other
+jobs at the time, so scaled by the CPU time the run used (its user/wall ratio); expect ±30 %.
+Paper sizes need GPUs and the paper's corpus as
+token shards (``data.source=shards:DIR data.tokenizer=TOKENIZER``), except the ladder's,
+whose data is synthetic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from looplm.config import RunConfig
+from looplm.config_base import ConfigError
+from looplm.study import measures
+from looplm.study.definition import (
+    Bars,
+    Curve,
+    Metric,
+    PaperColumn,
+    RunSpec,
+    Size,
+    Study,
+    check_overrides,
+    run_dir,
+)
+from looplm.study.results import describe_default
+
+#: Overrides of every quick size: tiny widths, a few steps, evaluated twice.
+QUICK = ("model.d_model=16", "model.n_heads=2", "data.val_batches=1", "train.batch_size=2", "train.max_steps=4",
+         "train.eval_every=2", "train.save_every=0", "train.log_every=1", "train.sample_tokens=0", "train.device=cpu")
+
+
+def _cpu_lm(steps: int, *, seq_len: int = 128, batch: int = 16, lr: float = 2e-3) -> tuple[str, ...]:
+    """A CPU language-modelling budget on the built-in pydoc corpus with the byte tokenizer."""
+    return ("data.source=pydoc", "data.tokenizer=byte", f"data.seq_len={seq_len}", "data.val_batches=8",
+            f"train.batch_size={batch}", f"train.lr={lr:g}", "train.warmup_fraction=0.05", f"train.max_steps={steps}",
+            f"train.eval_every={steps // 8}", f"train.save_every={steps // 4}", "train.keep_last=1",
+            "train.log_every=50", "train.sample_tokens=0", "train.device=cpu")
+
+
+def _runs(preset: str, variants: dict[str, Sequence[str]]) -> dict[str, RunSpec]:
+    return {name: RunSpec(preset, tuple(overrides)) for name, overrides in variants.items()}
+
+
+def _lm_figures(flops_x: bool = True) -> tuple:
+    figures = [Curve("val_loss.png", "val_loss", "validation loss over training", "step", "validation loss")]
+    if flops_x:
+        figures.append(Curve("loss_vs_flops.png", "val_loss_flops", "validation loss against training FLOPs",
+                             "training FLOPs (looplm accounting)", "validation loss", logx=True))
+    return tuple(figures)
+
+
+VAL_LOSS = Metric("val_loss", "val loss", 4, better="lower")
+
+
+# ----------------------------------------------------------------------------- mesh
+def _mesh_variants(dense: str, loop: str) -> dict[str, list[str]]:
+    variants = {"vanilla": [f"model.layout={dense}", "model.topology={kind: base}"]}
+    for name, kind in (("base", "base"), ("residual", "residual"), ("anchor_embedding", "anchor_embedding"),
+                       ("anchor", "anchor"), ("mesh", "mesh")):
+        variants[name] = [f"model.layout={loop}", f"model.topology={{kind: {kind}}}"]
+    return variants
+
+
+MESH = Study(
+    name="mesh",
+    title="MeSH: recursive variants against the vanilla model (mesh.txt Table 1, shrunk)",
+    paper="mesh.txt (MeSH), Table 1; probes §2 Fig. 1, §4.1 Figs. 3-4",
+    claim="at ~33 % fewer non-embedding parameters and the same block passes, base < residual ≈ anchor < mesh "
+          "≈ vanilla in validation loss; mesh keeps larger updates and lower CKA between loop states than base",
+    sizes={
+        "quick": Size(_runs("tiny-base", _mesh_variants("4", "1+1R2+1")), QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(_runs("tiny-base", _mesh_variants("6", "1+2R2+1")),
+                        ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 45 min on one thread (18 runs; ≈ 0.22 s per step measured, "
+                                  "probes ≈ 2 s per run)"),
+        "paper": Size(_runs("pythia-160m", _mesh_variants("12", "2+4R2+2")), seeds=3,
+                      wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
+                                "paper's 250B tokens: ≈ 2.4e20 training FLOPs per run, about a week per run on one "
+                                "H100 at 40 % MFU (18 runs)"),
+    },
+    metrics=(VAL_LOSS, Metric("update", "update (all blocks)", 3, better="higher"),
+             Metric("update_core", "update (core iter.)", 3, better="higher"),
+             Metric("cka_loop", "CKA h⁽ᵗ⁾,h⁽ᵗ⁺¹⁾", 3, better="lower")),
+    measure=measures.mesh_probes,
+    paper_columns=(PaperColumn(
+        "Pile PPL (1B)", "mesh.txt Table 1, Pythia-1B rows (vanilla 16 layers; recursive 3+5R2+3, −31.3 % "
+        "non-embedding parameters): Pile perplexity",
+        {"vanilla": "7.96", "base": "8.20", "residual": "8.19", "anchor_embedding": "8.07", "anchor": "8.10",
+         "mesh": "7.90"}),),
+    figures=(*_lm_figures(False), Bars("probes.png", ("update", "update_core", "cka_loop"),
+                                       ("update (all)", "update (core)", "CKA loop"), "MeSH probes", "value")),
+    deviations=(
+        "Shrunk: vanilla 6 blocks against 1+2R2+1 (the 160M rows' −33 % shape), d = 96, byte-level pydoc "
+        "corpus, 600 steps of 16 × 128 tokens; the paper trains Pythia 160M–1.4B on the Pile.",
+        "The tiny blocks keep looplm's defaults (no √d embedding scale, no depth-scaled init, the Pythia "
+        "recipe of App. B); the paper size uses it.",
+        "Probes on 16 held-out sequences; the paper's anchor* is topology anchor_embedding.",
+    ),
+)
+
+
+# ---------------------------------------------------------------------- spiralformer
+def _spiral_variants(prelude: int, core: int, coda: int, l_prelude: int, l_coda: int) -> dict[str, list[str]]:
+    return {
+        "looped-T4-full-res": [f"model.layout={prelude}+{core}R4+{coda}"],
+        "looped-T2": [f"model.layout={prelude}+{core}R2+{coda}"],
+        "SpiralFormer-B": [f"model.layout={prelude}+{core}x{{1/8,1/4,1/2,1}}+{coda}"],
+        "SpiralFormer-L": [f"model.layout={l_prelude}+{core}x{{1/16,1/8,1/4,1/2}}+{l_coda}"],
+    }
+
+
+SPIRALFORMER = Study(
+    name="spiralformer",
+    title="SpiralFormer-B and -L against full-resolution loops (spiralformer.txt Table 1, shrunk)",
+    paper="spiralformer.txt (SpiralFormer), Table 1",
+    claim="a coarse-to-fine loop (B) reaches the loss of the full-resolution loop at fewer FLOPs; "
+          "L (more prelude/coda at the same FLOPs as B) is better still",
+    sizes={
+        "quick": Size(_runs("tiny-mesh", _spiral_variants(1, 1, 1, 1, 1)), QUICK + ("data.seq_len=32",), seeds=2),
+        "default": Size(_runs("tiny-mesh", _spiral_variants(1, 2, 1, 2, 2)),
+                        ("model.d_model=96", "model.n_heads=4", *_cpu_lm(700)), seeds=3,
+                        wall_time="≈ 45 min on one thread (12 runs; ≈ 0.30 s per step measured, "
+                                  "the T = 4 loop 0.45)"),
+        "paper": Size(_runs("spiralformer-b-160m", _spiral_variants(2, 4, 2, 4, 4)), seeds=3,
+                      wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
+                                "paper's 250B tokens: about a week per run on one H100 at 40 % MFU (12 runs)"),
+    },
+    metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True),
+             Metric("train_flops", "train FLOPs", 3, sci=True)),
+    measure=measures.lm,
+    paper_columns=(
+        PaperColumn("Pile PPL (160M)", "spiralformer.txt Table 1, Pythia-160M rows: Pile perplexity "
+                    "(LoopedFormer 2+4×{1,1}+2 is the paper's full-resolution loop, T = 2)",
+                    {"looped-T2": "11.37", "SpiralFormer-B": "11.29", "SpiralFormer-L": "10.94"}),
+        PaperColumn("prefill TFLOPs (160M)",
+                    "spiralformer.txt Table 1, Pythia-160M rows: FLOPs of a 4096-token prefill",
+                    {"looped-T2": "1.65", "SpiralFormer-B": "1.48", "SpiralFormer-L": "1.49"}),
+    ),
+    figures=_lm_figures(),
+    deviations=(
+        "Shrunk: core of 2 blocks (paper 4), d = 96, pydoc bytes, 700 steps of 16 × 128 tokens; "
+        "SpiralFormer-L is 2+2×{…}+2 (the tiny preset's) where the paper's is 4+4×{…}+4.",
+        "The full-resolution loop at B's layout runs T = 4 (every iteration at resolution 1); the paper's "
+        "LoopedFormer runs T = 2, also trained here.",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------- sgt
+def _sgt_variants(start: int, interval: int) -> dict[str, list[str]]:
+    def loop(kind: str, depth: int) -> str:
+        heads = "" if kind == "block" else "heads: 2, "
+        return (f"model.head_loop={{kind: {kind}, {heads}max_depth: {depth}, layers: 3, start: {start}, "
+                f"interval: {interval}}}")
+
+    return {"vanilla": ["model.head_loop=null"], "block-loop": [loop("block", 1)],
+            **{f"sgt-k{k}": [loop("heads", k)] for k in (1, 2, 3)}}
+
+
+def _growth_notes(result) -> str:
+    lines = ["Growth decisions (seed, step: action block, depth, heads):", ""]
+    for name, runs in result.runs.items():
+        for run, m in zip(runs, result.measures[name]):
+            if m["notes"]:
+                lines.append(f"- {name}, seed {run.seed}: " + "; ".join(m["notes"]))
+    return "\n".join(lines)
+
+
+SGT = Study(
+    name="sgt",
+    title="Sparse Growing Transformer: head looping against Block Loop "
+          "(sparse-growing-transformer.txt Table 1, shrunk)",
+    paper="sparse-growing-transformer.txt (SGT), Tables 1-2, Fig. 4",
+    claim="looping 2 high-entropy heads in a few grown layers lowers the loss at a few % more training FLOPs, "
+          "where Block Loop costs +16-20 %",
+    sizes={
+        "quick": Size(_runs("sgt-tiny-vanilla", _sgt_variants(1, 1)), QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(_runs("sgt-tiny-vanilla", _sgt_variants(100, 50)),
+                        ("model.d_model=96", "model.n_heads=4", *_cpu_lm(800)), seeds=3,
+                        wall_time="≈ 50 min on one thread (15 runs; ≈ 0.22 s per step measured before growth, "
+                                  "+5-25 % once grown)"),
+        "paper": Size(_runs("sgt-275m-vanilla", _sgt_variants(250, 250)), seeds=3,
+                      wall_time="SGT 275M (Table 8; 5035 steps of 128 × 4096 tokens; set data.source / "
+                                "data.tokenizer): ≈ 4.3e19 FLOPs per run (Table 1), about 30 hours per run on one "
+                                "H100 "
+                                "at 40 % MFU (15 runs)"),
+    },
+    metrics=(VAL_LOSS, Metric("train_flops", "train FLOPs (SGT conv.)", 3, sci=True),
+             Metric("flops_overhead", "FLOPs overhead", 2, percent=True), Metric("looped_layers", "grown layers", 1)),
+    measure=measures.growth,
+    paper_columns=(
+        PaperColumn("FLOPs 1e18 (275M)", "sparse-growing-transformer.txt Table 1, 275M rows: total training FLOPs "
+                    "(overhead over vanilla)",
+                    {"vanilla": "42.83", "block-loop": "51.50 (+20.24 %)", "sgt-k1": "43.46 (+1.47 %)",
+                     "sgt-k2": "43.88 (+2.45 %)", "sgt-k3": "44.21 (+3.22 %)"}),
+        PaperColumn("avg acc (275M)", "sparse-growing-transformer.txt Table 1, 275M rows: average accuracy",
+                    {"vanilla": "33.81", "block-loop": "34.04", "sgt-k1": "34.48", "sgt-k2": "34.64",
+                     "sgt-k3": "34.40"}),
+    ),
+    figures=_lm_figures(),
+    notes=_growth_notes,
+    deviations=(
+        "Shrunk: 6 LLaMA-style blocks at d = 96 (tiny preset), pydoc bytes, 800 steps of 16 × 128 tokens; growth "
+        "from step 100 every 50 steps (the paper: 250 / 250 of 5035).",
+        "The paper's Table 1 has no perplexity; the loss ordering is compared with its Table 2 and Fig. 4.",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------- lt2
+LT2_MIXERS = {
+    "attention": ["model.mixer={kind: attention}", "model.hybrid=null"],
+    "gdn": ["model.mixer={kind: gated_deltanet}", "model.hybrid=null"],
+    "full+gdn": ["model.mixer={kind: gated_deltanet}",
+                 "model.hybrid={mixer: {kind: attention}, ratio: '4:1', placement: interleave}"],
+}
+
+
+#: Layers of the state-tracking backbone: LT2 §4.6 uses 4; 5 here so that the 4:1 hybrid has its attention layer.
+TASK_LAYERS = 5
+
+
+def _lt2_runs(lm_preset: str, layers: int, loops: int, curriculum: list[int], seq_len: int,
+              lm_size: Sequence[str], task_size: Sequence[str]) -> dict[str, RunSpec]:
+    """Each variant twice: ``/lm`` (language modelling) and ``/state`` (the state-tracking task)."""
+    runs = {}
+    for mixer, fields in LT2_MIXERS.items():
+        for looped in (False, True):
+            name = f"{mixer}-looped" if looped else mixer
+            topology = f"model.topology={{kind: {'gated_residual' if looped else 'base'}}}"
+            runs[f"{name}/lm"] = RunSpec(lm_preset, (
+                *fields, f"model.layout={layers}R{loops}" if looped else f"model.layout={layers}", topology, *lm_size))
+            runs[f"{name}/state"] = RunSpec("task-state-tracking", (
+                *fields, f"model.layout={TASK_LAYERS}R{loops}" if looped else f"model.layout={TASK_LAYERS}", topology,
+                f"data.task.curriculum={json.dumps(curriculum)}", f"data.seq_len={seq_len}",
+                f"model.max_seq_len={seq_len + 8}", *task_size))
+    return runs
+
+
+def _lt2_describe(variant: str, runs: list) -> dict[str, str]:
+    lm = next(r for r in runs if not r.config.data.source.startswith("task:"))
+    return describe_default(variant, [lm])
+
+
+_LT2_QUICK_TASK = ("model.d_model=16", "model.n_heads=2", "train.batch_size=2", "train.max_steps=4",
+                   "train.eval_every=2", "train.save_every=0", "train.log_every=1", "train.sample_tokens=0",
+                   "train.device=cpu", "data.task.eval_samples=2", "data.task.eval_batch_size=2")
+
+LT2 = Study(
+    name="lt2",
+    title="LT2: looped against non-looped at matched parameters (lt2.txt Table 2, §4.6, shrunk)",
+    paper="lt2.txt (LT2), zero-shot table (0.6B validation PPL) and §4.6 state-based recall (n_max)",
+    claim="looping (T iterations of the same blocks) lowers the loss of attention, GDN and the Full+GDN hybrid "
+          "at matched parameters, and raises the state-tracking n_max",
+    sizes={
+        "quick": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5], 120, QUICK + ("data.seq_len=16",),
+                                _LT2_QUICK_TASK), seeds=2),
+        "default": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176,
+                                  ("model.d_model=64", *_cpu_lm(300, seq_len=64)),
+                                  ("model.d_model=64", "train.batch_size=8", "train.lr=1e-3", "train.max_steps=300",
+                                   "train.eval_every=37", "train.save_every=75", "train.keep_last=1",
+                                   "train.log_every=50", "train.sample_tokens=0", "train.device=cpu",
+                                   "data.task.eval_samples=32")),
+                        seeds=3, wall_time="≈ 55 min on one thread (36 runs; ≈ 0.2 s per LM step and 0.3 s "
+                                           "per state-tracking step measured, GDN's chunked recurrence the most)"),
+        "paper": Size(_lt2_runs("lt2-0.6b-transformer", 25, 4, [8, 16, 32, 64, 128, 256], 4888, (),
+                                ("model.d_model=256", "model.n_heads=4", "train.max_steps=100000")), seeds=3,
+                      wall_time="0.6B, T = 4, 100B tokens per LM run (set data.source / data.tokenizer): ≈ 1.4e21 "
+                                "FLOPs, over a month per run on one H100; the state-tracking part (up to 100k steps "
+                                "per curriculum stage) days per run"),
+    },
+    metrics=(VAL_LOSS, Metric("n_max", "state n_max", 1, better="higher"),
+             Metric("state_acc", "state acc (last)", 1, percent=True)),
+    measure=measures.lt2,
+    paper_columns=(
+        PaperColumn("val PPL (0.6B)", "lt2.txt zero-shot table (tab:downstream), 0.6B rows, T = 4 (the table "
+                    "has non-looped rows only for the Transformer)",
+                    {"attention": "13.14", "attention-looped": "11.92", "gdn-looped": "12.06",
+                     "full+gdn-looped": "11.43"}),
+        PaperColumn("n_max", "lt2.txt §4.6, Fig. state-recall: Transformer caps at stage 4 (n_max 64) at every T; "
+                    "looped Full+GDN reaches stage 5 (128)",
+                    {"attention": "64", "attention-looped": "64", "full+gdn-looped": "128"}),
+    ),
+    figures=(*_lm_figures(), Curve("n_max.png", "n_max", "state tracking: n_max over training", "step", "n_max")),
+    describe=_lt2_describe,
+    deviations=(
+        "Shrunk: 5 LLaMA blocks at d = 64 looped T = 2 (paper: 0.6B, T = 4), pydoc bytes, 300 LM steps of "
+        "16 × 64 tokens; the state-tracking curriculum is n = m ∈ {5, 8} (paper: 8 … 256, 100k steps per "
+        "stage) with 300 steps of batch 8 at lr 1e-3 (paper: batch 32, lr 3e-4), d = 64 and 5 layers (paper: 4 "
+        "layers, d = 256) so that the 4:1 hybrid has its attention layer.",
+        "Non-looped = the same blocks run once (layout 5, base topology): matched parameters, half the compute.",
+    ),
+)
+
+
+# ---------------------------------------------------------------------------- ladder
+def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[str] | None = None, outer: int = 1,
+                 inner: int = 2, sizes: dict[str, Size] | None = None, name: str = "ladder",
+                 deviations: Sequence[str] = ()) -> Study:
+    """The compute-placement ladder (autoregressive-trm.txt Table 1, App. B) on ``task`` at
+    ``budget`` = C block passes as a study: one run per rung; sizes carry the shared
+    overrides (``quick``: the ladder's QUICK_OVERRIDES)."""
+    from looplm.ladder.rungs import MECHANISMS, RUNGS
+    from looplm.ladder.runner import QUICK_OVERRIDES, ladder_configs
+
+    rungs = tuple(RUNGS if rungs is None else rungs)
+    ladder_configs(task, budget, Path("."), rungs=rungs, outer=outer, inner=inner)  # refuses bad arguments now
+    if sizes is None:
+        sizes = {"quick": Size({r: RunSpec(f"task-{task}") for r in rungs}, QUICK_OVERRIDES, seeds=1),
+                 "default": Size({r: RunSpec(f"task-{task}") for r in rungs}, (), seeds=1)}
+
+    def build(study: Study, size: str, out_dir: Path, seed: int, overrides: Sequence[str]) -> dict[str, RunConfig]:
+        check_overrides(overrides, ())
+        spec = study.size(size)
+        configs = ladder_configs(task, budget, out_dir, rungs=rungs, seed=seed, outer=outer, inner=inner,
+                                 overrides=[*spec.shared, *overrides])
+        return {rung: RunConfig.from_dict(_with_out_dir(cfg, run_dir(out_dir, rung, seed)))
+                for rung, cfg in configs.items()}
+
+    def describe(variant: str, runs: list) -> dict[str, str]:
+        cells = {n: ("✓" if on else "") for n, on in zip(MECHANISM_NAMES, MECHANISMS[variant])}
+        return {**cells, "C": str(runs[0].config.model.block_passes), "params": f"{runs[0].parameters['total']:,}"}
+
+    metrics = []
+    for a in ALPHAS:
+        metrics += [Metric(f"em@{a}", f"α={a} EM", percent=True, better="higher"),
+                    Metric(f"char@{a}", f"α={a} char", percent=True, better="higher")]
+    metrics += [Metric(f"q{q}", f"Q{q} (α=1)", percent=True) for q in range(1, 5)]
+    metrics.append(Metric("last", "last (α=1)", percent=True))
+    paper = ()
+    if task == "addition":
+        paper = (PaperColumn("char acc, addition L=10", "autoregressive-trm.txt §5 RQ1, Fig. 3: character accuracy "
+                             "on addition at length 10", {"dense": "80", "ut_act": "66", "ar_trm": "12"}),)
+    elif task in ("copy", "reverse"):
+        paper = (PaperColumn(f"char acc, {task} L=10", "autoregressive-trm.txt §5 RQ1, Fig. 3",
+                             {"dense": "100", "ut_act": "100", "ar_trm": "11" if task == "copy" else "10"}),)
+    return Study(
+        name=name,
+        title=f"Compute-placement ladder: {task}, C = {budget} block passes (autoregressive-trm.txt Table 1)",
+        paper="autoregressive-trm.txt, Table 1 (the ladder), §5 Fig. 3 (accuracies), Figs. 4-6",
+        claim="under matched block passes Dense ≥ UT+ACT on addition (80 % vs 66 % characters), both solve copy "
+              "and reverse, the autoregressive TRM stays near chance; two-stream rungs resist late-position collapse",
+        sizes=sizes,
+        metrics=tuple(metrics),
+        measure=measures.character_task,
+        paper_columns=paper,
+        figures=(
+            Curve("accuracy.png", "char", "character accuracy over training (Fig. 6)", "training step",
+                  "character accuracy (α=1)", ylim=(-0.02, 1.02)),
+            Bars("quartiles.png", ("q1", "q2", "q3", "q4"), ("Q1", "Q2", "Q3", "Q4"),
+                 "accuracy by output quartile (Fig. 4)", "character accuracy (α=1)"),
+            Curve("length.png", "length", "length generalisation", "α = L_eval / L_train", "character accuracy",
+                  ylim=(-0.02, 1.02)),
+            Curve("last_char.png", "last", "last character over training (Fig. 5)", "training step",
+                  "last-character accuracy (α=1)", ylim=(-0.02, 1.02)),
+        ),
+        deviations=tuple(deviations) + ("ACT and Q-halt in full-compute mode (App. B.1): every rung spends C.",),
+        describe=describe,
+        build=build,
+    )
+
+
+#: Table 1's columns, in the order of the ladder's MECHANISMS tuples.
+MECHANISM_NAMES = ("tie", "step", "ACT", "2S", "nest", "Q-halt")
+ALPHAS = ("1", "1.5", "2", "3", "5")
+
+
+def _with_out_dir(cfg: RunConfig, path: Path) -> dict:
+    data = cfg.to_dict()
+    data["train"]["out_dir"] = str(path)
+    return data
+
+
+#: Addition with the carry chain made learnable on a CPU: operands of up to 4 digits.
+_LADDER_CPU = ("data.task.train_length=4", "data.seq_len=15", "data.task.eval_samples=100", "train.max_steps=1500",
+               "train.eval_every=250", "train.save_every=500", "train.keep_last=1")
+_LADDER_QUICK = ("model.d_model=16", "model.n_heads=2", "data.task.train_length=2", "data.seq_len=9",
+                 "data.task.eval_samples=2", "data.task.eval_alphas=[1, 2]", "data.val_batches=1",
+                 "train.batch_size=4", "train.max_steps=4", "train.eval_every=2", "train.save_every=0",
+                 "train.log_every=1", "train.sample_tokens=0", "train.device=cpu")
+_LADDER_PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length=10", "data.seq_len=33",
+                 "train.max_steps=5000", "train.batch_size=64", "train.lr=3e-4", "train.eval_every=500",
+                 "train.save_every=1000", "train.keep_last=1")
+
+
+def _ladder_sizes() -> dict[str, Size]:
+    from looplm.ladder.rungs import RUNGS
+
+    runs = {r: RunSpec("task-addition") for r in RUNGS}
+    return {
+        "quick": Size(runs, _LADDER_QUICK, seeds=2),
+        "default": Size(runs, _LADDER_CPU, seeds=3,
+                        wall_time="≈ 50 min on one thread (21 runs; ≈ 0.09 s per step measured, 6 greedy "
+                                "evaluations of 5 α × 100 problems per run)"),
+        "paper": Size(runs, _LADDER_PAPER, seeds=3,
+                      wall_time="C = 24, d = 384, 6 heads, L_train = 10, 5000 steps of batch 64: on one H100 "
+                                "about 10-20 minutes per rung"),
+    }
+
+
+def _registered_ladder() -> Study:
+    """``looplm study ladder``: addition at C = 12 with a learnable carry chain (CPU sizes)."""
+    sizes = {k: v for k, v in _ladder_sizes().items() if k != "paper"}  # the paper size is C = 24
+    return ladder_study("addition", 12, sizes=sizes, deviations=(
+        "Operands of up to 4 digits (L_train = 4, the paper: 10) so that the carry chain is learnable in a CPU "
+        "hour: at L_train = 10 no rung passed chance on the last character in 2000 steps "
+        "(docs/results/ladder-addition/).",
+        "d = 64, 4 heads (the paper gives no width), C = 12; 1500 steps of batch 64, lr 3e-4.",
+    ))
+
+
+def _paper_ladder_budget() -> Study:
+    """``looplm study ladder --paper``: C = 24, d = 384, 6 heads, L_train = 10 (the paper's size)."""
+    return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
+
+
+STUDIES: dict[str, Study] = {}
+
+
+def _register(study: Study) -> None:
+    STUDIES[study.name] = study
+
+
+for _s in (MESH, SPIRALFORMER, SGT, LT2):
+    _register(_s)
+
+
+def get_study(name: str, size: str = "default") -> Study:
+    """The study ``name`` (the ladder's budget is C = 24 at the paper size, 12 otherwise)."""
+    if name == "ladder":
+        return _paper_ladder_budget() if size == "paper" else _registered_ladder()
+    if name not in STUDIES:
+        raise ConfigError("study", name, "one of " + ", ".join(study_names()))
+    return STUDIES[name]
+
+
+def study_names() -> list[str]:
+    return [*STUDIES, "ladder"]

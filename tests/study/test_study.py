@@ -1,0 +1,201 @@
+"""The study runner: every study resolves at every size, --quick runs end to end with mean ± std
+over 2 seeds, finished runs are reused and interrupted ones resumed exactly, bad input is named."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import pytest
+
+from looplm.cli import main
+from looplm.config_base import ConfigError
+from looplm.study import RunSpec, Size, Study, get_study, run_study, study_names
+from looplm.study import measures as study_measures
+from looplm.study import runs as runs_module
+from looplm.study.studies import QUICK
+from looplm.train import Trainer, train_losses
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
+@pytest.mark.parametrize("size", ["quick", "default", "paper"])
+def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
+    study = get_study(name, size)
+    configs = study.configs(size, tmp_path, seed=5)
+    assert set(configs) == set(study.size(size).runs) and len(configs) >= 4
+    for run, cfg in configs.items():
+        assert cfg.train.out_dir == str(tmp_path / run / "seed-5")
+        assert cfg.train.seed == 5 and cfg.data.seed == 5
+    shared = {json.dumps({k: v for k, v in c.to_dict()["train"].items() if k != "out_dir"}, sort_keys=True)
+              for run, c in configs.items() if not c.data.source.startswith("task:state")}
+    assert len(shared) == 1  # one optimiser, budget and seed for every compared run
+    if size == "default":
+        assert study.size(size).seeds >= 3 and "min" in study.size(size).wall_time
+    if size == "paper":
+        assert study.size(size).wall_time
+
+
+def test_matched_comparisons() -> None:
+    """MeSH: the recursive variants share layout and block passes with each other and the vanilla
+    model's depth; LT2: looped and non-looped differ only in the loop (same stored parameters)."""
+    from looplm.accounting.params import analytic_parameter_counts
+
+    mesh = get_study("mesh").configs("default", "unused", 0)
+    assert {c.model.block_passes for c in mesh.values()} == {6}
+    assert {c.model.layout for name, c in mesh.items() if name != "vanilla"} == {"1+2R2+1"}
+    lt2 = get_study("lt2").configs("default", "unused", 0)
+    for mixer in ("attention", "gdn", "full+gdn"):
+        for part in ("lm", "state"):
+            flat, looped = lt2[f"{mixer}/{part}"].model, lt2[f"{mixer}-looped/{part}"].model
+            assert looped.block_passes == 2 * flat.block_passes
+            # the learned per-loop residual gate adds a vector or two of width d, nothing else
+            diff = analytic_parameter_counts(looped)["total"] - analytic_parameter_counts(flat)["total"]
+            assert 0 < diff <= 2 * looped.iterations * looped.d_model
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("studies")
+    return {name: run_study(name, out / name, size="quick", seeds=2, threads=1) for name in study_names()}
+
+
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
+def test_quick_study_writes_mean_and_std_over_two_seeds(quick, name) -> None:
+    result = quick[name]
+    out = result.out_dir
+    with open(out / "results.csv", newline="") as f:
+        summary = list(csv.DictReader(f))
+    variants = result.study.variants("quick")
+    assert {r["variant"] for r in summary} == set(variants)
+    for row in summary:
+        values = [float(v) for v in row["values"].split()]
+        if len(values) == 2:  # defined at both seeds: the mean and sample std of those two
+            assert float(row["mean"]) == pytest.approx(sum(values) / 2, rel=1e-5, abs=1e-12)
+            assert float(row["std"]) == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5, rel=1e-4, abs=1e-9)
+    with open(out / "runs.csv", newline="") as f:
+        runs = list(csv.DictReader(f))
+    assert sorted({(r["run"], r["seed"]) for r in runs}) == sorted(
+        (run, str(s)) for run in result.study.size("quick").runs for s in (0, 1))
+    markdown = (out / "results.md").read_text()
+    assert f"looplm study {name} --out" in markdown and "--quick" in markdown and "--seeds 2" in markdown
+    for v in variants:
+        (line,) = [ln for ln in markdown.splitlines() if ln.startswith(f"| {v} |")]
+        assert " ± " in line
+    assert any(p.source.split(",")[0] in markdown for p in result.study.paper_columns) or not result.study.paper_columns
+    assert "paper: " in markdown.splitlines()[next(i for i, ln in enumerate(markdown.splitlines())
+                                                      if ln.startswith("| variant |"))]
+    for figure in result.study.figures:
+        assert (out / figure.file).read_bytes()[:8] == PNG
+
+
+def test_study_specific_measures(quick) -> None:
+    mesh = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(quick["mesh"].out_dir / "runs.csv"))}
+    assert mesh[("vanilla", "0")]["cka_loop"] == "" and float(mesh[("mesh", "0")]["cka_loop"]) > 0
+    assert 0 < float(mesh[("base", "1")]["update_core"]) < 2  # 2‖f(h)−h‖/(‖f(h)‖+‖h‖) lies in [0, 2]
+    sgt = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(quick["sgt"].out_dir / "runs.csv"))}
+    assert float(sgt[("vanilla", "0")]["flops_overhead"]) == 0.0
+    assert float(sgt[("block-loop", "0")]["flops_overhead"]) > float(sgt[("sgt-k1", "0")]["flops_overhead"]) > 0
+    assert "Growth decisions" in (quick["sgt"].out_dir / "results.md").read_text()
+    lt2 = quick["lt2"]
+    assert {"val_loss", "n_max"} <= set(lt2.scalars("gdn-looped")[0])  # the row merges its two parts
+    spiral = {r["variant"]: r for r in csv.DictReader(open(quick["spiralformer"].out_dir / "runs.csv"))}
+    assert float(spiral["SpiralFormer-B"]["forward_flops_per_token"]) < float(
+        spiral["looped-T4-full-res"]["forward_flops_per_token"])
+
+
+def test_sgt_flops_follow_the_growth_events(quick) -> None:
+    """Block Loop activates its layers at the first decision (step 1 of the quick size): step 1
+    runs the plain model, steps 2 … 4 the grown one (SGT Tables 1-2 sum each step's FLOPs)."""
+    from looplm.accounting.growth import training_flops_over_steps
+
+    (run, _) = quick["sgt"].runs["block-loop"]
+    cfg = run.config
+    activated = [e for e in run.events_all("growth") if e["action"] == "activate"]
+    assert {e["step"] for e in activated} == {1} and len(activated) == 3
+    grown = training_flops_over_steps(cfg.model, cfg.data.seq_len, cfg.train.batch_size,
+                                      [{e["layer"]: (1, None) for e in activated}], convention="sgt")
+    base = study_measures._flops_per_step(run, "sgt")
+    assert grown > base
+    assert study_measures.grown_flops(run) == pytest.approx([0, base, base + grown, base + 2 * grown, base + 3 * grown])
+
+
+# ------------------------------------------------------------------ resume
+TINY = Study(
+    name="tiny", title="tiny", paper="none", claim="none",
+    sizes={"quick": Size({"a": RunSpec("tiny-base", ("model.layout=1R2",)),
+                          "b": RunSpec("tiny-base", ("model.layout=2",))},
+                         QUICK + ("data.seq_len=16", "train.save_every=1"), seeds=2)},
+    metrics=(), measure=study_measures.lm,
+)
+
+
+def test_resume_skips_finished_runs_and_continues_an_interrupted_one(tmp_path, monkeypatch) -> None:
+    first = run_study(TINY, tmp_path / "full", size="quick")
+    # interrupt run b at seed 1 after step 3: a checkpoint and a partial summary
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "b" / "seed-1")
+    (cfg,) = [c for name, c in TINY.configs("quick", tmp_path / "cut", 1).items() if name == "b"]
+    Trainer(cfg, progress=False).fit(stop_after=3)
+    trained = []
+    real = runs_module.Trainer
+
+    def recording(cfg, **kwargs):
+        trained.append((cfg.train.out_dir, kwargs["resume"]))
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(runs_module, "Trainer", recording)
+    again = run_study(TINY, tmp_path / "cut", size="quick")
+    assert trained == [(str(tmp_path / "cut" / "b" / "seed-1"), True)]  # the rest were read back
+    assert [r.reused for r in again.runs["b"]] == [True, False] and all(r.reused for r in again.runs["a"])
+    # resumed exactly: the same losses and validation loss as the uninterrupted run
+    assert train_losses(again.runs["b"][1].run_dir / "metrics.jsonl") == train_losses(
+        first.runs["b"][1].run_dir / "metrics.jsonl")
+    assert again.measures["b"][1]["scalars"]["val_loss"] == first.measures["b"][1]["scalars"]["val_loss"]
+    assert (tmp_path / "cut" / "results.csv").read_text() == (tmp_path / "full" / "results.csv").read_text()
+    with pytest.raises(ConfigError) as err:  # the same directory with other settings is refused up front
+        run_study(TINY, tmp_path / "cut", size="quick", overrides=["train.lr=1e-2"])
+    assert err.value.field == "out_dir" and "train.lr" in str(err.value)
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize("kwargs, field, hint", [
+    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, ladder"),
+    (dict(seeds=0), "seeds", ">= 1"),
+    (dict(seeds=[1, 1]), "seeds", "distinct"),
+    (dict(size="huge"), "size", "quick, default, paper"),
+    (dict(threads=0), "threads", ">= 1"),
+    (dict(overrides=["model.topology.kind=mesh"]), "model.topology.kind", "variants"),
+    (dict(overrides=["train.seed=3"]), "train.seed", "--seeds"),
+    (dict(overrides=["model.d_model=-1"]), "model.d_model", ""),
+])
+def test_bad_arguments_name_the_field(tmp_path, kwargs, field, hint) -> None:
+    args = dict(study="mesh", size="quick")
+    args.update(kwargs)
+    with pytest.raises(ConfigError) as err:
+        run_study(args.pop("study"), tmp_path / "out", **args)
+    assert err.value.field == field and hint in str(err.value)
+    assert not (tmp_path / "out").exists()  # refused before anything trained
+
+
+def test_cli(quick, tmp_path, capsys, caplog, monkeypatch) -> None:
+    assert main(["study", "nope", "--quick", "--out", str(tmp_path)]) == 2
+    assert "study='nope' is invalid" in caplog.text or "study=nope is invalid" in caplog.text
+    assert main(["study", "mesh", "--quick", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert "seeds=0 is invalid" in caplog.text
+    with pytest.raises(SystemExit):
+        main(["study", "mesh", "--quick", "--paper"])
+    assert not any(tmp_path.iterdir())
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was retrained")
+
+    monkeypatch.setattr(runs_module, "Trainer", no_training)
+    out = quick["ladder"].out_dir  # the same study again: every run is read back, the table printed
+    assert main(["study", "ladder", "--quick", "--seeds", "2", "--threads", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("| variant | tie |") and f"{out}/results.md" in printed
+    assert f"looplm study ladder --out {out} --quick --seeds 2 --threads 1" in (out / "results.md").read_text()
