@@ -22,6 +22,7 @@ from looplm.ops.sparse import (
     naive_nsa_attention,
     nsa_attention,
     select_blocks,
+    topk_indices,
     topk_mask,
 )
 from tests.conftest import random_ids, tiny_config
@@ -421,14 +422,18 @@ def test_gathered_attention_equals_the_dense_mask_and_reads_only_allowed_keys():
     B, Hkv, G, T, S, D, width = 2, 2, 3, 5, 40, 8, 6
     q = torch.randn(B, Hkv, G, T, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64) for _ in range(2))
-    allowed = topk_mask(torch.randn(B, T, S, generator=g), width)
-    allowed[0, 1] = False  # a row with nothing allowed: zeros
-    allowed[1, 2, :] = False
-    allowed[1, 2, 7] = True  # a row with fewer keys than width
+    scores = torch.randn(B, T, S, generator=g)
+    scores[0, 1] = float("-inf")  # a row with nothing allowed: zeros
+    scores[1, 2, :] = float("-inf")
+    scores[1, 2, 7] = 0.5  # a row with fewer keys than width
+    index, keep = topk_indices(scores, width)
+    allowed = topk_mask(scores, width)
+    assert keep.sum() == allowed.sum() == (B * T - 2) * width + 1
     dense, _ = grouped_attention(q, k, v, allowed[:, None, None], 0.3)
-    torch.testing.assert_close(gathered_attention(q, k, v, allowed, width, 0.3), dense, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(gathered_attention(q, k, v, index, keep, 0.3), dense, atol=1e-12, rtol=1e-12)
     # keys and values nobody selected are never read: poison them
     unused = ~allowed.any(dim=1)  # [B, S]
     k_bad = k.masked_fill(unused[:, None, :, None], float("nan"))
     v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
-    torch.testing.assert_close(gathered_attention(q, k_bad, v_bad, allowed, width, 0.3), dense, atol=1e-12, rtol=1e-12)
+    out = gathered_attention(q, k_bad, v_bad, index.masked_fill(~keep, 7), keep, 0.3)  # fillers point at key 7
+    torch.testing.assert_close(out, dense, atol=1e-12, rtol=1e-12)

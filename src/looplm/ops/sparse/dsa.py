@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk_mask
+from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk_indices, topk_mask
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
@@ -54,6 +54,16 @@ def select_keys(scores: torch.Tensor, candidates: torch.Tensor, top_k: int) -> t
     if top_k >= scores.shape[-1]:
         return candidates.clone()
     return topk_mask(scores.masked_fill(~candidates, float("-inf")), top_k)
+
+
+def select_key_indices(
+    scores: torch.Tensor, candidates: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_keys` as positions: (index long [B, T, k], keep bool [B, T, k]), k =
+    min(top_k, S); keep is False for the filler entries of a query with fewer candidates.
+    The same choice as the mask (one :func:`topk_indices`, ties to the later key)."""
+    index, _ = topk_indices(scores.masked_fill(~candidates, float("-inf")), top_k)
+    return index, candidates.gather(-1, index)
 
 
 def index_kl_loss(
@@ -132,15 +142,18 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
     key = torch.arange(S, device=q.device)
     query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
-    candidates = (key <= query)[None] & valid[:, None, :S]  # [B, Q, S]: causal and real
-    selected = select_keys(scores, candidates, top_k)
     query_valid = valid[:, first:S]
-    allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
+    candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
+        query_valid[..., None], (key <= query)[None] & valid[:, None, :S], (key == query)[None]
+    )
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
-        o = gathered_attention(q, k, v, allowed, top_k, scale)
+        index, keep = select_key_indices(scores, candidates, top_k)
+        o = gathered_attention(q, k, v, index, keep, scale)
         return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+    allowed = select_keys(scores, candidates, top_k)
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
         return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+    selected = allowed & query_valid[..., None]  # a padding query's own key is not a selection
     total, rows = index_kl_sum(scores, p.detach().sum(dim=(1, 2)), selected, query_valid)
     return o, total, rows
