@@ -19,6 +19,7 @@ from looplm.modules.rotary import Rotary, apply_rotary
 from looplm.ops.sparse import (
     dsa_attention,
     index_kl_loss,
+    index_scores,
     naive_nsa_attention,
     nsa_attention,
     select_blocks,
@@ -437,3 +438,26 @@ def test_gathered_attention_equals_the_dense_mask_and_reads_only_allowed_keys():
     v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
     out = gathered_attention(q, k_bad, v_bad, index.masked_fill(~keep, 7), keep, 0.3)  # fillers point at key 7
     torch.testing.assert_close(out, dense, atol=1e-12, rtol=1e-12)
+
+
+def test_dsa_decoding_step_reads_only_its_top_k_rows_and_equals_the_masked_path():
+    """A decoding step (one query, no padding) selects by one top-k over the whole row and
+    gathers those rows: the same output as the candidate-mask path and as dense attention
+    over the selected keys, and blind to every key and value it did not select."""
+    (q, k, v, q_index, k_index, w_index), _ = _dsa_inputs(T=1, S=40, seed=9)
+    q, k, v, q_index, k_index, w_index = (x.detach() for x in (q, k, v, q_index, k_index, w_index))
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    fast, _ = dsa_attention(q, k, v, q_index, k_index, w_index, None, top_k=6, scale=0.3)
+    masked, _ = dsa_attention(q, k, v, q_index, k_index, w_index, valid, top_k=6, scale=0.3)
+    torch.testing.assert_close(fast, masked)
+    scores = index_scores(q_index, k_index, w_index)  # [B, 1, S]
+    selected = topk_mask(scores, 6)
+    from looplm.ops.sparse.common import grouped_attention
+
+    dense, _ = grouped_attention(q, k, v, selected[:, None, None], 0.3)
+    torch.testing.assert_close(fast, dense)
+    unused = ~selected[:, 0]  # [B, S]
+    k_bad = k.masked_fill(unused[:, None, :, None], float("nan"))
+    v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
+    blind, _ = dsa_attention(q, k_bad, v_bad, q_index, k_index, w_index, None, top_k=6, scale=0.3)
+    torch.testing.assert_close(blind, fast)

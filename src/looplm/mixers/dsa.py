@@ -157,8 +157,8 @@ class DeepSeekSparseAttention(nn.Module):
             k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
             spare = (k_spare, v_spare, i_spare)
         o, index_loss = dsa_attention(
-            q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid, top_k=self.top_k,
-            scale=D**-0.5, index_loss=self.training,
+            q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
+            top_k=self.top_k, scale=D**-0.5, index_loss=self.training,
         )  # o: [B, H_kv, G, T, D]
         if index_loss is not None:
             ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)

@@ -103,7 +103,7 @@ def dsa_attention(
     q_index: torch.Tensor,
     k_index: torch.Tensor,
     w_index: torch.Tensor,
-    valid: torch.Tensor,
+    valid: Optional[torch.Tensor],
     *,
     top_k: int,
     scale: float,
@@ -115,7 +115,7 @@ def dsa_attention(
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
     q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding). ``index_loss``: also return the indexer's KL loss (mean
+    [B, S] (False: left padding), or None when every position is real. ``index_loss``: also return the indexer's KL loss (mean
     over real queries, Eq. (2)-(3)), else None. Returns (o [B, H_kv, G, T, D], loss).
     With grad enabled and more than one block, each block is checkpointed.
     """
@@ -140,12 +140,20 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     S = first + Q
     k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
+    if valid is None and Q == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
+        index, _ = topk_indices(scores, top_k)
+        return gathered_attention(q, k, v, index, None, scale), q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     key = torch.arange(S, device=q.device)
     query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
-    query_valid = valid[:, first:S]
-    candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
-        query_valid[..., None], (key <= query)[None] & valid[:, None, :S], (key == query)[None]
-    )
+    causal = (key <= query)[None]  # [1, Q, S]
+    if valid is None:
+        query_valid = torch.ones(q.shape[0], Q, dtype=torch.bool, device=q.device)
+        candidates = causal.expand(q.shape[0], Q, S)
+    else:
+        query_valid = valid[:, first:S]
+        candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
+            query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]
+        )
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
         index, keep = select_key_indices(scores, candidates, top_k)
         o = gathered_attention(q, k, v, index, keep, scale)
