@@ -63,11 +63,14 @@ def gathered_attention(
 
     q: [B, H_kv, G, T, D]; k, v: [B, H_kv, S, D]; index: long [B, T, width], distinct key
     positions per row (e.g. from :func:`topk_indices`); keep: bool [B, T, width] (False:
-    a filler entry, ignored), or None when every entry is kept. Returns o [B, H_kv, G, T, D]
-    in v's dtype.
+    a filler entry, ignored; a row's kept entries come first, as :func:`topk_indices` orders
+    them), or None when every entry is kept. Returns o [B, H_kv, G, T, D] in v's dtype; a
+    row with nothing kept gives zeros.
     """
     B, Hkv, G, T, D = q.shape
     width = index.shape[-1]
+    if keep is not None:  # fillers read the row's first pick (kept if any is) and get weight 0
+        index = torch.where(keep, index, index[..., :1])
     flat = index.reshape(B, T * width)
     k_sel = gather_rows(k, flat).view(B, Hkv, T, width, D)
     v_sel = gather_rows(v, flat).view(B, Hkv, T, width, v.shape[-1])
@@ -75,9 +78,11 @@ def gathered_attention(
     if keep is None:
         p = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     else:
-        v_sel = v_sel.masked_fill(~keep[:, None, :, :, None], 0)  # filler picks contribute nothing
         p = masked_softmax(scores, keep[:, None, :, None])
-    return torch.matmul(p.to(v.dtype), v_sel).transpose(2, 3).contiguous()  # [B, H_kv, G, T, D]
+    o = torch.matmul(p.to(v.dtype), v_sel)  # [B, H_kv, T, G, D]
+    if keep is not None:  # a row with no pick at all: zeros, whatever its filler row holds
+        o = torch.where(keep.any(-1)[:, None, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    return o.transpose(2, 3).contiguous()  # [B, H_kv, G, T, D]
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
