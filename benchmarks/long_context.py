@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -217,7 +218,7 @@ def main() -> None:
                for m in args.models for s in args.contexts}
     contexts = " | ".join(f"S={s}" for s in args.contexts)
     rule = " | ".join("---" for _ in args.contexts)
-    command = "python benchmarks/long_context.py " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/long_context.py", *sys.argv[1:]])
     lines = [
         "# Long context: whole looped models, prefill and decode",
         "",
