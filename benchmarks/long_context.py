@@ -252,7 +252,8 @@ def main() -> None:
                   f"One step: {profiled['step_s'] * 1000:.2f} ms ({args.clock} clock, mean of "
                   f"{PROFILE_STEPS // 2} steps; forward hooks, so the per-call hook cost is in the parts).", "",
                   "| part | ms per step | share |", "| --- | --- | --- |"]
-        lines += [f"| {part} | {t * 1000:.2f} | {t / profiled['step_s']:.0%} |" for part, t in profiled["parts"].items()]
+        lines += [f"| {part} | {t * 1000:.2f} | {t / profiled['step_s']:.0%} |"
+                  for part, t in profiled["parts"].items()]
         lines += ["", "Top operators by self time (torch.profiler, wall clock):", "",
                   "| operator | ms per step | calls per step |", "| --- | --- | --- |"]
         lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in profiled["ops"]]

@@ -15,11 +15,13 @@ L1-normalised, detached. With every key selected (top-k ≥ t + 1) this is the d
 loss (Eq. (2)); otherwise the sparse-stage loss over the selected set S_t (Eq. (3)).
 
 Cost: the indexer scores are O(T·S·H^I·d^I) time (as in DeepSeek, where it is cheap
-because H^I and d^I are small and it runs in FP8), the selection O(T·S). :func:`dsa_attention`
+because H^I and d^I are small and it runs in FP8), the selection O(T·S) (one exact top-k,
+:func:`~looplm.ops.sparse.common.topk_indices`). :func:`dsa_attention`
 works through blocks of queries, scoring each block against the keys up to its last
 query, so the live memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
-T × S scores and probabilities of every head. Decoding (T = 1) is O(S).
+T × S scores and probabilities of every head. Decoding (T = 1) is O(S·H^I·d^I) in the
+indexer only; the main attention gathers and reads the k selected key/value rows.
 """
 
 from __future__ import annotations
@@ -115,8 +117,10 @@ def dsa_attention(
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
     q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding), or None when every position is real. ``index_loss``: also return the indexer's KL loss (mean
-    over real queries, Eq. (2)-(3)), else None. Returns (o [B, H_kv, G, T, D], loss).
+    [B, S] (False: left padding), or None when every position is real (then a decoding step,
+    T = 1, takes one top-k over its whole score row, no candidate mask). ``index_loss``:
+    also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
+    Returns (o [B, H_kv, G, T, D], loss).
     With grad enabled and more than one block, each block is checkpointed.
     """
     T, S = q.shape[3], k.shape[2]
