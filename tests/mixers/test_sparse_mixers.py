@@ -19,9 +19,11 @@ from looplm.modules.rotary import Rotary, apply_rotary
 from looplm.ops.sparse import (
     dsa_attention,
     index_kl_loss,
+    index_scores,
     naive_nsa_attention,
     nsa_attention,
     select_blocks,
+    topk_indices,
     topk_mask,
 )
 from tests.conftest import random_ids, tiny_config
@@ -421,14 +423,41 @@ def test_gathered_attention_equals_the_dense_mask_and_reads_only_allowed_keys():
     B, Hkv, G, T, S, D, width = 2, 2, 3, 5, 40, 8, 6
     q = torch.randn(B, Hkv, G, T, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64) for _ in range(2))
-    allowed = topk_mask(torch.randn(B, T, S, generator=g), width)
-    allowed[0, 1] = False  # a row with nothing allowed: zeros
-    allowed[1, 2, :] = False
-    allowed[1, 2, 7] = True  # a row with fewer keys than width
+    scores = torch.randn(B, T, S, generator=g)
+    scores[0, 1] = float("-inf")  # a row with nothing allowed: zeros
+    scores[1, 2, :] = float("-inf")
+    scores[1, 2, 7] = 0.5  # a row with fewer keys than width
+    index, keep = topk_indices(scores, width)
+    allowed = topk_mask(scores, width)
+    assert keep.sum() == allowed.sum() == (B * T - 2) * width + 1
     dense, _ = grouped_attention(q, k, v, allowed[:, None, None], 0.3)
-    torch.testing.assert_close(gathered_attention(q, k, v, allowed, width, 0.3), dense, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(gathered_attention(q, k, v, index, keep, 0.3), dense, atol=1e-12, rtol=1e-12)
     # keys and values nobody selected are never read: poison them
     unused = ~allowed.any(dim=1)  # [B, S]
     k_bad = k.masked_fill(unused[:, None, :, None], float("nan"))
     v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
-    torch.testing.assert_close(gathered_attention(q, k_bad, v_bad, allowed, width, 0.3), dense, atol=1e-12, rtol=1e-12)
+    out = gathered_attention(q, k_bad, v_bad, index.masked_fill(~keep, 7), keep, 0.3)  # fillers point at key 7
+    torch.testing.assert_close(out, dense, atol=1e-12, rtol=1e-12)
+
+
+def test_dsa_decoding_step_reads_only_its_top_k_rows_and_equals_the_masked_path():
+    """A decoding step (one query, no padding) selects by one top-k over the whole row and
+    gathers those rows: the same output as the candidate-mask path and as dense attention
+    over the selected keys, and blind to every key and value it did not select."""
+    (q, k, v, q_index, k_index, w_index), _ = _dsa_inputs(T=1, S=40, seed=9)
+    q, k, v, q_index, k_index, w_index = (x.detach() for x in (q, k, v, q_index, k_index, w_index))
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    fast, _ = dsa_attention(q, k, v, q_index, k_index, w_index, None, top_k=6, scale=0.3)
+    masked, _ = dsa_attention(q, k, v, q_index, k_index, w_index, valid, top_k=6, scale=0.3)
+    torch.testing.assert_close(fast, masked)
+    scores = index_scores(q_index, k_index, w_index)  # [B, 1, S]
+    selected = topk_mask(scores, 6)
+    from looplm.ops.sparse.common import grouped_attention
+
+    dense, _ = grouped_attention(q, k, v, selected[:, None, None], 0.3)
+    torch.testing.assert_close(fast, dense)
+    unused = ~selected[:, 0]  # [B, S]
+    k_bad = k.masked_fill(unused[:, None, :, None], float("nan"))
+    v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
+    blind, _ = dsa_attention(q, k_bad, v_bad, q_index, k_index, w_index, None, top_k=6, scale=0.3)
+    torch.testing.assert_close(blind, fast)

@@ -13,17 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.mixers.base import MixerContext
+from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary
 
 
 @dataclasses.dataclass
 class KVState:
     """Keys and values [B, H_kv, S_kept, D] of the last S_kept positions; ``start`` is the
-    absolute index of the first kept position (> 0 once a sliding window drops keys)."""
+    absolute index of the first kept position (> 0 once a sliding window drops keys).
+    ``spare``: the buffers the keys and values are views of (:mod:`looplm.mixers.reserve`),
+    so that decoding appends in place."""
 
     keys: torch.Tensor
     values: torch.Tensor
     start: int = 0
+    spare: tuple[Optional[Reserve], Optional[Reserve]] = dataclasses.field(
+        default=(None, None), repr=False, compare=False
+    )
 
     @property
     def end(self) -> int:
@@ -36,7 +42,7 @@ class KVState:
                 "were already dropped"
             )
         keep = length - self.start
-        return KVState(self.keys[:, :, :keep], self.values[:, :, :keep], self.start)
+        return KVState(self.keys[:, :, :keep], self.values[:, :, :keep], self.start, self.spare)
 
     def select(self, index: torch.Tensor) -> "KVState":
         return KVState(self.keys[index], self.values[index], self.start)
@@ -148,10 +154,11 @@ class SoftmaxAttention(nn.Module):
         k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-        start = 0
-        if state is not None:
-            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
-            start = state.start
+        start, spare = 0, (None, None)
+        if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
+            (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
+                                          extend(state.values, v, 2, state.spare[1]))
+            start, spare = state.start, (k_spare, v_spare)
         mask = ctx.attention_mask(self.window)
         if mask is not None:
             mask = mask[..., start:]  # only the kept keys
@@ -167,8 +174,8 @@ class SoftmaxAttention(nn.Module):
             y = blocked_window_attention(q, keys, values, self.window)
         else:  # mask None: the T queries are the last T of the keys and need only causality
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
-        new_state = KVState(k, v, start)
+        new_state = KVState(k, v, start, spare)
         if self.window is not None and k.shape[2] > self.window - 1:
             drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
-            new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop)
+            new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop, spare)
         return y.transpose(1, 2).reshape(B, T, H * D), new_state

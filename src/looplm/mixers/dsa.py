@@ -29,6 +29,7 @@ from looplm.config_base import ConfigError, check
 from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
+from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.dsa import dsa_attention
@@ -80,14 +81,16 @@ class DSAConfig(MixerConfig):
 @dataclasses.dataclass
 class DSAState:
     """DSA's decoding state: keys, values [B, H_kv, S, D] (rotated) and index keys
-    [B, S, d^I] of every position."""
+    [B, S, d^I] of every position; ``spare``: the buffers they are views of (decoding
+    appends in place, :mod:`looplm.mixers.reserve`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     index_keys: torch.Tensor
+    spare: tuple[Optional[Reserve], ...] = dataclasses.field(default=(None, None, None), repr=False, compare=False)
 
     def crop(self, length: int) -> "DSAState":
-        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length])
+        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length], self.spare)
 
     def select(self, index: torch.Tensor) -> "DSAState":
         return DSAState(self.keys[index], self.values[index], self.index_keys[index])
@@ -147,16 +150,19 @@ class DeepSeekSparseAttention(nn.Module):
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         q_index, k_index, w_index = self.indexer(x.detach(), ctx.rope)  # detached: trained by its own loss
-        if state is not None:
-            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
-            k_index = torch.cat([state.index_keys, k_index], dim=1)
+        spare = (None, None, None)
+        if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
+            (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
+                                          extend(state.values, v, 2, state.spare[1]))
+            k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
+            spare = (k_spare, v_spare, i_spare)
         o, index_loss = dsa_attention(
-            q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid, top_k=self.top_k,
-            scale=D**-0.5, index_loss=self.training,
+            q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
+            top_k=self.top_k, scale=D**-0.5, index_loss=self.training,
         )  # o: [B, H_kv, G, T, D]
         if index_loss is not None:
             ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)
         y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
-        return self.o_proj(y), DSAState(k, v, k_index)
+        return self.o_proj(y), DSAState(k, v, k_index, spare)

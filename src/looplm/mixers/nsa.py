@@ -27,6 +27,7 @@ from looplm.config_base import check
 from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
+from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.nsa import compressed_block_count, nsa_attention
@@ -106,7 +107,9 @@ class NSAState:
     blocks after ``crop``). k_cmp, v_cmp: [B, H_kv, N, D], the compressed blocks in each
     row's own positions; row b has ``compressed_block_count(valid[b].sum())`` of them and N is
     the largest count (later entries of shorter rows are unused). The partly filled block
-    is not stored compressed: its raw keys are the last ones of ``keys``.
+    is not stored compressed: its raw keys are the last ones of ``keys``. ``spare``: the
+    buffers of keys, values, k_cmp and v_cmp (decoding appends in place,
+    :mod:`looplm.mixers.reserve`).
     """
 
     keys: torch.Tensor
@@ -116,15 +119,20 @@ class NSAState:
     v_cmp: torch.Tensor
     block_size: int
     block_stride: int
+    spare: tuple[Optional[Reserve], ...] = dataclasses.field(
+        default=(None, None, None, None), repr=False, compare=False
+    )
 
-    def _trimmed(self, keys, values, valid, k_cmp, v_cmp) -> "NSAState":
+    def _trimmed(self, keys, values, valid, k_cmp, v_cmp, spare=(None, None, None, None)) -> "NSAState":
         counts = compressed_block_count(valid.sum(dim=1), self.block_size, self.block_stride)
         n = int(counts.max()) if counts.numel() else 0
-        return NSAState(keys, values, valid, k_cmp[:, :, :n], v_cmp[:, :, :n], self.block_size, self.block_stride)
+        return NSAState(keys, values, valid, k_cmp[:, :, :n], v_cmp[:, :, :n], self.block_size, self.block_stride,
+                        spare)
 
     def crop(self, length: int) -> "NSAState":
         return self._trimmed(
-            self.keys[:, :, :length], self.values[:, :, :length], self.valid[:, :length], self.k_cmp, self.v_cmp
+            self.keys[:, :, :length], self.values[:, :, :length], self.valid[:, :length], self.k_cmp, self.v_cmp,
+            self.spare,
         )
 
     def select(self, index: torch.Tensor) -> "NSAState":
@@ -191,8 +199,11 @@ class NativeSparseAttention(nn.Module):
         v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         gates = torch.sigmoid(self.g_proj(x)).view(B, T, Hkv, G, 3).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, T, 3]
-        if state is not None:
-            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+        spare = (None, None, None, None) if state is None else state.spare
+        if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
+            (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, spare[0]),
+                                          extend(state.values, v, 2, spare[1]))
+            spare = (k_spare, v_spare, *spare[2:])
         S, past = k.shape[2], ctx.past
 
         # each row in its own positions: real keys first, key c at position c
@@ -207,8 +218,11 @@ class NativeSparseAttention(nn.Module):
             positions = torch.arange(past, S, device=x.device).expand(B, T)
             k_pos, v_pos = k, v
             n_past, n_now = torch.full((B,), past, device=x.device), torch.full((B,), S, device=x.device)
-        k_cmp = self._compress(k_pos, n_past, n_now, self.k_compress, None if state is None else state.k_cmp)
-        v_cmp = self._compress(v_pos, n_past, n_now, self.v_compress, None if state is None else state.v_cmp)
+        k_cmp, k_cmp_spare = self._compress(k_pos, n_past, n_now, self.k_compress,
+                                            None if state is None else state.k_cmp, spare[2])
+        v_cmp, v_cmp_spare = self._compress(v_pos, n_past, n_now, self.v_compress,
+                                            None if state is None else state.v_cmp, spare[3])
+        spare = (*spare[:2], k_cmp_spare, v_cmp_spare)
 
         o, _ = nsa_attention(
             q.view(B, Hkv, G, T, D), k_pos, v_pos, k_cmp, v_cmp, gates, positions,
@@ -218,15 +232,17 @@ class NativeSparseAttention(nn.Module):
         y = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
-        new_state = NSAState(k, v, ctx.valid, k_cmp, v_cmp, self.block_size, self.block_stride)
+        new_state = NSAState(k, v, ctx.valid, k_cmp, v_cmp, self.block_size, self.block_stride, spare)
         return self.o_proj(y), new_state
 
     def _compress(
         self, x: torch.Tensor, n_past: torch.Tensor, n_now: torch.Tensor,
-        phi: Optional[BlockCompressor], cached: Optional[torch.Tensor],
-    ) -> torch.Tensor:
+        phi: Optional[BlockCompressor], cached: Optional[torch.Tensor], reserve: Optional[Reserve],
+    ) -> tuple[torch.Tensor, Optional[Reserve]]:
         """Compressed blocks [B, H_kv, N, D] of x [B, H_kv, S, D] (positions in order) for
-        rows with n_now [B] real positions, reusing ``cached`` (blocks complete at n_past)."""
+        rows with n_now [B] real positions, reusing ``cached`` (blocks complete at n_past),
+        and their reserve: blocks completed now are appended in place when every row had all
+        of ``cached``'s blocks (the unpadded case)."""
         l, d = self.block_size, self.block_stride
         done_before = compressed_block_count(n_past, l, d)  # [B]
         n_new = int(compressed_block_count(n_now, l, d).max())
@@ -237,9 +253,11 @@ class NativeSparseAttention(nn.Module):
         else:
             fresh = x.new_zeros(x.shape[0], x.shape[1], 0, x.shape[3])
         if cached is None:
-            return fresh
+            return fresh, None
         n_old = cached.shape[2]  # <= n_new: a row's count never shrinks
+        if n_old == lo:  # every row has all cached blocks: only append the new ones (none on most steps)
+            return (cached, reserve) if fresh.shape[2] == 0 else extend(cached, fresh, 2, reserve)
         j = torch.arange(lo, n_old, device=x.device)
         keep = (j[None, :] < done_before[:, None])[:, None, :, None]  # [B, 1, n_old - lo, 1]
         middle = torch.where(keep, cached[:, :, lo:n_old], fresh[:, :, : n_old - lo])
-        return torch.cat([cached[:, :, :lo], middle, fresh[:, :, n_old - lo :]], dim=2)
+        return torch.cat([cached[:, :, :lo], middle, fresh[:, :, n_old - lo :]], dim=2), None

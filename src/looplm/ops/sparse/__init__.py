@@ -4,8 +4,15 @@ The mixers in ``looplm.mixers.nsa`` / ``looplm.mixers.dsa`` own the projections 
 decoding state; these functions take already projected, rotated tensors.
 """
 
-from looplm.ops.sparse.common import grouped_attention, masked_softmax, topk_mask
-from looplm.ops.sparse.dsa import dsa_attention, index_kl_loss, index_kl_sum, index_scores, select_keys
+from looplm.ops.sparse.common import gathered_attention, grouped_attention, masked_softmax, topk_indices, topk_mask
+from looplm.ops.sparse.dsa import (
+    dsa_attention,
+    index_kl_loss,
+    index_kl_sum,
+    index_scores,
+    select_key_indices,
+    select_keys,
+)
 from looplm.ops.sparse.nsa import (
     compressed_block_count,
     naive_nsa_attention,
@@ -17,6 +24,7 @@ from looplm.ops.sparse.nsa import (
 __all__ = [
     "compressed_block_count",
     "dsa_attention",
+    "gathered_attention",
     "grouped_attention",
     "index_kl_loss",
     "index_kl_sum",
@@ -25,7 +33,9 @@ __all__ = [
     "naive_nsa_attention",
     "nsa_attention",
     "select_blocks",
+    "select_key_indices",
     "select_keys",
     "selection_overlap",
+    "topk_indices",
     "topk_mask",
 ]

@@ -3,10 +3,12 @@ attend to, masked attention over grouped query heads, and a top-k with determini
 
 Exactness matters more than speed here: prefill + decoding must pick the same keys as one
 full forward, so ties in a top-k are broken by position (the later key wins), never by the
-order a kernel happens to visit them.
+order a kernel happens to visit them (:func:`topk_indices`).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -41,40 +43,81 @@ def grouped_attention(
     return torch.matmul(p.to(v.dtype), v.unsqueeze(2)), p
 
 
-def gathered_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, width: int, scale: float
-) -> torch.Tensor:
-    """:func:`grouped_attention`'s output when each query row allows at most ``width`` keys,
-    reading only those: the allowed keys and values are gathered per query, so the cost is
-    O(T·width) per head instead of O(T·S) (a decoding step of DSA touches its top-k keys, not
-    the whole cache).
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index[b]`` of every head of batch row b: x [B, H, S, D], index long [B, n]
+    -> [B, H, n, D]. One ``index_select`` per batch row (on CPU several times faster than
+    ``gather`` with an expanded index, which indexes every element)."""
+    if x.shape[0] == 1:
+        return x.index_select(2, index[0])
+    return torch.cat([x[b:b + 1].index_select(2, index[b]) for b in range(x.shape[0])])
 
-    q: [B, H_kv, G, T, D]; k, v: [B, H_kv, S, D]; allowed: bool [B, T, S] with at most
-    ``width`` True per row. Returns o [B, H_kv, G, T, D] in v's dtype.
+
+def gathered_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, keep: Optional[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """:func:`grouped_attention`'s output when query t may read only the keys ``index[b, t]``
+    (those with ``keep`` True), reading only those rows: the keys and values are gathered
+    per query, so the cost is O(T·width) per head instead of O(T·S) (a decoding step of DSA
+    touches its top-k keys, never a score row over the whole cache).
+
+    q: [B, H_kv, G, T, D]; k, v: [B, H_kv, S, D]; index: long [B, T, width], distinct key
+    positions per row (e.g. from :func:`topk_indices`); keep: bool [B, T, width] (False:
+    a filler entry, ignored; a row's kept entries come first, as :func:`topk_indices` orders
+    them), or None when every entry is kept. Returns o [B, H_kv, G, T, D] in v's dtype; a
+    row with nothing kept gives zeros.
     """
-    B, Hkv, _, T, D = q.shape
-    picked = allowed.to(torch.int8).topk(width, dim=-1)  # every allowed key (count <= width), then others
-    index, keep = picked.indices, picked.values.bool()  # [B, T, width]
-    flat = index.reshape(B, 1, T * width, 1)
-    k_sel = torch.gather(k, 2, flat.expand(B, Hkv, T * width, D)).view(B, Hkv, T, width, D)
-    v_sel = torch.gather(v, 2, flat.expand(B, Hkv, T * width, v.shape[-1])).view(B, Hkv, T, width, v.shape[-1])
-    v_sel = v_sel.masked_fill(~keep[:, None, :, :, None], 0)  # filler picks of short rows contribute nothing
-    scores = torch.einsum("bhgtd,bhtwd->bhgtw", q, k_sel) * scale  # [B, H_kv, G, T, width]
-    p = masked_softmax(scores, keep[:, None, None])
-    return torch.einsum("bhgtw,bhtwd->bhgtd", p.to(v.dtype), v_sel).contiguous()
+    B, Hkv, G, T, D = q.shape
+    width = index.shape[-1]
+    if keep is not None:  # fillers read the row's first pick (kept if any is) and get weight 0
+        index = torch.where(keep, index, index[..., :1])
+    flat = index.reshape(B, T * width)
+    k_sel = gather_rows(k, flat).view(B, Hkv, T, width, D)
+    v_sel = gather_rows(v, flat).view(B, Hkv, T, width, v.shape[-1])
+    scores = torch.matmul(q.transpose(2, 3), k_sel.transpose(-1, -2)) * scale  # [B, H_kv, T, G, width]
+    if keep is None:
+        p = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    else:
+        p = masked_softmax(scores, keep[:, None, :, None])
+    o = torch.matmul(p.to(v.dtype), v_sel)  # [B, H_kv, T, G, D]
+    if keep is not None:  # a row with no pick at all: zeros, whatever its filler row holds
+        o = torch.where(keep.any(-1)[:, None, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+    return o.transpose(2, 3).contiguous()  # [B, H_kv, G, T, D]
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries along the last dim, exactly and deterministically:
+    (index long [..., k'], keep bool [..., k']) with k' = min(k, n), ordered by score, then
+    position, both descending. ``keep`` is False for -inf entries (masked out; they are
+    picked only when fewer than k entries are finite).
+
+    Tie rule: among equal scores the later position wins (-0.0 and 0.0 are equal), so a
+    query's choice depends neither on how many later, masked entries its row has (a full
+    forward's row versus a decoding step's) nor on the order a kernel visits them.
+    Implemented as one ``topk`` over distinct int64 keys, score's order-preserving bits
+    (float32; bfloat16 and float16 convert exactly) in the high 32 bits and the position
+    in the low 32, so the kernel never sees a tie. float64 scores do not fit a 64-bit key
+    with the position: they take a stable sort of the reversed row (same result, O(n log n)).
+    Scores must not be NaN.
+    """
+    n = scores.shape[-1]
+    k = min(k, n)
+    if scores.dtype == torch.float64:
+        reversed_order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+        index = (n - 1) - reversed_order  # stable on the reversed row: the later of equals first
+    else:
+        x = scores.float()
+        x = torch.where(x == 0, torch.zeros_like(x), x)  # -0.0 -> 0.0: equal scores, equal bits
+        bits = x.view(torch.int32)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits -> int order = float order
+        key = ordered.long() * 2**32 + torch.arange(n, device=scores.device)  # distinct per row
+        index = torch.topk(key, k, dim=-1, sorted=True).indices
+    keep = scores.gather(-1, index) > float("-inf")
+    return index, keep
 
 
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Bool mask of the ``k`` largest entries along the last dim, ignoring -inf entries;
-    among equal scores the later index wins, so the choice does not depend on how many
-    (later, masked) entries the row has or on the kernel's visiting order."""
-    n = scores.shape[-1]
-    finite = scores > float("-inf")
-    if k >= n:
-        return finite
-    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]  # the k-th largest value (ties agree)
-    above = scores > threshold
-    need = k - above.sum(dim=-1, keepdim=True)  # slots left for entries equal to the threshold
-    tied = scores == threshold
-    from_end = tied.flip(-1).long().cumsum(-1).flip(-1)  # tied entries at or after each index
-    return (above | (tied & (from_end <= need))) & finite
+    :func:`topk_indices`'s choice and tie rule (the later of equal scores wins)."""
+    index, keep = topk_indices(scores, k)
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, index, keep)

@@ -15,11 +15,13 @@ L1-normalised, detached. With every key selected (top-k ≥ t + 1) this is the d
 loss (Eq. (2)); otherwise the sparse-stage loss over the selected set S_t (Eq. (3)).
 
 Cost: the indexer scores are O(T·S·H^I·d^I) time (as in DeepSeek, where it is cheap
-because H^I and d^I are small and it runs in FP8), the selection O(T·S). :func:`dsa_attention`
+because H^I and d^I are small and it runs in FP8), the selection O(T·S) (one exact top-k,
+:func:`~looplm.ops.sparse.common.topk_indices`). :func:`dsa_attention`
 works through blocks of queries, scoring each block against the keys up to its last
 query, so the live memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
-T × S scores and probabilities of every head. Decoding (T = 1) is O(S).
+T × S scores and probabilities of every head. Decoding (T = 1) is O(S·H^I·d^I) in the
+indexer only; the main attention gathers and reads the k selected key/value rows.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk_mask
+from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk_indices, topk_mask
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
@@ -54,6 +56,16 @@ def select_keys(scores: torch.Tensor, candidates: torch.Tensor, top_k: int) -> t
     if top_k >= scores.shape[-1]:
         return candidates.clone()
     return topk_mask(scores.masked_fill(~candidates, float("-inf")), top_k)
+
+
+def select_key_indices(
+    scores: torch.Tensor, candidates: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_keys` as positions: (index long [B, T, k], keep bool [B, T, k]), k =
+    min(top_k, S); keep is False for the filler entries of a query with fewer candidates.
+    The same choice as the mask (one :func:`topk_indices`, ties to the later key)."""
+    index, _ = topk_indices(scores.masked_fill(~candidates, float("-inf")), top_k)
+    return index, candidates.gather(-1, index)
 
 
 def index_kl_loss(
@@ -93,7 +105,7 @@ def dsa_attention(
     q_index: torch.Tensor,
     k_index: torch.Tensor,
     w_index: torch.Tensor,
-    valid: torch.Tensor,
+    valid: Optional[torch.Tensor],
     *,
     top_k: int,
     scale: float,
@@ -105,8 +117,10 @@ def dsa_attention(
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
     q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding). ``index_loss``: also return the indexer's KL loss (mean
-    over real queries, Eq. (2)-(3)), else None. Returns (o [B, H_kv, G, T, D], loss).
+    [B, S] (False: left padding), or None when every position is real (then a decoding step,
+    T = 1, takes one top-k over its whole score row, no candidate mask). ``index_loss``:
+    also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
+    Returns (o [B, H_kv, G, T, D], loss).
     With grad enabled and more than one block, each block is checkpointed.
     """
     T, S = q.shape[3], k.shape[2]
@@ -130,17 +144,28 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     S = first + Q
     k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
+    if valid is None and Q == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
+        index, _ = topk_indices(scores, top_k)
+        return gathered_attention(q, k, v, index, None, scale), q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     key = torch.arange(S, device=q.device)
     query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
-    candidates = (key <= query)[None] & valid[:, None, :S]  # [B, Q, S]: causal and real
-    selected = select_keys(scores, candidates, top_k)
-    query_valid = valid[:, first:S]
-    allowed = selected | ((key == query)[None] & ~query_valid[..., None])  # a padding query sees itself
+    causal = (key <= query)[None]  # [1, Q, S]
+    if valid is None:
+        query_valid = torch.ones(q.shape[0], Q, dtype=torch.bool, device=q.device)
+        candidates = causal.expand(q.shape[0], Q, S)
+    else:
+        query_valid = valid[:, first:S]
+        candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
+            query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]
+        )
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
-        o = gathered_attention(q, k, v, allowed, top_k, scale)
+        index, keep = select_key_indices(scores, candidates, top_k)
+        o = gathered_attention(q, k, v, index, keep, scale)
         return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+    allowed = select_keys(scores, candidates, top_k)
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
         return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+    selected = allowed & query_valid[..., None]  # a padding query's own key is not a selection
     total, rows = index_kl_sum(scores, p.detach().sum(dim=(1, 2)), selected, query_valid)
     return o, total, rows

@@ -25,8 +25,9 @@ head): the compressed branch and the block selection are dense over the N compre
 blocks, O(T·N·D) time and O(T·N) memory (N = S/16 at the defaults: still quadratic in T,
 16× smaller than attention). The selected branch gathers each query's n·l' keys and values,
 O(T·n·l'·D) time and memory; the window branch scores blocks of queries against the key
-span they reach, O(T·(128 + w)·D). :func:`naive_nsa_attention` is the dense reference the
-fast form is tested against (every query against every key, O(T·S) memory). Decoding
+span they reach, O(T·(128 + w)·D). Both branches gather only the rows they read (no
+padded or compacted copy of the cache). :func:`naive_nsa_attention` is the dense reference
+the fast form is tested against (every query against every key, O(T·S) memory). Decoding
 (T = 1) is O((N + n·l' + w)·D).
 """
 
@@ -175,11 +176,11 @@ def _window_branch(
     first = torch.where(pos >= 0, pos, pos.new_full((), S)).amin(dim=(0, 2))
     lo = torch.minimum((first - window + 1).clamp(min=0), hi.clamp(min=0))  # [n_blocks]
     L = max(int((hi - lo).max()), 1)
-    key = lo[:, None] + torch.arange(L, device=q.device)  # [n_blocks, L] key positions (≥ S: padding)
+    key = lo[:, None] + torch.arange(L, device=q.device)  # [n_blocks, L] key positions (≥ S: past the end)
+    rows = key.clamp(max=S - 1).reshape(-1)  # positions past the end read the last key, masked below
 
     def spans(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S, D] -> [B, H_kv, 1, n_blocks, L, D]
-        x = torch.nn.functional.pad(x, (0, 0, 0, L))
-        return x.index_select(2, key.reshape(-1)).view(B, Hkv, 1, n_blocks, L, D)
+        return x.index_select(2, rows).view(B, Hkv, 1, n_blocks, L, D)  # only those rows: no padded copy of x
 
     qb = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(B, Hkv, G, n_blocks, Q, D)
     p = pos[:, None, None, :, :, None]  # [B, 1, 1, n_blocks, Q, 1]
