@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +64,49 @@ def test_long_context_benchmark_writes_its_tables(tmp_path):
     assert text.count("| looped transformer |") == 4 and text.count("| GDN+DSA hybrid |") == 4, text
     assert "error" not in text and "OOM" not in text, text
     assert "Decode throughput against the looped transformer at S=64" in text
+
+
+def test_train_throughput_core_reports_consistent_numbers(tmp_path):
+    """train_throughput.py's figures follow from its measurements: FLOPs/token is the
+    accounting module's, tokens/s and MFU come from the step times, each ratio from the rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_throughput as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from looplm.accounting import count_flops
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "throughput.md"
+    argv = ["--width", "32", "--seq", "32", "--batch", "2", "--steps", "1", "--repeats", "1", "--warmup", "1",
+            "--no-compile", "--threads", "1", "--peak-flops", "1e11", "--out", str(out)]
+    try:
+        result = bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    args = bench.parse(argv)
+    rows = {r.variant: r for r in result["rows"]}
+    assert sorted(rows) == sorted(bench.VARIANTS) and not any(r.compiled for r in rows.values())
+    for name, row in rows.items():
+        plain = count_flops(bench.run_config(name, args, str(tmp_path), False).model, 32).training_per_token
+        if name in ("sgt", "block-loop"):  # grown: the counter charges the extra passes
+            assert row.flops_per_token > plain
+        else:
+            assert row.flops_per_token == plain
+        assert row.seconds > 0 and row.tokens_per_s == pytest.approx(2 * 32 / row.seconds)
+        assert row.mfu == pytest.approx(row.flops_per_token * row.tokens_per_s / 1e11)
+    dense, sgt, spiral, full = rows["dense"], rows["sgt"], rows["spiral"], rows["spiral-full"]
+    assert spiral.flops_per_token < full.flops_per_token  # the coarse iterations cost less
+    ratios = {(q["target"], q["what"].split()[0]): q for q in result["ratios"]}
+    base = ratios[("loop efficiency", "base")]
+    assert base["value"] == pytest.approx(rows["base"].flops_per_s / dense.flops_per_s)
+    spiral_q = ratios[("SpiralFormer saving", "wall-clock")]
+    saving = (1 - spiral.seconds / full.seconds) / (1 - spiral.flops_per_token / full.flops_per_token)
+    assert spiral_q["value"] == pytest.approx(saving)
+    sgt_q = ratios[("SGT overhead", "step-time")]
+    overhead = (sgt.seconds / dense.seconds - 1) / (sgt.flops_per_token / dense.flops_per_token - 1)
+    assert sgt_q["value"] == pytest.approx(overhead) and sgt_q["passed"] == (overhead <= 2.0)
+    text = out.read_text()
+    verdicts = [line for line in text.splitlines() if line.endswith(("| PASS |", "| FAIL |"))]
+    assert len(verdicts) == 4, text  # base, mesh, SpiralFormer, SGT
+    assert "1.000e+11 FLOP/s (given (--peak-flops))" in text

@@ -62,6 +62,29 @@ def _fused(h, it, down, up, core):
     return res.up(0, step, core(step.z) if step.z.shape[1] else step.z, None)
 
 
+def test_fused_path_compiles_to_the_same_values():
+    """S↓ -> core -> S↑ with the shift under torch.compile (inductor): its chunk indices once
+    formed an expression inductor could not range-check. Forward and input gradient."""
+    torch.manual_seed(0)
+    it = IterationResolution(4, 2, 3)
+    res = MultiResolution(ResolutionConfig(), (1,), D)
+    res.schedule = (it,)
+    res.down_ops = torch.nn.ModuleDict({"0": SelfAggregation(D)})
+    res.up_ops = torch.nn.ModuleDict({"0": AllocationRouter(D, 4)})
+    ctx = MixerContext(rope=(torch.zeros(2, 13, 0),) * 2, valid=torch.ones(2, 13, dtype=torch.bool), past=0,
+                       padded=False)
+
+    def run(h):
+        step = res.down(0, h, ctx, Rotary(0, 1e4), None)
+        return res.up(0, step, _causal_core(step.z), None)
+
+    h = torch.randn(2, 13, D, requires_grad=True)
+    eager = run(h)
+    compiled = torch.compile(run)(h)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(torch.autograd.grad(compiled.sum(), h)[0], torch.autograd.grad(eager.sum(), h)[0])
+
+
 def _causal_core(z):
     """A causal stand-in for f_core: cumulative mean over chunks, then tanh."""
     return torch.tanh(z.cumsum(1) / torch.arange(1, z.shape[1] + 1)[None, :, None])

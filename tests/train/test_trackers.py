@@ -64,3 +64,27 @@ def test_wandb_offline_run_is_written_without_a_network(tmp_path, monkeypatch):
 def test_unknown_or_repeated_loggers_are_refused(loggers):
     with pytest.raises(ConfigError, match="train.loggers"):
         load_config("tiny-mesh", [f"train.loggers={loggers}"])
+
+
+def test_train_events_carry_throughput_and_mfu_where_the_peak_is_known(tmp_path, monkeypatch):
+    import looplm.accounting
+
+    monkeypatch.setattr(looplm.accounting, "device_peak_flops", lambda device, dtype: 1e12)  # a known device
+    run = tmp_path / "run"
+    summary = Trainer(load_config("tiny-mesh", [f"train.out_dir={run}", *SMALL]), progress=False).fit()
+    train = [e for e in read_metrics(run / "metrics.jsonl") if e["event"] == "train"]
+    per_token = summary["model_flops_per_token"]
+    assert per_token > 0 and [e["step"] for e in train] == [2, 4]
+    for e in train:
+        assert e["tokens_per_s"] > 0 and e["mfu"] == pytest.approx(per_token * e["tokens_per_s"] / 1e12)
+    assert summary["mfu"] == pytest.approx(per_token * summary["tokens_per_s"] / 1e12)
+
+
+def test_progress_bar_shows_tokens_per_second_and_eta(tmp_path, capsys):
+    import re
+
+    cfg = load_config("tiny-mesh", [f"train.out_dir={tmp_path / 'run'}", *SMALL])
+    Trainer(cfg, progress=True).fit()
+    err = capsys.readouterr().err
+    assert "tok_s=" in err and "loss=" in err
+    assert re.search(r"\d\d:\d\d<\d\d:\d\d", err), err[-500:]  # elapsed<remaining: tqdm's ETA

@@ -12,10 +12,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Readout:
     """How the model reads a solution state y [B, T, d]: ``norm`` (its final norm) and
-    ``head`` (its LM head); calling it gives the logits head(norm(y)) [B, T, V]."""
+    ``head`` (its LM head); calling it gives the logits head(norm(y)) [B, T, V].
+    Hashed by identity (``eq=False``): the loop builds one per macro step, and under
+    ``torch.compile`` Dynamo hashes the object while tracing its ``__init__``, before the
+    fields a field-wise hash would read exist."""
 
     norm: Callable[[torch.Tensor], torch.Tensor]
     head: Callable[[torch.Tensor], torch.Tensor]

@@ -52,7 +52,17 @@ def gated_backward_supported(sm_major: int, triton_version: str, tilelang: bool)
     return not (sm_major == 9 and buggy and not tilelang)
 
 
-@functools.lru_cache(maxsize=None)
 def log_backend(mixer: str, backend: str) -> None:
-    """Log the backend a mixer kind runs on, once per (mixer, backend) per process."""
+    """Log the backend a mixer kind runs on, once per (mixer, backend) per process. Not
+    while torch.compile traces: Dynamo sees through the cache, and a logging call breaks the
+    graph at every mixer call (an eager forward, or the trainer's evaluation, logs it)."""
+    if not torch.compiler.is_compiling():
+        _log_backend_once(mixer, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_backend_once(mixer: str, backend: str) -> None:
     logger.info("mixer %s runs on the %s backend", mixer, backend)
+
+
+log_backend.cache_clear = _log_backend_once.cache_clear  # forget what was logged (tests check the line)

@@ -136,9 +136,12 @@ class MultiResolution(nn.Module):
         if latents.shape[1] == 0:  # no chunk complete yet, so every i < s
             u = z_hat.new_zeros(B, T, d)
         else:
-            j = source.clamp(min=0)
-            z_src = latents.index_select(1, it.chunk_index(j))  # ẑ_{π(i−s)}: [B, T, d]
-            u = self.up_ops[str(t)](z_src, it.in_chunk(j))  # Eq. (19-21) at i − s
+            # Positions i < s are zeroed below, so any valid chunk serves them: π and ρ are
+            # taken of i − s itself and only π is clamped (to chunk 0). Clamping i − s first
+            # gave the same values but an index expression (clamp, then floor division) that
+            # torch.compile's inductor cannot range-check (torch 2.13: "vr must not be None").
+            z_src = latents.index_select(1, it.chunk_index(source).clamp(min=0))  # ẑ_{π(i−s)}: [B, T, d]
+            u = self.up_ops[str(t)](z_src, it.in_chunk(source))  # Eq. (19-21) at i − s; ρ in [0, g)
             u = u * (source >= 0)[None, :, None].to(u.dtype)  # Eq. (22): ũ_i = 0 for i < s
         if cache is not None:
             N, end = latents.shape[1], step.start + T

@@ -43,6 +43,8 @@ class TrainConfig(Config):
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     fsdp_precision: Literal["auto", "bf16", "fp32"] = "auto"
     device: str = "auto"
+    # Intra-op CPU threads (torch.set_num_threads, process-wide) when set; null leaves torch's default.
+    threads: Optional[int] = None
     seed: int = 0
     log_every: int = 10
     eval_every: int = 200
@@ -96,6 +98,8 @@ class TrainConfig(Config):
             self.keep_last,
             "null (keep every checkpoint) or an integer >= 1",
         )
+        check(self.threads is None or self.threads >= 1, "train.threads", self.threads,
+              "null (torch's default) or an integer >= 1")
         check(self.max_bad_steps >= 1, "train.max_bad_steps", self.max_bad_steps, positive)
         check(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens, "an integer >= 0")
         check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature, "a number >= 0")

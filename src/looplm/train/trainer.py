@@ -94,7 +94,7 @@ logger = logging.getLogger("looplm")
 
 #: Train-config fields that may differ on resume without changing what is computed.
 _RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last", "sample_prompt",
-                   "sample_tokens", "sample_temperature", "compile", "device", "max_bad_steps", "loggers",
+                   "sample_tokens", "sample_temperature", "compile", "device", "threads", "max_bad_steps", "loggers",
                    "wandb_project", "wandb_mode", "init_from",
                    "activation_checkpointing",  # recomputes the same values: exact either way
                    "parallel"}  # ddp and fsdp compute the same step; both read either checkpoint format
@@ -127,6 +127,8 @@ class Trainer:
             _console_logging()
             _check_writable(self.out_dir)  # before any work: a run that cannot save would be lost
         self.device = _pick_device(tc.device, self.distributed)
+        if tc.threads is not None:  # process-wide; resume-neutral: speed, not what is computed
+            torch.set_num_threads(tc.threads)
         self.autocast_dtype = _autocast_dtype(tc.precision, self.device)
         _seed_everything(tc.seed)
 
@@ -371,6 +373,13 @@ class Trainer:
         if self.step >= tc.max_steps:  # finished: trackers flush and close (a fit stopped early may continue)
             self.metrics.close()
         return summary
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimiser step on the next batch at the schedule's learning rate, without
+        :meth:`fit`'s bookkeeping (the step counter, logging, SGT growth, evaluation and
+        checkpoints stay as they are): the step benchmarks/train_throughput.py times.
+        Returns (mean loss, gradient norm)."""
+        return self._train_step(lr_at(self.step, self.cfg.train))
 
     def _train_step(self, lr: float) -> tuple[float, float]:
         """One optimiser step at learning rate ``lr``; returns (mean loss, gradient norm)."""

@@ -1,0 +1,30 @@
+"""train.compile=true: a compiled looped model trains as the eager one does.
+
+One model carries the cases that used to break Dynamo: the base topology, a depth-level
+hybrid of gated DeltaNet and softmax attention, and ACT halting (whose rule reads the
+solution through a :class:`~looplm.halting.Readout` built inside the loop, and whose early
+exit is data-dependent). Compiling on CPU takes ~30 s, the whole cost of this file.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from looplm.train import Trainer, train_losses
+from tests.train.helpers import run_config
+
+LOOPED_HYBRID = dict(layout="1+1R2+1", mixer={"kind": "gated_deltanet"}, hybrid={"mixer": {"kind": "attention"},
+                     "layers": [1]}, step_embeddings=True, halting={"kind": "act", "ponder_cost": 0.1})
+
+
+def test_compiled_looped_hybrid_with_halting_trains_like_eager(tmp_path):
+    losses = {}
+    for compiled in (False, True):
+        out = tmp_path / ("compiled" if compiled else "eager")
+        trainer = Trainer(run_config(out, model=LOOPED_HYBRID, max_steps=2, compile=compiled), progress=False)
+        assert trainer.cfg.model.parsed_layout.is_looped and (trainer.train_model is not trainer.model) == compiled
+        trainer.fit()
+        losses[compiled] = train_losses(out / "metrics.jsonl")
+    assert sorted(losses[True]) == [1, 2]
+    for step, loss in losses[False].items():
+        assert losses[True][step] == pytest.approx(loss, rel=1e-5, abs=1e-6)
