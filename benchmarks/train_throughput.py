@@ -291,8 +291,9 @@ def report(args, result: dict[str, Any], argv: list[str], load: tuple[float, flo
                   "| variant | compile | " + " | ".join(categories) + " | total | operator calls/step |",
                   "| --- | --- | " + " | ".join("---:" for _ in categories) + " | ---: | ---: |"]
         for (name, compiled), cat in result["profiles"].items():
-            lines.append(f"| {name} | {'yes' if compiled else 'no'} | " + " | ".join(f"{cat[c]:.1f}" for c in categories)
-                         + f" | {sum(cat[c] for c in categories):.1f} | {cat['calls']:.0f} |")
+            cells = " | ".join(f"{cat[c]:.1f}" for c in categories)
+            lines.append(f"| {name} | {'yes' if compiled else 'no'} | {cells} | {sum(cat[c] for c in categories):.1f} "
+                         f"| {cat['calls']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
