@@ -118,3 +118,15 @@ def test_step_embeddings_switch_off_to_extrapolate_through_the_cli(tmp_path, cap
     assert capsys.readouterr().out.startswith("ab")
     LoopLM(ladder_config("tied", 3, vocab_size=257)).save_pretrained(tmp_path / "plain")
     assert main(["generate", str(tmp_path / "plain"), "--prompt", "ab", "--no-step-embeddings"]) == 2
+
+
+def test_python_dash_m_looplm_is_the_cli():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "looplm", "presets"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "default" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "looplm", "no-such-command"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
