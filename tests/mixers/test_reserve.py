@@ -130,3 +130,17 @@ def test_decoding_appends_in_place_and_branches_equal_the_full_forward(name):
         for t in range(13, 16):  # the first continuation is untouched by the branch
             out = model(ids[:, t:t + 1], cache=cache).logits
             torch.testing.assert_close(out[:, -1], full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_gather_rows_reads_the_picked_rows_of_every_layout():
+    from looplm.ops.sparse.common import gather_rows
+
+    g = torch.Generator().manual_seed(4)
+    buffer = torch.randn(3, 2, 30, 5, generator=g)
+    index = torch.randint(0, 20, (3, 7), generator=g)
+    views = [buffer[:, :, :20], buffer[:, :, 4:24], buffer.transpose(2, 3).contiguous().transpose(2, 3)[:, :, :20],
+             buffer[:1, :, :20], buffer[:, :, :20].clone()]
+    for x in views:
+        rows = index[: x.shape[0]]
+        expected = torch.stack([x[b][:, rows[b]] for b in range(x.shape[0])])
+        torch.testing.assert_close(gather_rows(x, rows), expected, rtol=0, atol=0)
