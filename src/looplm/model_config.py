@@ -153,6 +153,14 @@ class ModelConfig(Config):
                       f"{default!r} for the dense layout {self.layout!r}: it acts on a loop such as 1R12")
             return
         multires = any(r != 1 for r in layout.resolutions)
+        # S↑'s causal right shift (SpiralFormer Eq. 22) moves each chunk's update past the
+        # positions that produced it: a topology that replaces the state with that update
+        # would drop every token's own information (position 0, and every token whose chunk
+        # has not yet closed), so a sub-token iteration needs a state the update is added to.
+        check(not multires or self.topology.defines_update or self.streams.defines_update, "model.topology.kind",
+              self.topology.kind, f"a kind that adds the update to the state (anchor, mesh, residual, "
+              f"anchor_embedding, additive) with the multi-resolution layout {self.layout!r}: 'base' (h ← S↑ "
+              "update) drops each token's own state through the causal shift; SpiralFormer §2.3 uses Anchor or MeSH")
         if self.loop_input_norm:
             check(not self.streams.defines_update, "model.loop_input_norm", self.loop_input_norm,
                   f"false with model.streams.kind={self.streams.kind} (it normalises the single loop state)")

@@ -8,12 +8,13 @@ from looplm.config import load_config
 from looplm.config_base import ConfigError
 from looplm.model_config import ModelConfig
 from looplm.resolution import IterationResolution
+from looplm.topology.config import TopologyConfig
 
 C2F = "4+8x{1/8,1/4,1/2,1}+4"
 
 
 def test_defaults_follow_section_2_4():
-    cfg = ModelConfig(layout=C2F)
+    cfg = ModelConfig(layout=C2F, topology=TopologyConfig.from_dict({"kind": "anchor"}, prefix="model.topology"))
     assert cfg.resolution_schedule == tuple(IterationResolution(g, g // 2, g - 1) for g in (8, 4, 2, 1))
     assert cfg.core_lengths(4096) == [512, 1024, 2048, 4096]
 
@@ -51,7 +52,7 @@ def test_table_2_ablations_and_round_trip():
                     {"down": "mean", "up": "uniform"}):
         cfg = ModelConfig.from_dict({"layout": C2F, "topology": {"kind": "anchor"}, "resolution": variant}, prefix="model")
         assert ModelConfig.from_dict(cfg.to_dict(), prefix="model") == cfg
-    f2c = ModelConfig(layout="4+8x{1,1/2,1/4,1/8}+4")
+    f2c = ModelConfig.from_dict({"layout": "4+8x{1,1/2,1/4,1/8}+4", "topology": {"kind": "mesh"}}, prefix="model")
     assert [it.chunk for it in f2c.resolution_schedule] == [1, 2, 4, 8]
 
 
@@ -67,3 +68,14 @@ def test_table_1_presets(scale, b, l):
         assert cfg.layout == layout and cfg.topology.kind == "mesh"
         assert (cfg.resolution.down, cfg.resolution.up) == ("aggregate", "router")
     assert load_config("spiralformer-b-410m-anchor").model.topology.kind == "anchor"
+
+
+@pytest.mark.parametrize("layout", ["1+1x{1/2,1}", "1x{1/2,1}", "1+1x{1/2,1}+1", C2F])
+def test_base_topology_is_refused_below_full_resolution(layout):
+    """h ← S↑ update would drop each token's own state through the causal shift (Eq. 22)."""
+    with pytest.raises(ConfigError, match="drops each token's own state") as err:
+        ModelConfig.from_dict({"layout": layout, "topology": {"kind": "base"}}, prefix="model")
+    assert err.value.field == "model.topology.kind"
+    for kind in ("anchor", "residual", "mesh"):
+        ModelConfig.from_dict({"layout": layout, "topology": {"kind": kind}}, prefix="model")
+    ModelConfig.from_dict({"layout": "1R2", "topology": {"kind": "base"}}, prefix="model")
