@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from looplm.accounting import count_flops
 from looplm.info import describe_source, format_description
 from looplm.train import Trainer
 from looplm.train.metrics import read_metrics
@@ -47,3 +48,15 @@ def test_growth_resumed_mid_growth_continues_exactly(tmp_path):
     info = describe_source(str(tmp_path / "whole"))
     assert set(info["grown"]) == {a[2] for a in acts if a[1] == "activate"}
     assert "depth 2" in format_description(info)
+
+
+def test_model_flops_follow_the_grown_structure(tmp_path):
+    """The trainer's FLOPs/token (and so MFU) count the loops growth added, not the config."""
+    trainer = Trainer(run_config(tmp_path / "run", **KW), progress=False)
+    seq_len = trainer.cfg.data.seq_len
+    before = trainer._model_flops(None)["model_flops_per_token"]
+    assert before == count_flops(trainer.cfg.model, seq_len).training_per_token
+    trainer.fit(stop_after=3)  # block 3 grown (mid-fade): its heads loop
+    after = trainer._model_flops(None)["model_flops_per_token"]
+    assert after == count_flops(trainer.model, seq_len).training_per_token
+    assert after > before

@@ -424,6 +424,7 @@ class Trainer:
         for event in self.growth.after_step(self.step, self.distributed):
             self.metrics.log("growth", self.step, **{k: v for k, v in event.items() if k != "step"})
             if event["action"] != "hold":
+                self.__dict__.pop("_flops_per_token", None)  # the structure changed: recount
                 logger.info("growth at step %d: %s %s (depth %s, heads %s)", self.step, event["action"],
                             event["block"], event["depth"], event["heads"])
 
@@ -578,11 +579,13 @@ class Trainer:
     @functools.cached_property
     def _flops_per_token(self) -> Optional[float]:
         """Training FLOPs per token over the unrolled computation (looplm.accounting,
-        ``default`` convention), counted once; None for a mechanism without a FLOP rule."""
+        ``default`` convention); None for a mechanism without a FLOP rule. Counted once, and
+        again after each SGT growth event from the model itself (its loops are the grown ones)."""
         from looplm.accounting import count_flops
 
         try:
-            return count_flops(self.cfg.model, self.cfg.data.seq_len).training_per_token
+            subject = self.model if self.growth is not None else self.cfg.model
+            return count_flops(subject, self.cfg.data.seq_len).training_per_token
         except Exception as err:  # a mechanism without a FLOP rule yet: report none, never fail the run
             logger.warning("model FLOPs not counted: %s", err)
             return None
