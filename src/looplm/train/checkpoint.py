@@ -124,7 +124,7 @@ def save_checkpoint(
 
     root = checkpoints_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(root)
+    remove_leftovers(root)
     name = step_dir_name(step)
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
@@ -136,17 +136,17 @@ def save_checkpoint(
         torch.save(payload, tmp / TRAINER_FILE)
         write_manifest(tmp, FILES, step=step)
         fsync_dir(tmp)
-        _commit_dir(tmp, final)
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_text(root / LATEST, name + "\n", atomic=True)
     if keep_last is not None:
-        _prune(root, step, keep_last)
+        prune_checkpoints(root, step, keep_last)
     return final
 
 
-def _commit_dir(tmp: Path, final: Path) -> None:
+def commit_dir(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final``, replacing an existing ``final`` (rename(2) cannot
     replace a non-empty directory, so the old one is moved aside first and put back if
     the rename fails)."""
@@ -165,8 +165,8 @@ def _commit_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def _remove_leftovers(root: Path) -> None:
-    """Temporary directories of saves that were killed midway (only one process saves)."""
+def remove_leftovers(root: Path) -> None:
+    """Remove the temporary directories of saves that were killed midway (only one process saves)."""
     for path in root.iterdir():
         if path.name.startswith(_TEMP_PREFIXES):
             if path.is_dir():
@@ -175,7 +175,8 @@ def _remove_leftovers(root: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _prune(root: Path, step: int, keep_last: int) -> None:
+def prune_checkpoints(root: Path, step: int, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``step``; later ones are left alone."""
     steps = sorted(s for s in (step_of(p.name) for p in root.iterdir() if p.is_dir()) if s is not None and s <= step)
     for old in steps[:-keep_last]:
         shutil.rmtree(root / step_dir_name(old), ignore_errors=True)

@@ -61,10 +61,10 @@ from looplm.train.checkpoint import (
     FILES,
     TRAINER_FILE,
     Checkpoint,
-    _commit_dir,
-    _prune,
-    _remove_leftovers,
     checkpoints_dir,
+    commit_dir,
+    prune_checkpoints,
+    remove_leftovers,
     step_dir_name,
 )
 
@@ -104,7 +104,7 @@ def save_sharded_checkpoint(
     box: list[Optional[str]] = [None]
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
+        remove_leftovers(root)
         box[0] = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
     dist.broadcast_object_list(box, src=0)  # every rank writes its shards into rank 0's temporary directory
     _check_rng_agrees(rank)
@@ -123,7 +123,7 @@ def save_sharded_checkpoint(
             fsync_dir(tmp / DCP_DIR)
             write_manifest(tmp, (*FILES, *shards), step=step, sharded=True)
             fsync_dir(tmp)
-            _commit_dir(tmp, root / name)
+            commit_dir(tmp, root / name)
         del full
     except BaseException:
         if rank == 0:
@@ -132,7 +132,7 @@ def save_sharded_checkpoint(
     if rank == 0:
         write_text(root / LATEST, name + "\n", atomic=True)
         if keep_last is not None:
-            _prune(root, step, keep_last)
+            prune_checkpoints(root, step, keep_last)
     dist.barrier()  # every rank returns once the checkpoint is complete
     return root / name
 
