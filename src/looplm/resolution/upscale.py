@@ -17,12 +17,13 @@ class UniformBroadcast(nn.Module):
     def __init__(self, chunk: int):
         super().__init__()
         self.chunk = chunk
+        self.gain = chunk**0.5  # λ_t = √g_t (§2.3.3)
 
     def extra_repr(self) -> str:
-        return f"chunk={self.chunk}"
+        return f"chunk={self.chunk}, gain={self.gain:g}"
 
     def forward(self, z: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-        return z * (self.chunk**0.5 / self.chunk)  # Eq. (20) with λ = √g
+        return z * (self.gain / self.chunk)  # Eq. (20)
 
 
 class AllocationRouter(nn.Module):
@@ -31,12 +32,13 @@ class AllocationRouter(nn.Module):
     def __init__(self, dim: int, chunk: int):
         super().__init__()
         self.chunk = chunk
+        self.gain = chunk**0.5  # λ_t = √g_t (§2.3.3)
         self.router = nn.Linear(dim, chunk)
 
     def forward(self, z: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
         beta = torch.softmax(self.router(z).float(), dim=-1).to(z.dtype)  # Eq. (21): [B, T, g]
         weight = beta.gather(-1, rho[None, :, None].expand(z.shape[0], -1, 1))  # β_{π(i), ρ(i)}
-        return (self.chunk**0.5) * weight * z  # Eq. (19), λ = √g
+        return self.gain * weight * z  # Eq. (19)
 
 
 def build_up(kind: str, dim: int, chunk: int) -> nn.Module:
