@@ -160,6 +160,29 @@ def test_resume_skips_finished_runs_and_continues_an_interrupted_one(tmp_path, m
     assert err.value.field == "out_dir" and "train.lr" in str(err.value)
 
 
+def test_reused_runs_are_measured_again_when_the_measure_code_changes(tmp_path, monkeypatch) -> None:
+    import dataclasses
+
+    from looplm.study import runner
+
+    calls = []
+
+    def counting(run):
+        calls.append(run.run_dir)
+        return study_measures.lm(run)
+
+    study = dataclasses.replace(TINY, measure=counting)
+    run_study(study, tmp_path, size="quick")
+    assert len(calls) == 4
+    run_study(study, tmp_path, size="quick")
+    assert len(calls) == 4  # read back from each run's study.json
+    stored = json.loads((tmp_path / "a" / "seed-0" / runner.MEASURES_FILE).read_text())
+    assert stored["code"] == runner.measure_fingerprint(counting)
+    monkeypatch.setattr(runner, "measure_fingerprint", lambda measure: "edited")
+    run_study(study, tmp_path, size="quick")
+    assert len(calls) == 8  # the measuring code changed: measured again
+
+
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("kwargs, field, hint", [
     (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, ladder"),

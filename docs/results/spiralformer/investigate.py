@@ -86,7 +86,7 @@ def run(out: Path, experiment: str, variant: str) -> dict:
     run_dir = out / experiment / variant
     summary = run_dir / "summary.json"
     if not summary.exists():
-        args = ["tiny-mesh", *STUDY, f"model.layout={layout}", *overrides, f"train.out_dir={run_dir}", "--no-progress"]
+        args = ["train", "tiny-mesh", *STUDY, f"model.layout={layout}", *overrides, f"train.out_dir={run_dir}", "--no-progress"]
         code = (PATCH[patch] if patch else "") + f"from looplm.cli import main\nraise SystemExit(main({args!r}))\n"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         print(f"== {experiment} / {variant}", flush=True)

@@ -112,7 +112,7 @@ def results_table(result: StudyResult) -> str:
     papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
     metrics = shown_metrics(result)
     header = ["variant", *desc_cols, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
-              "steps", "time (s)"]
+              "steps", "train time (s)"]
     best = {m.key: _best(result, m) for m in metrics}
     rows = []
     for v in result.variants:
@@ -123,7 +123,7 @@ def results_table(result: StudyResult) -> str:
             row.append(f"**{text}**" if best[m.key] == v else text)
         row += [p.values.get(v, "–") for p in papers]
         steps = sorted({r.summary.get("steps", 0) for r in runs})
-        times = [r.wall_time_s for r in runs if r.wall_time_s is not None]
+        times = [r.train_time_s for r in runs if r.train_time_s is not None]
         per_seed = sum(times) / len(result.seeds) if times else None
         time = "–" if per_seed is None else f"{per_seed:.0f}" if per_seed >= 10 else f"{per_seed:.1f}"
         row += ["/".join(str(s) for s in steps), time]
@@ -153,7 +153,8 @@ def results_markdown(result: StudyResult) -> str:
         f"- machine: {machine_line(m)}",
         "",
         f"Each cell: mean ± sample standard deviation over the {len(result.seeds)} seed(s) (best mean in bold). "
-        f"Runs: `{result.out_dir}/<variant>/seed-<s>/`; every seed's numbers in runs.csv.",
+        f"Runs: `{result.out_dir}/<variant>/seed-<s>/`; every seed's numbers in runs.csv. Train time: seconds "
+        "of training steps per seed (over every session of a resumed run; evaluations not counted).",
         "",
         results_table(result),
         "",
@@ -196,9 +197,10 @@ def run_rows(result: StudyResult) -> tuple[list[str], list[dict[str, Any]]]:
                     keys.append(k)
             rows.append({"study": result.study.name, "run": name, "variant": variant_of(name), "seed": run.seed,
                          "steps": run.summary.get("steps"), "parameters": run.parameters["total"],
-                         "non_embedding": run.parameters["non_embedding"], "wall_time_s": run.wall_time_s,
-                         "reused": run.reused, **measures["scalars"]})
-    fields = ["study", "run", "variant", "seed", "steps", "parameters", "non_embedding", "wall_time_s", "reused", *keys]
+                         "non_embedding": run.parameters["non_embedding"], "train_time_s": run.train_time_s,
+                         "wall_time_s": run.wall_time_s, "reused": run.reused, **measures["scalars"]})
+    fields = ["study", "run", "variant", "seed", "steps", "parameters", "non_embedding", "train_time_s", "wall_time_s", "reused",
+              *keys]
     return fields, rows
 
 

@@ -17,6 +17,8 @@ writes into ``out_dir``:
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
 import os
@@ -117,11 +119,11 @@ def run_study(
 
 
 def measure_run(study: Study, run: Run) -> Measures:
-    """The study's measures of a run, read from its ``study.json`` when the same measure took
-    them at the same final step, else measured and stored there."""
+    """The study's measures of a run, read from its ``study.json`` when the same measure code
+    took them at the same final step, else measured and stored there."""
     path = run.run_dir / MEASURES_FILE
     key = {"study": study.name, "measure": getattr(study.measure, "__qualname__", ""),
-           "steps": run.summary.get("steps")}
+           "code": measure_fingerprint(study.measure), "steps": run.summary.get("steps")}
     if run.reused and path.is_file():
         stored = json.loads(path.read_text(encoding="utf-8"))
         if {k: stored.get(k) for k in key} == key:
@@ -131,6 +133,16 @@ def measure_run(study: Study, run: Run) -> Measures:
     measures.setdefault("notes", [])
     write_text(path, json.dumps({**key, "measures": measures}, indent=1) + "\n", atomic=True)
     return measures
+
+
+def measure_fingerprint(measure) -> str:
+    """sha256 of the source of the module defining ``measure`` (its helpers live beside it), so
+    an edit to the measuring code re-measures reused runs instead of reading stale numbers."""
+    try:
+        text = inspect.getsource(inspect.getmodule(measure) or measure)
+    except (OSError, TypeError):  # no source (a builtin, an interactive definition)
+        text = getattr(measure, "__qualname__", repr(measure))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def default_out(name: str, size: str) -> str:

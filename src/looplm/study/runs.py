@@ -53,7 +53,14 @@ class Run:
 
     @property
     def wall_time_s(self) -> Optional[float]:
+        """Seconds of the last training session (a resumed run's earlier sessions not counted)."""
         return self.summary.get("wall_time_s")
+
+    @property
+    def train_time_s(self) -> Optional[float]:
+        """Seconds spent in training steps over every session of the run (kept across resumes;
+        evaluations and checkpoints not counted)."""
+        return self.summary.get("train_time_s")
 
     @property
     def device(self) -> str:
