@@ -15,7 +15,7 @@ probe, flops, ladder, study, config, presets.
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
     looplm ladder --task {addition,copy,reverse} --budget C [--quick] [--rungs RUNG ...] [key=value ...]
-    looplm study NAME [--quick | --paper] [--seeds N] [--out DIR] [--threads N] [key=value ...]
+    looplm study NAME [--quick | --paper] [--seeds N] [--out DIR] [--threads N] [--variants A,B] [key=value ...]
     looplm config [CONFIG] [key=value ...]
     looplm presets
 
@@ -335,7 +335,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     size = "quick" if args.quick else "paper" if args.paper else "default"
     command = shlex.join(["looplm", *sys.argv[1:]]) if sys.argv[1:2] == ["study"] else None
     result = run_study(args.name, args.out, size=size, seeds=args.seeds, overrides=args.overrides,
-                       threads=args.threads, command=command, progress=not args.no_progress)
+                       threads=args.threads, command=command, progress=not args.no_progress,
+                       variants=args.variants.split(",") if args.variants else None)
     sys.stdout.write(results_table(result) + f"\n\nresults: {result.out_dir}/results.md\n")
     return 0
 
@@ -625,6 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=None, metavar="N", help="seeds 0 … N-1 (default: the size's, 3)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/study-NAME[-quick|-paper])")
     p.add_argument("--threads", type=_POSITIVE, default=None, metavar="N", help="torch threads (torch.set_num_threads)")
+    p.add_argument("--variants", default=None, metavar="A,B,…",
+                   help="train and tabulate only these variants (comma-separated; default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_study, trailing_overrides=True)
 

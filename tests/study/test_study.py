@@ -183,6 +183,25 @@ def test_reused_runs_are_measured_again_when_the_measure_code_changes(tmp_path, 
     assert len(calls) == 8  # the measuring code changed: measured again
 
 
+def test_variants_trains_and_tabulates_only_those(tmp_path) -> None:
+    result = run_study(TINY, tmp_path, size="quick", seeds=1, variants=["b"])
+    assert list(result.runs) == ["b"] and not (tmp_path / "a").exists()
+    table = (tmp_path / "results.md").read_text()
+    assert "| b |" in table and "| a |" not in table and "--variants b" in table
+    with pytest.raises(ConfigError) as err:
+        run_study(TINY, tmp_path, size="quick", variants=["c"])
+    assert err.value.field == "variants" and "a, b" in str(err.value)
+
+
+def test_cli_variants_select_a_part_of_a_two_part_study(tmp_path, caplog) -> None:
+    assert main(["study", "lt2", "--quick", "--seeds", "1", "--out", str(tmp_path), "--no-progress", "--variants",
+                 "attention,attention-looped"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["attention", "attention-looped"]
+    assert {p.name for p in (tmp_path / "attention").iterdir()} == {"lm", "state"}  # both parts of the variant
+    assert main(["study", "lt2", "--quick", "--variants", "gdn,nope"]) == 2
+    assert "variants=['gdn', 'nope'] is invalid" in caplog.text
+
+
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("kwargs, field, hint", [
     (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, ladder"),

@@ -25,13 +25,13 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from looplm.artifacts import write_text
 from looplm.config_base import ConfigError
-from looplm.study.definition import Measures, Study
+from looplm.study.definition import Measures, Study, variant_of
 from looplm.study.plots import write_plots
 from looplm.study.results import (
     SUMMARY_FIELDS,
@@ -42,6 +42,9 @@ from looplm.study.results import (
     summary_rows,
 )
 from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse
+
+if TYPE_CHECKING:
+    from looplm.config import RunConfig
 
 logger = logging.getLogger("looplm")
 
@@ -65,6 +68,15 @@ def resolve_seeds(seeds: Union[int, Sequence[int]]) -> list[int]:
     return seeds
 
 
+def select_variants(configs: dict[str, "RunConfig"], variants: Sequence[str]) -> dict[str, "RunConfig"]:
+    """The runs of ``configs`` (run name -> config) that belong to ``variants``, in study order."""
+    known = list(dict.fromkeys(variant_of(run) for run in configs))
+    unknown = [v for v in variants if v not in known]
+    if not variants or unknown:
+        raise ConfigError("variants", list(variants), "one or more of " + ", ".join(known))
+    return {run: cfg for run, cfg in configs.items() if variant_of(run) in variants}
+
+
 def set_threads(threads: Optional[int]) -> None:
     """``torch.set_num_threads``: single-thread speed decides a CPU study's wall time."""
     if threads is None:
@@ -77,7 +89,7 @@ def set_threads(threads: Optional[int]) -> None:
 def run_study(
     study: Union[str, Study], out_dir: Optional[PathLike] = None, *, size: str = "default",
     seeds: Union[int, Sequence[int], None] = None, overrides: Sequence[str] = (), threads: Optional[int] = None,
-    command: Optional[str] = None, progress: bool = False,
+    command: Optional[str] = None, progress: bool = False, variants: Optional[Sequence[str]] = None,
 ) -> StudyResult:
     """Train (or reuse) every run of ``study`` at ``size`` for each seed and write the results.
 
@@ -85,7 +97,7 @@ def run_study(
     ``runs/study-NAME[-SIZE]``. seeds: N (seeds 0 … N−1) or a list; default the size's.
     overrides: ``key=value`` fields shared by every run (not the fields the variants set).
     threads: torch threads. command: recorded in results.md (default: the equivalent
-    ``looplm study`` call)."""
+    ``looplm study`` call). variants: train and tabulate only these (default: all)."""
     from looplm.study.studies import get_study
 
     study = get_study(study, size) if isinstance(study, str) else study
@@ -94,9 +106,11 @@ def run_study(
     set_threads(threads)
     out_dir = Path(out_dir if out_dir is not None else default_out(study.name, size))
     configs = {seed: study.configs(size, out_dir, seed, overrides) for seed in seeds}  # validated up front
+    if variants is not None:
+        configs = {seed: select_variants(by_run, variants) for seed, by_run in configs.items()}
     finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
     if command is None:
-        command = equivalent_command(study.name, size, out_dir, seeds, overrides, threads)
+        command = equivalent_command(study.name, size, out_dir, seeds, overrides, threads, variants)
     start = time.perf_counter()
     runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
     measures: dict[str, list[Measures]] = {name: [] for name in runs}
@@ -149,8 +163,10 @@ def default_out(name: str, size: str) -> str:
     return f"runs/study-{name}" + ("" if size == "default" else f"-{size}")
 
 
-def equivalent_command(name, size, out_dir, seeds, overrides, threads) -> str:
+def equivalent_command(name, size, out_dir, seeds, overrides, threads, variants=None) -> str:
     args = ["looplm", "study", name, "--out", str(out_dir)]
+    if variants is not None:
+        args += ["--variants", ",".join(variants)]
     if size != "default":
         args.append(f"--{size}")
     if seeds == list(range(len(seeds))):
