@@ -12,7 +12,7 @@ tokens, short sequences). Run from the repository root:
 
 Each run is an ordinary ``looplm train`` of the ``tiny-mesh`` preset with the study's
 overrides plus the experiment's; finished runs are reused. Writes investigation.md beside
-this file. One thread per run; about 90 CPU-minutes in all on a 2-core EPYC.
+this file. One thread per run; about 75 CPU-minutes in all on a 2-core EPYC.
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ EXPERIMENTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], str | None]]
                 ("data.seq_len=512", "train.batch_size=4", "model.max_seq_len=512"), ("T2", "B"), None),
     "lr-1e-3": ("learning rate 1e-3 (study: 2e-3)", ("train.lr=0.001",), ("T2", "B"), None),
     "lr-4e-3": ("learning rate 4e-3 (study: 2e-3)", ("train.lr=0.004",), ("T2", "B"), None),
-    "width-192": ("width: d = 192 (study: 96)", ("model.d_model=192",), ("T2", "B"), None),
-    "horizon-3x": ("training horizon: 2100 steps instead of 700 (3x the tokens)",
-                   ("train.max_steps=2100", "train.eval_every=262"), ("T2", "B"), None),
+    "lr-4e-3-seed-1": ("learning rate 4e-3, seed 1", ("train.lr=0.004", "train.seed=1", "data.seed=1"), ("T2", "B"),
+                       None),
+    "lr-4e-3-seed-2": ("learning rate 4e-3, seed 2", ("train.lr=0.004", "train.seed=2", "data.seed=2"), ("T2", "B"),
+                       None),
+    "width-144": ("width: d = 144 (study: 96)", ("model.d_model=144",), ("T2", "B"), None),
+    "horizon-2x": ("training horizon: 1400 steps instead of 700 (2x the tokens)",
+                   ("train.max_steps=1400", "train.eval_every=175"), ("T2", "B"), None),
 }
 EXTRA_LAYOUTS = {"core-once": "1+2R1+1", "half-first": "1+2x{1/2,1}+1"}
 
