@@ -11,8 +11,9 @@ tokens, short sequences). Run from the repository root:
     python docs/results/spiralformer/investigate.py [--out runs/spiral-inv] [--only NAME ...]
 
 Each run is an ordinary ``looplm train`` of the ``tiny-mesh`` preset with the study's
-overrides plus the experiment's; finished runs are reused. Writes investigation.md beside
-this file. One thread per run; about 75 CPU-minutes in all on a 2-core EPYC.
+overrides plus the experiment's; finished runs are reused. Writes investigation-runs.md
+beside this file (the reading of it is investigation.md). One thread per run; about 90
+CPU-minutes in all on a 2-core EPYC.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def write(rows) -> None:
         delta = f"{b['val_loss'] - t2['val_loss']:+.4f}" if t2 and b else "–"
         lines.append(f"| {name} | {question} | {t2['val_loss']:.4f} | " if t2 else f"| {name} | {question} | – | ")
         lines[-1] += (f"{b['val_loss']:.4f} | " if b else "– | ") + ("; ".join(other) or "–") + f" | {delta} |"
-    (HERE / "investigation.md").write_text("\n".join(lines) + "\n")
+    (HERE / "investigation-runs.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
