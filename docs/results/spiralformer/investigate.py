@@ -117,7 +117,7 @@ def main() -> None:
 
 
 def write(rows) -> None:
-    lines = ["# SpiralFormer: why B trails the full-resolution loop here", "",
+    lines = ["# SpiralFormer: controlled runs (investigate.py; read in investigation.md)", "",
              "```", "python docs/results/spiralformer/investigate.py", "```", "",
              "One seed (0) per cell; the study's seed-to-seed std of val loss is ≈ 0.016. Δ = B − T2 under the same "
              "change (the study's seed-0 Δ is +0.095). Val loss is in nats per token of the run's tokenizer, so "
