@@ -25,12 +25,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from looplm.study import get_study
+
 HERE = Path(__file__).resolve().parent
-STUDY = ("model.d_model=96", "model.n_heads=4", "data.source=pydoc", "data.tokenizer=byte", "data.seq_len=128",
-         "data.val_batches=8", "train.batch_size=16", "train.lr=0.002", "train.warmup_fraction=0.05",
-         "train.max_steps=700", "train.eval_every=87", "train.save_every=0", "train.log_every=50",
-         "train.sample_tokens=0", "train.device=cpu", "train.seed=0", "data.seed=0")
-LAYOUTS = {"T2": "1+2R2+1", "B": "1+2x{1/8,1/4,1/2,1}+1"}
+#: The study's default size, read from its definition (so the runs here cannot drift from it);
+#: seed 0, and no checkpoints (a run here is not resumed).
+_SIZE = get_study("spiralformer").size("default")
+PRESET = _SIZE.runs["looped-T2"].preset
+STUDY = (*_SIZE.shared, "train.save_every=0", "train.seed=0", "data.seed=0")
+LAYOUTS = {"T2": _SIZE.runs["looped-T2"].overrides[0], "B": _SIZE.runs["SpiralFormer-B"].overrides[0]}
 BPE = "runs/spiral-inv/bpe-1024.json"
 
 # name: (question, overrides applied to both variants, variants, patch)
@@ -57,7 +60,7 @@ EXPERIMENTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], str | None]]
     "horizon-2x": ("training horizon: 1400 steps instead of 700 (2x the tokens)",
                    ("train.max_steps=1400", "train.eval_every=175"), ("T2", "B"), None),
 }
-EXTRA_LAYOUTS = {"core-once": "1+2R1+1", "half-first": "1+2x{1/2,1}+1"}
+EXTRA_LAYOUTS = {"core-once": "model.layout=1+2R1+1", "half-first": "model.layout=1+2x{1/2,1}+1"}
 
 PATCH = {"gain": (
     "import looplm.resolution.recursion as r, looplm.resolution.upscale as u\n"
@@ -91,7 +94,7 @@ def run(out: Path, experiment: str, variant: str) -> dict:
     run_dir = out / experiment / variant
     summary = run_dir / "summary.json"
     if not summary.exists():
-        args = ["train", "tiny-mesh", *STUDY, f"model.layout={layout}", *overrides, f"train.out_dir={run_dir}", "--no-progress"]
+        args = ["train", PRESET, *STUDY, layout, *overrides, f"train.out_dir={run_dir}", "--no-progress"]
         code = (PATCH[patch] if patch else "") + f"from looplm.cli import main\nraise SystemExit(main({args!r}))\n"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         print(f"== {experiment} / {variant}", flush=True)

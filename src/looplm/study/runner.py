@@ -17,6 +17,7 @@ writes into ``out_dir``:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -149,9 +150,11 @@ def measure_run(study: Study, run: Run) -> Measures:
     return measures
 
 
+@functools.lru_cache(maxsize=None)
 def measure_fingerprint(measure) -> str:
     """sha256 of the source of the module defining ``measure`` (its helpers live beside it), so
-    an edit to the measuring code re-measures reused runs instead of reading stale numbers."""
+    an edit to the measuring code re-measures reused runs instead of reading stale numbers.
+    Read once per measure and process, not once per run."""
     try:
         text = inspect.getsource(inspect.getmodule(measure) or measure)
     except (OSError, TypeError):  # no source (a builtin, an interactive definition)
