@@ -193,6 +193,19 @@ def test_variants_trains_and_tabulates_only_those(tmp_path) -> None:
     assert err.value.field == "variants" and "a, b" in str(err.value)
 
 
+def test_deviations_say_when_overrides_changed_the_size(tmp_path) -> None:
+    import dataclasses
+
+    study = dataclasses.replace(TINY, deviations=("d = 32 (the paper: 768).",))
+    run_study(study, tmp_path / "as-defined", size="quick", seeds=1, variants=["a"])
+    plain = (tmp_path / "as-defined" / "results.md").read_text()
+    assert "Deviations from the paper:\n\n- d = 32 (the paper: 768)." in plain
+    run_study(study, tmp_path / "changed", size="quick", seeds=1, variants=["a"], overrides=["train.lr=1e-2"])
+    changed = (tmp_path / "changed" / "results.md").read_text()
+    assert "of the `quick` size as defined; this run changed it with `train.lr=1e-2`:" in changed
+    assert "- d = 32 (the paper: 768)." in changed and "Deviations from the paper:\n" not in changed
+
+
 def test_cli_variants_select_a_part_of_a_two_part_study(tmp_path, caplog) -> None:
     assert main(["study", "lt2", "--quick", "--seeds", "1", "--out", str(tmp_path), "--no-progress", "--variants",
                  "attention,attention-looped"]) == 0

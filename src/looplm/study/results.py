@@ -27,6 +27,7 @@ class StudyResult:
     measures: dict[str, list[Measures]]
     command: str
     machine: dict[str, Any]
+    overrides: tuple[str, ...] = ()  # key=value changes to the size, shared by every run
 
     @property
     def variants(self) -> list[str]:
@@ -163,7 +164,11 @@ def results_markdown(result: StudyResult) -> str:
     if papers:
         lines += ["Paper columns:", ""] + [f"- {p.label}: {p.source}" for p in papers] + [""]
     if study.deviations:
-        lines += ["Deviations from the paper:", ""] + [f"- {d}" for d in study.deviations] + [""]
+        heading = "Deviations from the paper:"
+        if result.overrides:  # the list describes the size as defined, not these changes to it
+            heading = (f"Deviations from the paper of the `{result.size}` size as defined; this run changed it with "
+                       f"`{' '.join(result.overrides)}`:")
+        lines += [heading, ""] + [f"- {d}" for d in study.deviations] + [""]
     if study.notes is not None:
         lines += [study.notes(result), ""]
     return "\n".join(lines)

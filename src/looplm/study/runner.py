@@ -124,7 +124,7 @@ def run_study(
             runs[name].append(run)
             measures[name].append(measure_run(study, run))
         result = StudyResult(study=study, size=size, out_dir=out_dir, seeds=seeds[:i + 1], runs=runs,
-                             measures=measures, command=command,
+                             measures=measures, command=command, overrides=tuple(overrides),
                              machine=machine_info(next(iter(runs.values()))[0].device))
         last = i == len(seeds) - 1
         written = write_results(result, figures=last)  # an interrupted study leaves the tables of its whole seeds
