@@ -388,14 +388,12 @@ def _with_out_dir(cfg: RunConfig, path: Path) -> dict:
 _LADDER_CPU = ("data.task.train_length=2", "data.task.min_length=2", "data.seq_len=9", "data.task.eval_samples=100",
                "train.max_steps=4500", "train.eval_every=500", "train.save_every=1500", "train.keep_last=1")
 _LADDER_QUICK = ("model.d_model=16", "model.n_heads=2", "data.task.train_length=2", "data.task.min_length=2",
-                 "data.seq_len=9",
-                 "data.task.eval_samples=2", "data.task.eval_alphas=[1, 2]", "data.val_batches=1",
+                 "data.seq_len=9", "data.task.eval_samples=2", "data.task.eval_alphas=[1, 2]", "data.val_batches=1",
                  "train.batch_size=4", "train.max_steps=4", "train.eval_every=2", "train.save_every=0",
                  "train.log_every=1", "train.sample_tokens=0", "train.device=cpu")
 _LADDER_PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length=10", "data.task.min_length=10",
-                 "data.seq_len=33",
-                 "train.max_steps=5000", "train.batch_size=64", "train.lr=3e-4", "train.eval_every=500",
-                 "train.save_every=1000", "train.keep_last=1")
+                 "data.seq_len=33", "train.max_steps=5000", "train.batch_size=64", "train.lr=3e-4",
+                 "train.eval_every=500", "train.save_every=1000", "train.keep_last=1")
 
 
 def _ladder_sizes() -> dict[str, Size]:
