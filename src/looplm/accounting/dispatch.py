@@ -1,0 +1,79 @@
+"""What a step launches: dispatched operators and host syncs, counted on any device.
+
+At the sizes looplm runs on one GPU a decode step or a small training step costs per
+launched kernel and per host synchronisation, not per FLOP (DESIGN.md invariant 6). Both
+are visible on CPU: every ATen operator reaches the dispatcher, where a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` sees it. Views (``view``,
+``transpose``, ``narrow``, ... : ``OpOverload.is_view``) launch nothing and are left out;
+so are the metadata-only ``detach`` and ``alias``. A host sync is a call that needs a
+value on the host: ``_local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``) and the
+ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``...).
+
+    >>> counts = count_dispatch(lambda: model(ids))
+    >>> counts.ops, counts.syncs, counts.by_op.most_common(5)
+
+Tests keep these counts from growing back; ``benchmarks/`` reports them beside wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: operators that read a device value back to the host
+SYNC_OPS = frozenset({
+    "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique_consecutive",
+    "aten._unique2", "aten.unique_dim", "aten.repeat_interleave.Tensor", "aten.item",
+})
+#: metadata-only operators that are not views by schema but launch nothing
+FREE_OPS = frozenset({"aten.detach", "aten.alias", "aten.lift_fresh", "aten._unsafe_view", "aten.empty_like",
+                      "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
+
+
+@dataclasses.dataclass
+class DispatchCount:
+    """ops: operators that launch work (views and allocations left out); syncs: host reads
+    (included in ``ops``); by_op: ops per operator name (``aten.mm``, ...)."""
+
+    ops: int = 0
+    syncs: int = 0
+    by_op: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def __str__(self) -> str:
+        top = ", ".join(f"{name} {n}" for name, n in self.by_op.most_common(8))
+        return f"{self.ops} ops, {self.syncs} host syncs ({top})"
+
+
+def _name(func: Any) -> str:
+    packet = getattr(func, "_overloadpacket", None)
+    base = str(packet) if packet is not None else str(func)
+    overload = getattr(func, "_overloadname", "default")
+    full = f"{base}.{overload}"
+    return full if full in SYNC_OPS else base
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: DispatchCount):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = _name(func)
+        if not getattr(func, "is_view", False) and name not in FREE_OPS:
+            self.count.ops += 1
+            self.count.by_op[name] += 1
+            if name in SYNC_OPS:
+                self.count.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_dispatch(fn: Callable[[], Any]) -> tuple[DispatchCount, Any]:
+    """Run ``fn()`` once and count what it dispatched; returns (counts, fn's result)."""
+    count = DispatchCount()
+    with _Counter(count):
+        result = fn()
+    return count, result
