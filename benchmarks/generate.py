@@ -87,7 +87,7 @@ def check_same_logits(model, hf, ids: torch.Tensor) -> str:
     """Compare in fp32 (raises if beyond float rounding), then in the run's dtype (reported)."""
     diff, scale = logit_difference(model, hf, ids)
     line = f"max |logit difference| on the prompt: fp32 {diff:.2e} (logits up to {scale:.2f})"
-    if diff > 1e-4 * (1 + scale):
+    if diff > 1e-3 * (1 + scale):  # float rounding of two graphs (fused QKV, op order); a mapping error is O(scale)
         raise SystemExit(f"looplm and transformers disagree: {line}; the benchmark would compare different models")
     return line
 
