@@ -197,7 +197,8 @@ def report(args: argparse.Namespace, rows: list[dict], notes: list[str], argv: l
         "",
         f"Command: `{shlex.join(['python', 'benchmarks/generate.py', *argv])}`  ",
         f"Card: {card(device)}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"Python {platform.python_version()}, {torch.get_num_threads()} CPU threads.  ",
+        f"Python {platform.python_version()}, {torch.get_num_threads()} CPU threads, load average "
+        f"{os.getloadavg()[0]:.1f} when written.  ",
         f"Model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, SwiGLU {args.mlp_hidden}, "
         f"vocabulary {args.vocab}, untied head; random weights (seed {args.seed}); {args.dtype} "
         f"(parameters cast{'' if args.dtype != 'fp32' else ': none'}).  ",
