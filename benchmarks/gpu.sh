@@ -106,7 +106,7 @@ fi
 TEST_ARGS=(-v -p no:cacheprovider -k "not cpu")
 if ((!DRY)); then
   "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_ARGS+=(--timeout 100)
-  "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 8)
+  "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 12)
 fi
 TEST_LOG=$RESULTS/.gpu-tests.log
 LABEL="$PY -m pytest tests/gpu ${TEST_ARGS[*]}" part "GPU tests" 120 bash -c 'set -o pipefail; "$0" -m pytest tests/gpu "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_ARGS[@]}"
