@@ -150,7 +150,8 @@ def measure(args: argparse.Namespace, on_row: Callable[[dict, list[str]], None])
     torch.manual_seed(args.seed)
     prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), device=device) for b in args.batches}
     notes = [check_same_logits(model, hf, prompts[args.batches[0]])]
-    model.to(DTYPES[args.dtype]), hf.to(DTYPES[args.dtype])
+    model.to(DTYPES[args.dtype])
+    hf.to(DTYPES[args.dtype])
     if args.dtype != "fp32":
         diff, scale = logit_difference(model, hf, prompts[args.batches[0]])
         notes[0] += f", {args.dtype} {diff:.2e} (logits up to {scale:.2f})"
