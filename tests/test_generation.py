@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from looplm import LoopCache, LoopLM
 from looplm.generation import GenerationOutput, generate, left_pad, next_token, top_k_filter, top_p_filter
-from tests.conftest import tiny_config
+from tests.conftest import random_ids, tiny_config
 
 V = 50
 # (layout, topology kind): looped models with several topologies, and a dense stack.
@@ -266,3 +266,15 @@ def test_invalid_inputs(input_ids, mask, match):
     model = make_model()
     with pytest.raises(ValueError, match=match):
         generate(model, input_ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_logits_to_keep_computes_the_last_positions_only():
+    """A generation prefill asks for the last position's logits: the same numbers."""
+    from looplm.config_base import ConfigError
+
+    model = LoopLM(tiny_config("mesh")).eval()
+    x = random_ids(2, 9)
+    full = model(x).logits
+    torch.testing.assert_close(model(x, logits_to_keep=3).logits, full[:, -3:], atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="logits_to_keep"):
+        model(x, x, logits_to_keep=1)

@@ -294,7 +294,7 @@ def generate(
             if max_new_tokens > 0:
                 cache = LoopCache()
                 # Left padding puts every row's last real token in the last column.
-                out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations)
+                out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations, logits_to_keep=1)
                 logits = out.logits[:, -1]
                 spent, seen = _passes_spent(out, mask), int(mask.sum())
                 step_fn, cache = _decoder(model, cache, ids.shape[1] + max_new_tokens, compile)

@@ -145,12 +145,18 @@ class LoopLM(nn.Module):
         iterations: Optional[int] = None,
         output_states: bool = False,
         output_attentions: bool = False,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
         """input_ids, targets: [B, T] (targets already shifted; -100 is ignored).
         attention_mask: [B, T], 1 for real tokens and 0 for (left) padding of the *new*
         tokens; earlier positions' validity lives in ``cache``. iterations: loop count
         T at inference (test-time compute scaling), where the topology allows it.
-        output_attentions: return the softmax mixers' probabilities per (block, iteration)."""
+        output_attentions: return the softmax mixers' probabilities per (block, iteration).
+        logits_to_keep: > 0 computes the logits of the last that many positions only (a
+        generation prefill needs one: [B, T, V] logits at a large vocabulary are the largest
+        tensor of a long prompt); 0 computes all. Not with targets."""
+        if logits_to_keep and targets is not None:
+            raise ConfigError("logits_to_keep", logits_to_keep, "0 when targets are given (the loss reads every position)")
         n_iter = self._check_iterations(iterations, cache)
         h_emb = self.embed(input_ids)
         if self.cfg.embed_scale:
@@ -166,7 +172,7 @@ class LoopLM(nn.Module):
         if recurrence is not None:
             h = recurrence.readout
         h = self._run(self.coda, "coda", 0, h, ctx, cache)
-        logits = self.head(self.norm(h))
+        logits = self.head(self.norm(h[:, -logits_to_keep:] if logits_to_keep > 0 else h))
 
         loss = lm_loss = None
         if targets is not None:

@@ -111,7 +111,8 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         mask = self._new_mask(attention_mask, input_ids, cache)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if labels is not None else None
         out = self.model(input_ids, targets, attention_mask=mask, cache=cache.loop if cache is not None else None,
-                         iterations=self.config.iterations if iterations is None else iterations)
+                         iterations=self.config.iterations if iterations is None else iterations,
+                         logits_to_keep=logits_to_keep if targets is None else 0)
         if cache is not None:
             cache.after_forward()
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep > 0 else out.logits
