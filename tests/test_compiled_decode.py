@@ -172,3 +172,38 @@ def test_stop_tokens_cost_one_host_read_per_check_interval():
     model = _model("tiny-dense")
     _, syncs = _per_token(model, stop_tokens=(model.cfg.vocab_size - 1,))
     assert syncs <= 1 / STOP_CHECK_EVERY
+
+
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_sliding_window_static_cache_is_a_ring(window):
+    """A windowed layer's static buffer holds window + RING_SPARE rows at any capacity;
+    chunks, single tokens and a crop within the ring's spare rows decode like the full
+    forward; a deeper crop is refused."""
+    from looplm.mixers.attention import RING_SPARE, StaticKVState
+
+    model = LoopLM(tiny_config("anchor", mixer={"kind": "sliding_window", "window": window})).eval()
+    x = random_ids(2, 40)
+    full = model(x).logits
+    cache = LoopCache()
+    with torch.no_grad():
+        pieces = [model(x[:, :5], cache=cache).logits]
+        static = cache.static(64)
+        rings = [s for s in static.states.values() if isinstance(s, StaticKVState)]
+        assert rings and all(s.keys.shape[2] == window + RING_SPARE and s.window == window for s in rings)
+        for start, end in [(5, 6), (6, 9), (9, 30), (30, 31), (31, 36)]:
+            pieces.append(model(x[:, start:end], cache=static).logits)
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :36], atol=2e-5, rtol=1e-5)
+        static.crop(36 - RING_SPARE)
+        torch.testing.assert_close(model(x[:, 20:21], cache=static).logits[:, 0], full[:, 20], atol=2e-5, rtol=1e-5)
+        model(x[:, 21:40], cache=static)
+        with pytest.raises(ValueError, match="ring that can rewind"):
+            static.crop(40 - RING_SPARE - 1)
+
+
+def test_compiled_generate_over_a_ring():
+    model = LoopLM(tiny_config("mesh", mixer={"kind": "sliding_window", "window": 4})).eval()
+    prompts = _prompts(model.cfg.vocab_size)
+    eager = model.generate(prompts, max_new_tokens=40, temperature=0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(prompts, max_new_tokens=40, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)

@@ -283,6 +283,9 @@ class StaticLoopCache(LoopCache):
             if not hasattr(state, "write"):  # not a key/value buffer: S summarises every position
                 raise ValueError(f"cannot crop the static cache to {length} positions: block {block} (pass {t}) "
                                  f"holds a {type(state).__name__}, which cannot be rewound")
+            if state.rewind is not None and self.length - length > state.rewind:
+                raise ValueError(f"cannot crop the static cache by {self.length - length} positions: block {block} "
+                                 f"(pass {t}) keeps a sliding window's ring that can rewind {state.rewind}")
         self.valid[:, length:] = False
         self.next_position.copy_(self.valid.long().sum(dim=1))
         self.position.fill_(length)

@@ -30,6 +30,7 @@ class KVState:
     spare: tuple[Optional[Reserve], Optional[Reserve]] = dataclasses.field(
         default=(None, None), repr=False, compare=False
     )
+    window: Optional[int] = None  # the layer's window (its static form is then a ring)
 
     @property
     def end(self) -> int:
@@ -42,19 +43,29 @@ class KVState:
                 "were already dropped"
             )
         keep = length - self.start
-        return KVState(self.keys[:, :, :keep], self.values[:, :, :keep], self.start, self.spare)
+        return KVState(self.keys[:, :, :keep], self.values[:, :, :keep], self.start, self.spare, self.window)
 
     def select(self, index: torch.Tensor) -> "KVState":
-        return KVState(self.keys[index], self.values[index], self.start)
+        return KVState(self.keys[index], self.values[index], self.start, window=self.window)
 
     def static(self, capacity: int) -> "StaticKVState":
-        """The same keys and values in buffers preallocated for ``capacity`` positions, at
-        their absolute rows (a window's dropped rows stay unwritten and are masked)."""
+        """The same keys and values in buffers preallocated for ``capacity`` positions: at
+        their absolute rows, or, for a window w shorter than the capacity, in a ring of
+        w + ``RING_SPARE`` rows (position c in row c mod rows), so a windowed layer reads
+        O(w) keys per step at any context length."""
         B, Hkv, _, D = self.keys.shape
-        keys, values = (self.keys.new_zeros(B, Hkv, capacity, D), self.values.new_zeros(B, Hkv, capacity, D))
-        keys[:, :, self.start:self.end] = self.keys
-        values[:, :, self.start:self.end] = self.values
-        return StaticKVState(keys, values)
+        ring = self.window is not None and self.window + RING_SPARE < capacity
+        rows = self.window + RING_SPARE if ring else capacity
+        keys, values = (self.keys.new_zeros(B, Hkv, rows, D), self.values.new_zeros(B, Hkv, rows, D))
+        columns = torch.arange(self.start, self.end, device=keys.device)
+        state = StaticKVState(keys, values, self.window if ring else None)
+        state.write(columns % rows if ring else columns, self.keys, self.values)
+        return state
+
+
+#: spare rows of a sliding window's ring buffer beyond the window: how many positions a
+#: static cache may be cropped by (speculative decoding) before a needed row is overwritten
+RING_SPARE = 16
 
 
 @dataclasses.dataclass
@@ -66,10 +77,16 @@ class StaticKVState:
 
     keys: torch.Tensor
     values: torch.Tensor
+    window: Optional[int] = None  # a ring of keys.shape[2] rows for this window, or absolute rows
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys.index_copy_(2, slots, keys)
-        self.values.index_copy_(2, slots, values)
+    def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys.index_copy_(2, rows, keys)
+        self.values.index_copy_(2, rows, values)
+
+    @property
+    def rewind(self) -> Optional[int]:
+        """How many positions a crop may remove (None: any number)."""
+        return None if self.window is None else self.keys.shape[2] - self.window
 
     def crop(self, length: int) -> "StaticKVState":
         return self  # rows past ``length`` are invalid in the cache's mask and rewritten later
@@ -78,7 +95,7 @@ class StaticKVState:
         """Reorder the rows in place (beam search keeps the batch size); a smaller batch
         gets new buffers."""
         if index.shape[0] != self.keys.shape[0]:
-            return StaticKVState(self.keys[index], self.values[index])
+            return StaticKVState(self.keys[index], self.values[index], self.window)
         self.keys.copy_(self.keys[index])
         self.values.copy_(self.values[index])
         return self
@@ -221,25 +238,40 @@ class SoftmaxAttention(nn.Module):
             y = blocked_window_attention(q, keys, values, self.window)
         else:  # mask None: the T queries are the last T of the keys and need only causality
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
-        new_state = KVState(k, v, start, spare)
+        new_state = KVState(k, v, start, spare, self.window)
         if self.window is not None and k.shape[2] > self.window - 1:
             drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
-            new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop, spare)
+            new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop, spare, self.window)
         return y.transpose(1, 2).reshape(B, T, H * D), new_state
 
     def _attend_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                        state: StaticKVState, kv_index: Optional[torch.Tensor]) -> torch.Tensor:
         """:meth:`attend_rotated` against a static cache: write the new rows in place, attend
-        over the whole buffer (grouped heads read through SDPA's ``enable_gqa``, no copy)."""
+        over the whole buffer (grouped heads read through SDPA's ``enable_gqa``, no copy).
+        A window's ring is written first when one position comes (its row held a position
+        the window has left); several new positions attend over the ring and themselves
+        first and then write their last rows."""
         B, H, T, D = q.shape
-        state.write(ctx.slots, k, v)
-        keys, values = state.keys, state.values
+        rows = state.keys.shape[2]
+        if state.window is None:
+            state.write(ctx.slots, k, v)
+            keys, values, mask = state.keys, state.values, ("window", self.window)
+        elif T == 1:
+            state.write(ctx.slots % rows, k, v)
+            keys, values, mask = state.keys, state.values, ("ring", rows, self.window, True)
+        else:
+            keys, values = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+            mask = ("ring", rows, self.window, False)
         if kv_index is not None:
             keys, values = keys.index_select(1, kv_index), values.index_select(1, kv_index)
         if ctx.attentions is not None:
             y = self._explicit(q, keys.repeat_interleave(H // keys.shape[1], dim=1),
-                               values.repeat_interleave(H // keys.shape[1], dim=1), ctx.attention_mask(self.window), ctx)
+                               values.repeat_interleave(H // keys.shape[1], dim=1),
+                               ctx.static_mask(*mask), ctx)
         else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.attention_bias(self.window, q.dtype),
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.static_bias(mask, q.dtype),
                                                enable_gqa=keys.shape[1] != H)
+        if state.window is not None and T > 1:
+            last = min(T, rows)  # earlier new rows would be overwritten within this write
+            state.write(ctx.slots[-last:] % rows, k[:, :, -last:], v[:, :, -last:])
         return y.transpose(1, 2).reshape(B, T, H * D)

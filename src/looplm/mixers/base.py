@@ -87,7 +87,7 @@ class MixerContext:
         With static slots: [B, 1, T, C] over the whole buffer, never None (rows not yet
         written are masked out)."""
         if self.slots is not None:
-            return self._static_mask(window)
+            return self.static_mask("window", window)
         T, S = self.length, self.valid.shape[1]
         if not self.padded and (self.past == 0 or T == 1) and (window is None or S <= window):
             return None
@@ -103,26 +103,45 @@ class MixerContext:
             self._masks[window] = allowed[:, None]
         return self._masks[window]
 
-    def attention_bias(self, window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
-        """:meth:`attention_mask` (static slots) as an additive bias of ``dtype`` (0 where
-        allowed, -inf elsewhere), made once per forward: SDPA would otherwise convert a
-        boolean mask in every layer."""
-        key = ("bias", window, dtype)
+    def static_bias(self, mask: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`static_mask` ``(*mask)`` as an additive bias of ``dtype`` (0 where allowed,
+        -inf elsewhere), made once per forward: SDPA would otherwise convert a boolean mask
+        in every layer."""
+        key = ("bias", mask, dtype)
         if key not in self._masks:
-            allowed = self.attention_mask(window)
+            allowed = self.static_mask(*mask)
             self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                 ~allowed, float("-inf"))
         return self._masks[key]
 
-    def _static_mask(self, window: Optional[int]) -> torch.Tensor:
-        """attention_mask over a static buffer: key row j is visible from the query in row
-        i iff j <= i, j is valid and (with a window) j > i - window; a query always sees
-        itself. The rows are the positions' columns, as in the growing cache."""
-        if window not in self._masks:
-            key = torch.arange(self.valid.shape[1], device=self.valid.device)[None, :]  # [1, C]
-            query = self.slots[:, None]  # [T, 1]
-            allowed = key <= query
-            if window is not None:
-                allowed = allowed & (key > query - window)
-            self._masks[window] = ((allowed[None] & self.valid[:, None, :]) | (key == query)[None])[:, None]
-        return self._masks[window]
+    def static_mask(self, kind: str, *args) -> torch.Tensor:
+        """Bool [B, 1, T, K] over a static cache's K key rows (:class:`StaticLoopCache`).
+
+        ``("window", w)``: rows are positions' columns 0..C-1 (w None: no window).
+        ``("ring", R, w, written)``: a window's ring of R rows, row j holding the latest
+        column ≡ j (mod R); ``written``: the new position is already in its row (one query),
+        else the keys are the ring before this step followed by the T new ones.
+        A key is visible iff its column c satisfies 0 <= c <= i, c > i - w and is valid;
+        a query always sees itself. Columns, as in the growing cache's mask."""
+        key = (kind, *args)
+        if key in self._masks:
+            return self._masks[key]
+        query = self.slots[:, None]  # [T, 1]
+        if kind == "window":
+            (window,) = args
+            column = torch.arange(self.valid.shape[1], device=self.valid.device)[None, :]  # [1, C]
+            seen = self.valid[:, None, :]
+        else:
+            rows, window, written = args
+            j = torch.arange(rows, device=self.valid.device)
+            last = self.slots[-1] if written else self.slots[0] - 1  # the latest column in the ring
+            column = last - torch.remainder(last - j, rows)  # [R]
+            if not written:
+                column = torch.cat([column, self.slots])  # [R + T]
+            column = column[None, :]
+            seen = self.valid.index_select(1, column[0].clamp(min=0))[:, None, :] & (column >= 0)[None]
+        allowed = column <= query
+        if window is not None:
+            allowed = allowed & (column > query - window)
+        self._masks[key] = ((allowed[None] & seen) | (column == query)[None])[:, None]
+        return self._masks[key]
