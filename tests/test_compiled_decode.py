@@ -207,3 +207,19 @@ def test_compiled_generate_over_a_ring():
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = model.generate(prompts, max_new_tokens=40, temperature=0, compile={"backend": "eager"})
     assert torch.equal(compiled.sequences, eager.sequences)
+
+
+@pytest.mark.parametrize("name", ["ut-act-adaptive-anchor", "ar-trm-adaptive", "nested-act-prelude-coda"])
+def test_adaptive_halting_compiles_as_a_full_loop(name):
+    """Halting that may stop early runs every step in the captured step, halted positions
+    frozen: the tokens of the eager (early-exit, catch-up) path, and at least its compute."""
+    from tests.conftest import all_configs
+
+    cfg = dict(all_configs())[name]
+    model = LoopLM(cfg).eval()
+    prompts = _prompts(cfg.vocab_size)
+    eager = model.generate(prompts, max_new_tokens=30, temperature=0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(prompts, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert compiled.block_passes_per_token >= eager.block_passes_per_token

@@ -45,7 +45,11 @@ class LoopCache:
     filled with. The model writes through the methods below; callers read.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, full_loop: bool = False) -> None:
+        #: run every macro step on every position, halted ones frozen, instead of stopping
+        #: the loop once all have halted: the cache then never lacks a step's entries (no
+        #: catch-up, no frozen states), so it has a static form; same logits, more compute
+        self.full_loop = full_loop
         self.states: dict[tuple[str, int], MixerState] = {}
         self.valid: Optional[torch.Tensor] = None
         self.next_position: Optional[torch.Tensor] = None
@@ -183,7 +187,7 @@ class StaticLoopCache(LoopCache):
     """
 
     def __init__(self, capacity: int) -> None:
-        super().__init__()
+        super().__init__(full_loop=True)
         self.capacity = capacity
         self.length = 0
         self.position: Optional[torch.Tensor] = None
@@ -193,7 +197,8 @@ class StaticLoopCache(LoopCache):
         if cache.valid is None:
             raise NotStatic("an empty cache: fill it with a prefill forward first")
         if cache.frozen is not None:
-            raise NotStatic("adaptive halting with frozen positions: its loop length depends on the data")
+            raise NotStatic("adaptive halting with frozen positions: its loop length depends on the data "
+                            "(fill the cache with LoopCache(full_loop=True) to give it a static form)")
         if cache.chunks:
             raise NotStatic("multi-resolution iterations: their chunk states grow with each completed chunk")
         length = cache.get_seq_length()

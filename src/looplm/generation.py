@@ -292,7 +292,7 @@ def generate(
     try:
         with torch.no_grad():
             if max_new_tokens > 0:
-                cache = LoopCache()
+                cache = LoopCache(full_loop=compile is not False and compile is not None)  # static needs the full loop
                 # Left padding puts every row's last real token in the last column.
                 out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations, logits_to_keep=1)
                 logits = out.logits[:, -1]

@@ -205,8 +205,11 @@ class LoopLM(nn.Module):
         halt = halting.begin(state.h, ctx.new_valid)
         trace = [state.h]
         catch_up = torch.zeros((), dtype=torch.long, device=h_pre.device)
+        # A full-loop cache (a static one) runs every step on every position, halted ones
+        # frozen: no data-dependent exit, and no position ever misses a step's entries.
+        stops = halting.freezes and not (cache is not None and cache.full_loop)
         for t in range(n_iter):
-            if cache is not None and halting.freezes:
+            if cache is not None and stops:
                 catch_up = catch_up + self._catch_up(t, ctx, cache)
             new = streams.step(topology, state, self._passes(t, ctx, cache), t)
             state = freeze(state, new, halt.running) if halting.freezes else new
@@ -214,15 +217,17 @@ class LoopLM(nn.Module):
             solution = streams.finish(topology, state) if last else state.h
             halting.observe(halt, solution, t, last, Readout(self.norm, self.head), targets)
             trace.append(state.h)
-            if halting.freezes and not last and halt.done:
+            if stops and not last and halt.done:
                 break
         readout = halting.finish(halt)
         for name, value in halt.losses.items():
             ctx.add_loss(name, value)
-        if cache is not None and halting.freezes:
+        if cache is not None and stops:
             cache.append_frozen(state, t + 1)
         layout = self.cfg.parsed_layout
         block_passes = layout.prelude + layout.coda + layout.core * streams.passes * halt.steps
+        if cache is not None and halting.freezes and not stops:  # the steps halted positions ran frozen
+            catch_up = catch_up + layout.core * streams.passes * ((n_iter - halt.steps) * ctx.new_valid).sum()
         return RecurrenceOutput(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps,
                                 block_passes, catch_up)
 

@@ -15,11 +15,17 @@ import contextlib
 import contextvars
 from typing import Iterator
 
+import torch
+
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("looplm_recomputing", default=False)
 
 
 def recomputing() -> bool:
-    """True inside an activation-checkpointing recomputation (a backward)."""
+    """True inside an activation-checkpointing recomputation (a backward). Never while
+    torch.compile traces: a compiled graph's recomputation is the partitioner's, which
+    does not run this Python again (and Dynamo cannot trace a ContextVar)."""
+    if torch.compiler.is_compiling():
+        return False
     return _RECOMPUTING.get()
 
 
