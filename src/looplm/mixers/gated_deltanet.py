@@ -12,6 +12,7 @@ an output RMSNorm gated by SiLU(g_proj(x)) when ``use_gate``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,22 @@ class GatedDeltaNet(MambaDecayDeltaRule):
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """log α_t = -exp(A_log) · softplus(a_proj(x) + dt_bias): [B, T, H], float32."""
         return -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+    def gate_rows(self) -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        """-z_t = -(a_proj(x) + dt_bias) beside b_proj(x) (one sigmoid gives both gates), then g."""
+        ab = ("ab", torch.cat([-self.a_proj.weight, self.b_proj.weight]),
+              torch.cat([-self.dt_bias, self.dt_bias.new_zeros(self.num_heads)]))
+        return [ab, *super().gate_rows()[1:]]  # the base's rows are b (here in ab) and g
+
+    def derived_gates(self) -> dict[str, torch.Tensor]:
+        return {"decay_power": self.A_log.float().exp()}
+
+    def step_gates(self, parts, derived):
+        """α_t = exp(-A · softplus(z_t)) = σ(-z_t)^A with A = exp(A_log), and β_t = σ(b_t): one
+        sigmoid and one power for both gates of a decoding step."""
+        H = self.num_heads
+        gates = torch.sigmoid(parts["ab"].float())  # [B, 2H]: σ(-z), β
+        return gates[:, :H].pow(derived["decay_power"]), gates[:, H:], parts.get("g")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.mixers.backend import fla_installed
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * g, computed in float32 as LLaMA does, returned in the input dtype."""
@@ -53,13 +55,21 @@ class GatedRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}, norm_before_gate={self.norm_before_gate}"
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """x, g: [..., dim] -> [..., dim] in x's dtype."""
+        """x, g: [..., dim] -> [..., dim] in x's dtype. On CUDA with flash-linear-attention,
+        fla's fused kernel (``rms_norm_gated``, what ``FusedRMSNormGated`` runs) where it
+        applies (gate after the norm, no groups); else six operators."""
+        if x.is_cuda and self.norm_before_gate and self.group_size is None and fla_installed():
+            from fla.modules.fused_norm_gate import rms_norm_gated
+
+            return rms_norm_gated(x, g, self.weight, None, activation=self.activation, eps=self.eps)
         x32 = x.float()
         gate = F.silu(g.float()) if self.activation == "swish" else torch.sigmoid(g.float())
         if not self.norm_before_gate:
             x32 = x32 * gate
-        groups = x32.unflatten(-1, (-1, self.group_size or x32.shape[-1]))  # [..., G, dim / G]
-        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
-        if self.norm_before_gate:
-            y = y * gate
+        n = self.group_size or x32.shape[-1]
+        groups = x32.unflatten(-1, (-1, n))  # [..., G, n]
+        # rms = sqrt(Σx²/n + eps) = hypot(‖x‖, sqrt(n·eps)) / sqrt(n); the sqrt(n) goes to the product below
+        rms_n = torch.hypot(torch.linalg.vector_norm(groups, dim=-1, keepdim=True), groups.new_tensor((n * self.eps) ** 0.5))
+        scale = self.weight * gate if self.norm_before_gate else self.weight
+        y = torch.addcmul(x32.new_tensor(0.0), (groups / rms_n).flatten(-2), scale, value=n**0.5)
         return y.to(x.dtype)
