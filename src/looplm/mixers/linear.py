@@ -83,7 +83,8 @@ class ProjectedMixer(nn.Module):
         an in-place update (the version counter an optimizer step or ``load_state_dict``
         bumps). The parameters themselves stay fla's, so checkpoints are unchanged. While
         autograd records they are rebuilt at every call, so that gradients reach the
-        parameters (the cost of one ``cat``)."""
+        parameters (the cost of one ``cat``). An in-place write through ``p.data`` bumps no
+        version counter and goes unseen: write under ``torch.no_grad()`` instead."""
         params = list(self.parameters())
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return build()
