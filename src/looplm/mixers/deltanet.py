@@ -124,7 +124,7 @@ class DeltaRuleMixer(ProjectedMixer):
         valid = ctx.new_valid if ctx.padded else None  # [B, T]; False on left padding
         if T == 1 and state is not None:
             return self.step(x, valid, state)
-        previous = None if state is None or state.conv is None else state.conv.split(self.conv_widths, dim=1)
+        previous = None if state is None or state.conv is None else split_conv_states(state.conv, H, self.key_dim)
         (q, k, v), conv = self.project(x, previous, valid)
         if not self.use_short_conv:  # the convolutions apply SiLU themselves
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
@@ -148,13 +148,8 @@ class DeltaRuleMixer(ProjectedMixer):
         else:
             o = self.o_norm(o)
         length = T if state is None else state.length + T
-        conv = torch.cat(conv, dim=1) if conv else None
+        conv = fuse_conv_states(*conv, heads=H) if conv else None
         return self.o_proj(o.reshape(B, T, self.value_dim)), DeltaRuleState(S, conv, length)
-
-    @property
-    def conv_widths(self) -> list[int]:
-        """Channels of the q, k and v short convolutions, in the order the conv state holds them."""
-        return [self.key_dim, self.key_dim, self.value_dim]
 
     # ------------------------------------------------------------------ decoding step
     def gate_rows(self) -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
@@ -187,7 +182,9 @@ class DeltaRuleMixer(ProjectedMixer):
 
         def build() -> dict[str, Any]:
             gate_rows = self.gate_rows()
-            rows = [(w, None) for w in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)]
+            H = self.num_heads
+            qk = interleave_heads(self.q_proj.weight, self.k_proj.weight, H)
+            rows = [(qk, None), (self.v_proj.weight, None)]
             rows += [(w, b) for _, w, b in gate_rows]
             bias = None
             if any(b is not None for _, b in rows):
@@ -195,9 +192,12 @@ class DeltaRuleMixer(ProjectedMixer):
             out = {"proj": torch.cat([w for w, _ in rows]), "bias": bias, **self.derived_gates(),
                    "gate_layout": [(name, w.shape[0]) for name, w, _ in gate_rows]}
             if self.use_short_conv:
-                convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
-                out["conv"] = torch.cat([c.weight for c in convs])
-                out["conv_bias"] = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
+                q, k, v = self.q_conv1d, self.k_conv1d, self.v_conv1d
+                out["conv"] = torch.cat([interleave_heads(q.weight, k.weight, H), v.weight])
+                if q.bias is not None:
+                    out["conv_bias"] = torch.cat([interleave_heads(q.bias, k.bias, H), v.bias])
+                else:
+                    out["conv_bias"] = None
             return out
 
         return self.derived(build)
@@ -226,6 +226,26 @@ class DeltaRuleMixer(ProjectedMixer):
             qkv, conv = F.silu(qkv), None
         names, widths = zip(*weights["gate_layout"]) if weights["gate_layout"] else ((), ())
         parts = dict(zip(names, h[:, C:].split(list(widths), dim=-1)))
+        qk = qkv[:, : 2 * self.key_dim].view(B, H, 2, K)  # q_h, k_h side by side per head
+        v = qkv[:, 2 * self.key_dim :].view(B, H, V)
+        fused = None
+        if valid is None and use_fla(x, gated=True):
+            fused = self.fla_fused_step(qk, v, parts, state.recurrent)
+        if fused is not None:
+            log_backend(self.kind, "fla")
+            (o, S), gate = fused, parts.get("g")
+        else:
+            o, S, gate = self._step_rule(x, qk, v, parts, weights, valid, state.recurrent)
+        o = o.to(x.dtype)
+        o = self.o_norm(o, self.output_gate(gate).view(B, H, V)) if self.g_proj is not None else self.o_norm(o)
+        out = self.o_proj(o.reshape(B, 1, self.value_dim))
+        return out, DeltaRuleState(S, conv, state.length + 1)
+
+    def _step_rule(self, x, qk, v, parts, weights, valid, recurrent):
+        """The gates, L2 norms and delta rule of one position computed here (PyTorch, or fla's
+        kernel on the prepared inputs): qk [B, H, 2, K] raw, v [B, H, V] -> (o [B, H, V], S_t,
+        the output gate's input)."""
+        B, H, _, K = qk.shape
         alpha, beta, gate = self.step_gates(parts, weights)
         if self.allow_neg_eigval:
             beta = 2 * (x.new_ones(B, H, dtype=torch.float32) if beta is None else beta)
@@ -233,25 +253,30 @@ class DeltaRuleMixer(ProjectedMixer):
             beta = valid.float() if beta is None else beta * valid
             if alpha is not None:
                 alpha = torch.where(valid.view(B, *([1] * (alpha.dim() - 1))), alpha, 1.0)
-        qk = qkv[:, : 2 * self.key_dim].view(B, 2 * H, K)
-        # fla's l2norm, x / sqrt(Σ x² + eps), for q and k at once
+        # fla's l2norm, x / sqrt(Σ x² + eps), for q and k in one division; q and k stay views
+        # with one stride over (B, H), as the batched products take them
         norm = torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), qk.new_tensor(L2_EPS**0.5))
-        q, k = qk[:, :H] / norm[:, :H], qk[:, H:] / norm[:, H:]
-        v = qkv[:, 2 * self.key_dim :].view(B, H, V)
+        qk = qk / norm
+        q, k = qk[:, :, 0], qk[:, :, 1]
         if use_fla(x, gated=alpha is not None):
             log_backend(self.kind, "fla")
             log_alpha = None if alpha is None else alpha.log()
             beta = x.new_ones(B, H, dtype=torch.float32) if beta is None else beta
             o, S = fla_delta_rule(q[:, None], k[:, None], v[:, None], beta[:, None],
-                                  None if log_alpha is None else log_alpha[:, None], state.recurrent, step=True)
-            o = o[:, 0]
-        else:
-            log_backend(self.kind, "torch")
-            o, S = delta_rule_update(q, k, v, beta, alpha, state.recurrent, K**-0.5)
-        o = o.to(x.dtype)
-        o = self.o_norm(o, self.output_gate(gate).view(B, H, V)) if self.g_proj is not None else self.o_norm(o)
-        out = self.o_proj(o.reshape(B, 1, self.value_dim))
-        return out, DeltaRuleState(S, conv, state.length + 1)
+                                  None if log_alpha is None else log_alpha[:, None], recurrent, step=True)
+            return o[:, 0], S, gate
+        log_backend(self.kind, "torch")
+        o, S = delta_rule_update(q, k, v, beta, alpha, recurrent, K**-0.5)
+        return o, S, gate
+
+    def fla_fused_step(
+        self, qk: torch.Tensor, v: torch.Tensor, parts: dict[str, torch.Tensor], recurrent: torch.Tensor
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """On CUDA, one fla kernel that also applies the L2 norms and the gates to the raw
+        inputs (qk [B, H, 2, K], v [B, H, V], the gate rows): (o [B, H, V], S_t), or None
+        where this kind has no such kernel (then :meth:`_step_rule` prepares them)."""
+        return None
+
 
     def output_gate(self, gate: torch.Tensor) -> torch.Tensor:
         """The output norm's gate input [B, value_dim] from its fused row (KDA: up-projected)."""
@@ -291,6 +316,26 @@ class MambaDecayDeltaRule(DeltaRuleMixer):
         """A_log (A ~ U(A_min, 16), one per head) and dt_bias (``dt_channels`` of them)."""
         self.A_log = nn.Parameter(torch.empty(self.num_heads).uniform_(A_min, 16).log())
         self.dt_bias = nn.Parameter(init_dt_bias(dt_channels))
+
+
+def interleave_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (dim 0) of q and k, each [H·K, ...], as [q_0, k_0, q_1, k_1, ...] per head
+    ([2·H·K, ...]): the decoding step's fused layout, in which normalised q and k come out
+    of one division as [B, H, 2, K] and each is a (B·H)-batch for ``bmm`` without a copy."""
+    return torch.stack([q.unflatten(0, (heads, -1)), k.unflatten(0, (heads, -1))], dim=1).flatten(0, 2)
+
+
+def fuse_conv_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """The q, k, v short-convolution states ([B, C, K-1] each) as the one tensor
+    :class:`DeltaRuleState` keeps: q and k interleaved per head (as :func:`interleave_heads`), then v."""
+    qk = torch.stack([q.unflatten(1, (heads, -1)), k.unflatten(1, (heads, -1))], dim=2).flatten(1, 3)
+    return torch.cat([qk, v], dim=1)
+
+
+def split_conv_states(conv: torch.Tensor, heads: int, key_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`fuse_conv_states`: (q, k, v) states from the fused one."""
+    qk = conv[:, : 2 * key_dim].unflatten(1, (heads, 2, -1))  # [B, H, 2, K, conv_size - 1]
+    return qk[:, :, 0].flatten(1, 2), qk[:, :, 1].flatten(1, 2), conv[:, 2 * key_dim :]
 
 
 def fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,6 +76,22 @@ class GatedDeltaNet(MambaDecayDeltaRule):
         gates = torch.sigmoid(parts["ab"].float())  # [B, 2H]: σ(-z), β
         return gates[:, :H].pow(derived["decay_power"]), gates[:, H:], parts.get("g")
 
+    def fla_fused_step(self, qk, v, parts, recurrent):
+        """fla's ``fused_recurrent_gated_delta_rule`` on the raw inputs: the L2 norms of q and
+        k, log α_t = -exp(A_log) · softplus(z_t) and β_t = σ(b_t) (doubled when
+        ``allow_neg_eigval``) all in the kernel."""
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        H = self.num_heads
+        minus_z, b = parts["ab"][:, None, :H], parts["ab"][:, None, H:]  # [B, 1, H] each
+        o, S = fused_recurrent_gated_delta_rule(
+            q=qk[:, None, :, 0], k=qk[:, None, :, 1], v=v[:, None], g=-minus_z, beta=b,
+            scale=self.head_k_dim**-0.5, initial_state=recurrent, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
+            use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
+        )
+        return o[:, 0], S.float()
+
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaNetConfig(HeadSizedDeltaRuleConfig):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.mixers.backend import fla_installed
+from looplm.mixers.backend import use_fla
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +58,7 @@ class GatedRMSNorm(nn.Module):
         """x, g: [..., dim] -> [..., dim] in x's dtype. On CUDA with flash-linear-attention,
         fla's fused kernel (``rms_norm_gated``, what ``FusedRMSNormGated`` runs) where it
         applies (gate after the norm, no groups); else six operators."""
-        if x.is_cuda and self.norm_before_gate and self.group_size is None and fla_installed():
+        if self.norm_before_gate and self.group_size is None and use_fla(x):
             from fla.modules.fused_norm_gate import rms_norm_gated
 
             return rms_norm_gated(x, g, self.weight, None, activation=self.activation, eps=self.eps)
