@@ -33,7 +33,7 @@ from looplm.mixers.linear import (
     is_whole,
     whole,
 )
-from looplm.modules.norm import GatedRMSNorm, RMSNorm
+from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, rms_scaled
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import causal_conv1d
 from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, recurrent_delta_rule
@@ -177,8 +177,9 @@ class DeltaRuleMixer(ProjectedMixer):
     def decode_weights(self) -> dict[str, Any]:
         """q, k, v and :meth:`gate_rows` as one projection (``proj`` [N, hidden], ``bias`` [N] or
         None; ``gate_layout``: the gate rows' (name, width)), the three short convolutions as
-        one (``conv`` [C, 1, K], ``conv_bias``), and :meth:`derived_gates`; cached while the
-        parameters are unchanged (:meth:`derived`)."""
+        one (``conv`` [C, 1, K], ``conv_bias``), o_proj with the output norm's weight folded in
+        (``o_proj``) and :meth:`derived_gates`; cached while the parameters are unchanged
+        (:meth:`derived`)."""
 
         def build() -> dict[str, Any]:
             gate_rows = self.gate_rows()
@@ -189,8 +190,11 @@ class DeltaRuleMixer(ProjectedMixer):
             bias = None
             if any(b is not None for _, b in rows):
                 bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.to(w.dtype) for w, b in rows])
+            # o_proj(w ⊙ √V·x) = (o_proj · diag(√V·w per head)) x: the output norm's weight folded in
+            norm_weight = self.o_norm.weight.repeat(H) * self.head_v_dim**0.5
             out = {"proj": torch.cat([w for w, _ in rows]), "bias": bias, **self.derived_gates(),
-                   "gate_layout": [(name, w.shape[0]) for name, w, _ in gate_rows]}
+                   "gate_layout": [(name, w.shape[0]) for name, w, _ in gate_rows],
+                   "o_proj": self.o_proj.weight * norm_weight.to(self.o_proj.weight.dtype)}
             if self.use_short_conv:
                 q, k, v = self.q_conv1d, self.k_conv1d, self.v_conv1d
                 out["conv"] = torch.cat([interleave_heads(q.weight, k.weight, H), v.weight])
@@ -236,9 +240,15 @@ class DeltaRuleMixer(ProjectedMixer):
             (o, S), gate = fused, parts.get("g")
         else:
             o, S, gate = self._step_rule(x, qk, v, parts, weights, valid, state.recurrent)
-        o = o.to(x.dtype)
-        o = self.o_norm(o, self.output_gate(gate).view(B, H, V)) if self.g_proj is not None else self.o_norm(o)
-        out = self.o_proj(o.reshape(B, 1, self.value_dim))
+        if use_fla(x):  # fla's fused gated norm kernel
+            o = o.to(x.dtype)
+            o = self.o_norm(o, self.output_gate(gate).view(B, H, V)) if self.g_proj is not None else self.o_norm(o)
+            return self.o_proj(o.reshape(B, 1, self.value_dim)), DeltaRuleState(S, conv, state.length + 1)
+        # o_norm with its weight (and √V) folded into o_proj's columns (``o_proj`` of decode_weights)
+        o = rms_scaled(o.float(), self.o_norm.eps)
+        if self.g_proj is not None:
+            o = o * gate_activation(self.output_gate(gate).view(B, H, V).float(), self.o_norm.activation)
+        out = F.linear(o.to(x.dtype).reshape(B, 1, self.value_dim), weights["o_proj"])
         return out, DeltaRuleState(S, conv, state.length + 1)
 
     def _step_rule(self, x, qk, v, parts, weights, valid, recurrent):

@@ -63,13 +63,24 @@ class GatedRMSNorm(nn.Module):
 
             return rms_norm_gated(x, g, self.weight, None, activation=self.activation, eps=self.eps)
         x32 = x.float()
-        gate = F.silu(g.float()) if self.activation == "swish" else torch.sigmoid(g.float())
+        gate = gate_activation(g.float(), self.activation)
         if not self.norm_before_gate:
             x32 = x32 * gate
         n = self.group_size or x32.shape[-1]
-        groups = x32.unflatten(-1, (-1, n))  # [..., G, n]
-        # rms = sqrt(Σx²/n + eps) = hypot(‖x‖, sqrt(n·eps)) / sqrt(n); the sqrt(n) goes to the product below
-        rms_n = torch.hypot(torch.linalg.vector_norm(groups, dim=-1, keepdim=True), groups.new_tensor((n * self.eps) ** 0.5))
+        normed = rms_scaled(x32.unflatten(-1, (-1, n)), self.eps).flatten(-2)  # over groups of n
         scale = self.weight * gate if self.norm_before_gate else self.weight
-        y = torch.addcmul(x32.new_tensor(0.0), (groups / rms_n).flatten(-2), scale, value=n**0.5)
+        y = torch.addcmul(x32.new_tensor(0.0), normed, scale, value=n**0.5)  # √n · normed · scale
         return y.to(x.dtype)
+
+
+def rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / (√n · rms(x)) over the last dim (n wide), rms(x) = sqrt(mean x² + eps), in three
+    operators: √n · rms(x) = hypot(‖x‖, sqrt(n·eps)). The caller multiplies √n back in with
+    its weight (one operator fewer than the mean of squares, eps added, rsqrt)."""
+    n = x.shape[-1]
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), x.new_tensor((n * eps) ** 0.5))
+
+
+def gate_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated norms' act(g): SiLU (``swish``) or ``sigmoid``."""
+    return F.silu(g) if activation == "swish" else torch.sigmoid(g)
