@@ -144,3 +144,18 @@ def test_model_decode_operators_per_token_per_block_pass(preset):
     nine, _ = count_dispatch(lambda: model.generate(ids, max_new_tokens=9, temperature=0))
     per_pass = (nine.ops - one.ops) / 8 / cfg.block_passes
     assert per_pass <= MODEL_OPS_PER_PASS[preset], (per_pass, (nine.by_op - one.by_op).most_common())
+
+
+@pytest.mark.parametrize("name", ["deltanet-gated-negeig-convbias", "gated_deltanet", "kda"])
+def test_step_traces_as_one_graph(name):
+    """The step compiles with fullgraph=True (no graph break: the fused weights come from the
+    prefill's cache, unchecked while tracing) and gives the eager step's outputs."""
+    torch._dynamo.reset()
+    layer = _layer(VARIANTS[name]).eval()
+    x = torch.randn(2, 9, CFG.d_model)
+    step = torch.compile(lambda xi, ctx, st: layer(xi, ctx, st), fullgraph=True, backend="eager")
+    with torch.no_grad():
+        full, _ = layer(x, _ctx(2, 9, 0))
+        out, state = layer(x[:, :8], _ctx(2, 8, 0))
+        stepped, _ = step(x[:, 8:], _ctx(2, 1, 8), state)
+    torch.testing.assert_close(stepped, full[:, 8:], atol=2e-5, rtol=1e-5)

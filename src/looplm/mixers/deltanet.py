@@ -149,6 +149,8 @@ class DeltaRuleMixer(ProjectedMixer):
             o = self.o_norm(o)
         length = T if state is None else state.length + T
         conv = fuse_conv_states(*conv, heads=H) if conv else None
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.decode_weights()  # a prefill: have the decoding step's fused weights ready (cached)
         return self.o_proj(o.reshape(B, T, self.value_dim)), DeltaRuleState(S, conv, length)
 
     # ------------------------------------------------------------------ decoding step

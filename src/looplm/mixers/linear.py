@@ -84,7 +84,11 @@ class ProjectedMixer(nn.Module):
         bumps). The parameters themselves stay fla's, so checkpoints are unchanged. While
         autograd records they are rebuilt at every call, so that gradients reach the
         parameters (the cost of one ``cat``). An in-place write through ``p.data`` bumps no
-        version counter and goes unseen: write under ``torch.no_grad()`` instead."""
+        version counter and goes unseen: write under ``torch.no_grad()`` instead. While
+        torch.compile traces (a compiled decoding step) the cache is taken as it is, unchecked
+        (the eager prefill has filled it: :meth:`DeltaRuleMixer.forward`)."""
+        if torch.compiler.is_compiling():  # a compiled decoding step: no host checks in the graph
+            return build() if self._derived is None else self._derived[1]
         params = list(self.parameters())
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return build()
