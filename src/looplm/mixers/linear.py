@@ -87,11 +87,11 @@ class ProjectedMixer(nn.Module):
         version counter and goes unseen: write under ``torch.no_grad()`` instead. While
         torch.compile traces (a compiled decoding step) the cache is taken as it is, unchecked
         (the eager prefill has filled it: :meth:`DeltaRuleMixer.forward`)."""
-        if torch.compiler.is_compiling():  # a compiled decoding step: no host checks in the graph
-            return build() if self._derived is None else self._derived[1]
         params = list(self.parameters())
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return build()
+        if torch.compiler.is_compiling():  # a compiled decoding step: no host checks in the graph
+            return build() if self._derived is None else self._derived[1]
         key = tuple((p.data_ptr(), p.dtype, p.device, 0 if p.is_inference() else p._version) for p in params)
         if self._derived is None or self._derived[0] != key:
             self._derived = (key, build())
