@@ -123,3 +123,14 @@ def test_step_traces_as_one_graph(name):
         out, state = layer(x[:, :8], _ctx(2, 8, 0))
         stepped, _ = step(x[:, 8:], _ctx(2, 1, 8), state)
     torch.testing.assert_close(stepped, full[:, 8:], atol=2e-5, rtol=1e-5)
+
+
+def test_training_keeps_no_cached_copy_of_the_weights():
+    layer = _layer(VARIANTS["gated_deltanet"])
+    x = torch.randn(2, 6, CFG.d_model)
+    with torch.no_grad():
+        layer(x, _ctx(2, 6, 0))  # an evaluation forward fills the cache
+    assert layer._derived is not None
+    _, state = layer(x[:, :5], _ctx(2, 5, 0))
+    layer(x[:, 5:], _ctx(2, 1, 5), state)[0].sum().backward()  # a step under autograd
+    assert layer._derived is None and layer.q_proj.weight.grad is not None and layer.a_proj.weight.grad is not None

@@ -180,8 +180,10 @@ class DeltaRuleMixer(ProjectedMixer):
         """q, k, v and :meth:`gate_rows` as one projection (``proj`` [N, hidden], ``bias`` [N] or
         None; ``gate_layout``: the gate rows' (name, width)), the three short convolutions as
         one (``conv`` [C, 1, K], ``conv_bias``), o_proj with the output norm's weight folded in
-        (``o_proj``) and :meth:`derived_gates`; cached while the parameters are unchanged
-        (:meth:`derived`)."""
+        (``o_proj``, on the PyTorch path) and :meth:`derived_gates`; cached while the
+        parameters are unchanged (:meth:`derived`)."""
+
+        fla = use_fla(self.o_proj.weight)
 
         def build() -> dict[str, Any]:
             gate_rows = self.gate_rows()
@@ -192,11 +194,12 @@ class DeltaRuleMixer(ProjectedMixer):
             bias = None
             if any(b is not None for _, b in rows):
                 bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.to(w.dtype) for w, b in rows])
-            # o_proj(w ⊙ √V·x) = (o_proj · diag(√V·w per head)) x: the output norm's weight folded in
-            norm_weight = self.o_norm.weight.repeat(H) * self.head_v_dim**0.5
             out = {"proj": torch.cat([w for w, _ in rows]), "bias": bias, **self.derived_gates(),
-                   "gate_layout": [(name, w.shape[0]) for name, w, _ in gate_rows],
-                   "o_proj": self.o_proj.weight * norm_weight.to(self.o_proj.weight.dtype)}
+                   "gate_layout": [(name, w.shape[0]) for name, w, _ in gate_rows]}
+            if not fla:  # (fla's path runs the fused norm kernel and o_proj)
+                # o_proj(w ⊙ √V·x) = (o_proj · diag(√V·w per head)) x: the output norm's weight folded in
+                norm_weight = self.o_norm.weight.repeat(H) * self.head_v_dim**0.5
+                out["o_proj"] = self.o_proj.weight * norm_weight.to(self.o_proj.weight.dtype)
             if self.use_short_conv:
                 q, k, v = self.q_conv1d, self.k_conv1d, self.v_conv1d
                 out["conv"] = torch.cat([interleave_heads(q.weight, k.weight, H), v.weight])
@@ -206,7 +209,7 @@ class DeltaRuleMixer(ProjectedMixer):
                     out["conv_bias"] = None
             return out
 
-        return self.derived(build)
+        return self.derived(build, tag=fla)
 
     def step(
         self, x: torch.Tensor, valid: Optional[torch.Tensor], state: DeltaRuleState

@@ -77,22 +77,24 @@ class ProjectedMixer(nn.Module):
         return [y for y, _ in out], tuple(state for _, state in out)
 
 
-    def derived(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def derived(self, build: Callable[[], dict[str, Any]], tag: Any = None) -> dict[str, Any]:
         """Tensors ``build`` derives from this layer's parameters (fused projections, folded
         constants), rebuilt only when a parameter changes: a new storage, dtype or device, or
         an in-place update (the version counter an optimizer step or ``load_state_dict``
         bumps). The parameters themselves stay fla's, so checkpoints are unchanged. While
         autograd records they are rebuilt at every call, so that gradients reach the
-        parameters (the cost of one ``cat``). An in-place write through ``p.data`` bumps no
+        parameters (the cost of one ``cat``), and nothing is kept. An in-place write through ``p.data`` bumps no
         version counter and goes unseen: write under ``torch.no_grad()`` instead. While
         torch.compile traces (a compiled decoding step) the cache is taken as it is, unchecked
-        (the eager prefill has filled it: :meth:`DeltaRuleMixer.forward`)."""
+        (the eager prefill has filled it: :meth:`DeltaRuleMixer.forward`). ``tag``: anything
+        else ``build`` depends on (part of the cache key)."""
         params = list(self.parameters())
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            self._derived = None  # training: hold no stale copy of the weights
             return build()
         if torch.compiler.is_compiling():  # a compiled decoding step: no host checks in the graph
             return build() if self._derived is None else self._derived[1]
-        key = tuple((p.data_ptr(), p.dtype, p.device, 0 if p.is_inference() else p._version) for p in params)
+        key = (tag, *((p.data_ptr(), p.dtype, p.device, 0 if p.is_inference() else p._version) for p in params))
         if self._derived is None or self._derived[0] != key:
             self._derived = (key, build())
         return self._derived[1]
