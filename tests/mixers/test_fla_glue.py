@@ -65,8 +65,16 @@ def _delta_rule(a: dict):
 
 def _gated_delta_rule(a: dict):
     assert a.get("gk") is None and a.get("gv") is None
+    q, k, g, beta = a["q"], a["k"], a["g"], a["beta"]
+    if a.get("use_qk_l2norm_in_kernel"):  # the kernel's: x / sqrt(Σ x² + 1e-6)
+        q, k = (x / (x.float().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt().to(x.dtype) for x in (q, k))
+    if a.get("use_gate_in_kernel"):
+        z = g if a["dt_bias"] is None else g + a["dt_bias"]
+        g = -a["A_log"].float().exp() * torch.nn.functional.softplus(z.float())
+    if a.get("use_beta_sigmoid_in_kernel"):
+        beta = torch.sigmoid(beta.float()) * (2 if a["allow_neg_eigval"] else 1)
     return _naive("gated_delta_rule", "naive_recurrent_gated_delta_rule")(
-        a["q"], a["k"], a["v"], a["beta"], a["g"], a["scale"], a["initial_state"], a["output_final_state"])
+        q, k, a["v"], beta, g, a["scale"], a["initial_state"], a["output_final_state"])
 
 
 def _kda(a: dict):
@@ -90,9 +98,13 @@ REFERENCES = {
     ("kda", "fused_recurrent_kda"): _kda,
 }
 #: arguments that must keep their defaults: looplm never uses varlen, reversal, v-first states
-#: or the in-kernel normalisation / gating (it does those itself, as fla's layers do outside)
+#: or the in-kernel normalisation / gating (it does those itself, as fla's layers do outside),
+#: except in GDN's decoding step (``IN_KERNEL``)
 MUST_BE_DEFAULT = ("cu_seqlens", "cu_seqlens_cpu", "reverse", "state_v_first", "use_qk_l2norm_in_kernel",
                    "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "A_log", "dt_bias")
+#: entry point -> the in-kernel options looplm's decoding step sets
+IN_KERNEL = {"fused_recurrent_gated_delta_rule": ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                                  "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "A_log")}
 
 
 @pytest.fixture
@@ -109,19 +121,33 @@ def fla_on_cpu(monkeypatch):
             bound.apply_defaults()
             a = dict(bound.arguments)
             a.update(a.pop("kwargs", {}))
+            in_kernel = [o for o in IN_KERNEL.get(_name, ()) if a[o] is not None and a[o] is not False]
             for option in MUST_BE_DEFAULT:
-                if option in a:
+                if option in a and option not in IN_KERNEL.get(_name, ()):
                     default = inspect.signature(_kernel).parameters[option].default
                     assert a[option] is default or a[option] == default, f"{_name}: {option}={a[option]!r}"
             assert a["output_final_state"] is True, f"{_name}: looplm needs the final state"
-            called.append(_name)
+            called.append(_name + ("+in_kernel" if in_kernel else ""))
             o, state = _reference(a)
             return o.to(a["v"].dtype), state  # the kernels return o in the inputs' dtype; some references float32
 
         monkeypatch.setattr(package, name, fake)
-    for module in ("looplm.mixers.linear_attention", "looplm.mixers.deltanet"):
+    for module in FLA_USERS:
         monkeypatch.setattr(importlib.import_module(module), "use_fla", lambda x, gated=False: True)
+    monkeypatch.setattr(importlib.import_module("fla.modules.fused_norm_gate"), "rms_norm_gated", _rms_norm_gated)
     return called
+
+
+#: the modules that ask ``use_fla``
+FLA_USERS = ("looplm.mixers.linear_attention", "looplm.mixers.deltanet", "looplm.modules.norm")
+
+
+def _rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
+                    eps=1e-6):
+    """fla's fused gated RMSNorm as its docstring defines it: rms(x) · w · act(g)."""
+    assert bias is None and residual is None and not prenorm and activation in ("swish", "sigmoid")
+    gate = torch.nn.functional.silu(g) if activation == "swish" else torch.sigmoid(g)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight * gate
 
 
 def context(length: int, past: int = 0, batch: int = 2) -> MixerContext:
@@ -161,7 +187,7 @@ def test_fla_backend_glue_matches_pytorch_path(kind, fla_on_cpu, monkeypatch):
     for ends in ([24], prefill_then_tokens(20, 24)):
         via_fla = run_layer(layer, x, ends)
         with monkeypatch.context() as torch_only:
-            for module in ("looplm.mixers.linear_attention", "looplm.mixers.deltanet"):
+            for module in FLA_USERS:
                 torch_only.setattr(importlib.import_module(module), "use_fla", lambda x, gated=False: False)
             reference = run_layer(layer, x, ends)
         # fla's references compute in float32
@@ -173,3 +199,5 @@ def test_fla_backend_glue_matches_pytorch_path(kind, fla_on_cpu, monkeypatch):
     chunked = {name for name in fla_on_cpu if name.startswith("chunk")}
     stepped = {name for name in fla_on_cpu if name.startswith("fused_recurrent")}
     assert len(chunked) == 1 and len(stepped) == 1, fla_on_cpu  # training took the chunk kernel, decoding the recurrent one
+    if kind == "gated_deltanet":  # the step hands fla the raw q, k and gates
+        assert stepped == {"fused_recurrent_gated_delta_rule+in_kernel"}, fla_on_cpu

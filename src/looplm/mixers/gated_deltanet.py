@@ -12,6 +12,7 @@ an output RMSNorm gated by SiLU(g_proj(x)) when ``use_gate``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,38 @@ class GatedDeltaNet(MambaDecayDeltaRule):
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """log α_t = -exp(A_log) · softplus(a_proj(x) + dt_bias): [B, T, H], float32."""
         return -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+
+    def gate_rows(self) -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        """-z_t = -(a_proj(x) + dt_bias) beside b_proj(x) (one sigmoid gives both gates), then g."""
+        ab = ("ab", torch.cat([-self.a_proj.weight, self.b_proj.weight]),
+              torch.cat([-self.dt_bias, self.dt_bias.new_zeros(self.num_heads)]))
+        return [ab, *super().gate_rows()[1:]]  # the base's rows are b (here in ab) and g
+
+    def derived_gates(self) -> dict[str, torch.Tensor]:
+        return {"decay_power": self.A_log.float().exp()}
+
+    def step_gates(self, parts, derived):
+        """α_t = exp(-A · softplus(z_t)) = σ(-z_t)^A with A = exp(A_log), and β_t = σ(b_t): one
+        sigmoid and one power for both gates of a decoding step."""
+        H = self.num_heads
+        gates = torch.sigmoid(parts["ab"].float())  # [B, 2H]: σ(-z), β
+        return gates[:, :H].pow(derived["decay_power"]), gates[:, H:], parts.get("g")
+
+    def fla_fused_step(self, qk, v, parts, recurrent):
+        """fla's ``fused_recurrent_gated_delta_rule`` on the raw inputs: the L2 norms of q and
+        k, log α_t = -exp(A_log) · softplus(z_t) and β_t = σ(b_t) (doubled when
+        ``allow_neg_eigval``) all in the kernel."""
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        H = self.num_heads
+        minus_z, b = parts["ab"][:, None, :H], parts["ab"][:, None, H:]  # [B, 1, H] each
+        o, S = fused_recurrent_gated_delta_rule(
+            q=qk[:, None, :, 0], k=qk[:, None, :, 1], v=v[:, None], g=-minus_z, beta=b,
+            scale=self.head_k_dim**-0.5, initial_state=recurrent, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
+            use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
+        )
+        return o[:, 0], S.float()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ sigmoid of a low-rank g_proj.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,25 @@ class KimiDeltaAttention(MambaDecayDeltaRule):
         B, T, _ = x.shape
         f = (self.f_proj(x).float() + self.dt_bias.float()).view(B, T, self.num_heads, self.head_k_dim)
         return -self.A_log.float().exp()[:, None] * F.softplus(f)
+
+    def gate_rows(self) -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        """β's row, then the first (hidden -> head_v_dim) layers of f_proj and g_proj."""
+        return [("b", self.b_proj.weight, None), ("f", self.f_proj[0].weight, None), ("g", self.g_proj[0].weight, None)]
+
+    def derived_gates(self) -> dict[str, torch.Tensor]:
+        """f_proj's second layer negated with -dt_bias (it gives -z_t), A = exp(A_log) per channel."""
+        return {"f_up": -self.f_proj[1].weight, "f_bias": -self.dt_bias,
+                "decay_power": self.A_log.float().exp().repeat_interleave(self.head_k_dim)}
+
+    def step_gates(self, parts, derived):
+        """α_t = exp(-A · softplus(z_t)) = σ(-z_t)^A per key channel, β_t = σ(b_t)."""
+        B = parts["f"].shape[0]
+        minus_z = F.linear(parts["f"], derived["f_up"], derived["f_bias"])  # [B, H·K]
+        alpha = torch.sigmoid(minus_z.float()).pow(derived["decay_power"]).view(B, self.num_heads, self.head_k_dim)
+        return alpha, torch.sigmoid(parts["b"].float()), parts["g"]
+
+    def output_gate(self, gate: torch.Tensor) -> torch.Tensor:
+        return self.g_proj[1](gate)
 
 
 @dataclasses.dataclass(frozen=True)

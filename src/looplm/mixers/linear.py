@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ class ProjectedMixer(nn.Module):
     def add_projections(self, hidden_size: int, widths: dict[str, int]) -> None:
         """``{name}_proj = Linear(hidden_size, width)`` without bias, in ``widths``' order."""
         self.streams, self.use_short_conv = tuple(widths), False
+        self._derived: Optional[tuple[tuple, dict[str, Any]]] = None  # see derived()
         for name, width in widths.items():
             self.add_module(f"{name}_proj", nn.Linear(hidden_size, width, bias=False))
 
@@ -74,6 +75,29 @@ class ProjectedMixer(nn.Module):
         previous = conv if conv else (None,) * len(streams)
         out = [self.get_submodule(f"{name}_conv1d")(s, c, valid) for name, s, c in zip(self.streams, streams, previous)]
         return [y for y, _ in out], tuple(state for _, state in out)
+
+
+    def derived(self, build: Callable[[], dict[str, Any]], tag: Any = None) -> dict[str, Any]:
+        """Tensors ``build`` derives from this layer's parameters (fused projections, folded
+        constants), rebuilt only when a parameter changes: a new storage, dtype or device, or
+        an in-place update (the version counter an optimizer step or ``load_state_dict``
+        bumps). The parameters themselves stay fla's, so checkpoints are unchanged. While
+        autograd records they are rebuilt at every call, so that gradients reach the
+        parameters (the cost of one ``cat``), and nothing is kept. An in-place write through ``p.data`` bumps no
+        version counter and goes unseen: write under ``torch.no_grad()`` instead. While
+        torch.compile traces (a compiled decoding step) the cache is taken as it is, unchecked
+        (the eager prefill has filled it: :meth:`DeltaRuleMixer.forward`). ``tag``: anything
+        else ``build`` depends on (part of the cache key)."""
+        params = list(self.parameters())
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            self._derived = None  # training: hold no stale copy of the weights
+            return build()
+        if torch.compiler.is_compiling():  # a compiled decoding step: no host checks in the graph
+            return build() if self._derived is None else self._derived[1]
+        key = (tag, *((p.data_ptr(), p.dtype, p.device, 0 if p.is_inference() else p._version) for p in params))
+        if self._derived is None or self._derived[0] != key:
+            self._derived = (key, build())
+        return self._derived[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.mixers.backend import use_fla
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * g, computed in float32 as LLaMA does, returned in the input dtype and
@@ -52,13 +54,32 @@ class GatedRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}, norm_before_gate={self.norm_before_gate}"
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """x, g: [..., dim] -> [..., dim] in x's dtype."""
+        """x, g: [..., dim] -> [..., dim] in x's dtype. On CUDA with flash-linear-attention,
+        fla's fused kernel (``rms_norm_gated``, what ``FusedRMSNormGated`` runs) where it
+        applies (gate after the norm, no groups); else six operators."""
+        if self.norm_before_gate and self.group_size is None and use_fla(x):
+            from fla.modules.fused_norm_gate import rms_norm_gated
+
+            return rms_norm_gated(x, g, self.weight, None, activation=self.activation, eps=self.eps)
         x32 = x.float()
-        gate = F.silu(g.float()) if self.activation == "swish" else torch.sigmoid(g.float())
+        gate = gate_activation(g.float(), self.activation)
         if not self.norm_before_gate:
             x32 = x32 * gate
-        groups = x32.unflatten(-1, (-1, self.group_size or x32.shape[-1]))  # [..., G, dim / G]
-        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2) * self.weight
-        if self.norm_before_gate:
-            y = y * gate
+        n = self.group_size or x32.shape[-1]
+        normed = rms_scaled(x32.unflatten(-1, (-1, n)), self.eps).flatten(-2)  # over groups of n
+        scale = self.weight * gate if self.norm_before_gate else self.weight
+        y = torch.addcmul(x32.new_tensor(0.0), normed, scale, value=n**0.5)  # √n · normed · scale
         return y.to(x.dtype)
+
+
+def rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / (√n · rms(x)) over the last dim (n wide), rms(x) = sqrt(mean x² + eps), in three
+    operators: √n · rms(x) = hypot(‖x‖, sqrt(n·eps)). The caller multiplies √n back in with
+    its weight (one operator fewer than the mean of squares, eps added, rsqrt)."""
+    n = x.shape[-1]
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), x.new_tensor((n * eps) ** 0.5))
+
+
+def gate_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated norms' act(g): SiLU (``swish``) or ``sigmoid``."""
+    return F.silu(g) if activation == "swish" else torch.sigmoid(g)

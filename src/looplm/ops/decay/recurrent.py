@@ -26,13 +26,15 @@ def decay_step(
 
         S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,   o_t = S_tᵀ (scale · q_t)
     """
+    B, H, K, V = state.shape
     dtype = state.dtype
     if log_alpha is not None:
         alpha = log_alpha.to(dtype).exp()
         state = state * (alpha[..., None] if alpha.dim() == 3 else alpha[..., None, None])
-    state = state + k.to(dtype)[..., :, None] * v.to(dtype)[..., None, :]
-    o = (q.to(dtype)[..., None, :] @ state).squeeze(-2) * scale  # [B, H, 1, K] @ [B, H, K, V]
-    return o, state
+    # batched over (B, H): the rank-1 write as one baddbmm, the read with its scale as another
+    S = torch.baddbmm(state.reshape(B * H, K, V), k.to(dtype).reshape(B * H, K, 1), v.to(dtype).reshape(B * H, 1, V))
+    o = torch.baddbmm(S[:, :1], q.to(dtype).reshape(B * H, 1, K), S, beta=0, alpha=scale)  # beta=0: shape only
+    return o.view(B, H, V), S.view(B, H, K, V)
 
 
 def recurrent_decay(
@@ -56,5 +58,8 @@ def recurrent_decay(
     for t in range(T):
         o, state = decay_step(q[:, t], k[:, t], v[:, t], None if log_alpha is None else log_alpha[:, t], state, scale)
         outputs.append(o)
-    o = torch.stack(outputs, dim=1) if T else v.new_zeros(B, 0, H, V)
+    if T == 1:  # decoding: no stack
+        o = outputs[0][:, None]
+    else:
+        o = torch.stack(outputs, dim=1) if T else v.new_zeros(B, 0, H, V)
     return o.to(q.dtype), (state if output_final_state else None)

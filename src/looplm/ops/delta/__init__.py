@@ -13,6 +13,6 @@ gate is given in log space, ``log_alpha`` = log α_t: None (α = 1, DeltaNet), `
 
 from looplm.ops.delta.chunk import chunk_delta_rule, chunk_size_rule
 from looplm.ops.delta.naive import naive_recurrent_delta_rule
-from looplm.ops.delta.recurrent import delta_rule_step, recurrent_delta_rule
+from looplm.ops.delta.recurrent import delta_rule_step, delta_rule_update, recurrent_delta_rule
 
-__all__ = ["chunk_delta_rule", "chunk_size_rule", "delta_rule_step", "naive_recurrent_delta_rule", "recurrent_delta_rule"]
+__all__ = ["chunk_delta_rule", "chunk_size_rule", "delta_rule_step", "delta_rule_update", "naive_recurrent_delta_rule", "recurrent_delta_rule"]

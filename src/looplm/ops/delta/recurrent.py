@@ -3,6 +3,9 @@
 The rank-1 form of the naive recurrence (fla's ``fused_recurrent_*`` kernels):
 
     S ← Diag(α_t) S;   u_t = β_t (v_t - Sᵀ k_t);   S ← S + k_t u_tᵀ;   o_t = scale · Sᵀ q_t
+
+:func:`delta_rule_update` is one step in six operators (two batched matrix-vector
+products, the rank-1 update as one ``baddbmm``), the form the decoding step runs.
 """
 
 from __future__ import annotations
@@ -26,14 +29,40 @@ def delta_rule_step(
     """One position. q, k: [B, H, K]; v: [B, H, V]; beta: [B, H]; log_alpha: None, [B, H]
     or [B, H, K]; state: S_{t-1} [B, H, K, V] in the compute dtype. Returns (o_t [B, H, V],
     S_t [B, H, K, V]), both in the state's dtype."""
-    if log_alpha is not None:
-        alpha = log_alpha.to(state.dtype).exp()
-        state = state * (alpha[..., None, None] if alpha.dim() == 2 else alpha[..., :, None])
-    k = k.to(state.dtype)
-    u = beta.to(state.dtype)[..., None] * (v.to(state.dtype) - torch.einsum("bhk,bhkv->bhv", k, state))
-    state = state + k[..., :, None] * u[..., None, :]
-    o = scale * torch.einsum("bhk,bhkv->bhv", q.to(state.dtype), state)
-    return o, state
+    alpha = None if log_alpha is None else log_alpha.to(state.dtype).exp()
+    return delta_rule_update(q, k, v, beta, alpha, state, scale)
+
+
+def delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: Optional[torch.Tensor],
+    alpha: Optional[torch.Tensor],
+    state: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position with the decay given as α_t (not its log), in six operators: the
+    decoding step. q, k: [B, H, K]; v: [B, H, V] (any strides); beta: [B, H] or None (β = 1);
+    alpha: None (α = 1), [B, H] or [B, H, K]; state: S_{t-1} [B, H, K, V]. Returns (o_t
+    [B, H, V], S_t [B, H, K, V]) in the state's dtype.
+
+        S ← Diag(α_t) S;   u_t = β_t (v_t - Sᵀ k_t);   S ← S + k_t u_tᵀ;   o_t = scale · Sᵀ q_t
+    """
+    B, H, K, V = state.shape
+    dtype = state.dtype
+    if alpha is not None:
+        alpha = alpha.to(dtype)
+        state = state * (alpha[..., None, None] if alpha.dim() == 2 else alpha[..., None])
+    S = state.reshape(B * H, K, V)
+    k = k.to(dtype).reshape(B * H, 1, K)
+    u = v.to(dtype) - torch.bmm(k, S).view(B, H, V)  # v_t - Sᵀ k_t
+    if beta is not None:
+        u = u * beta.to(dtype)[..., None]
+    S = torch.baddbmm(S, k.transpose(1, 2), u.reshape(B * H, 1, V))  # S + k_t u_tᵀ
+    # beta=0: the first argument only gives the shape; alpha applies the scale in the product
+    o = torch.baddbmm(S[:, :1], q.to(dtype).reshape(B * H, 1, K), S, beta=0, alpha=scale)
+    return o.view(B, H, V), S.view(B, H, K, V)
 
 
 def recurrent_delta_rule(
