@@ -223,3 +223,16 @@ def test_adaptive_halting_compiles_as_a_full_loop(name):
         compiled = model.generate(prompts, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
     assert torch.equal(compiled.sequences, eager.sequences)
     assert compiled.block_passes_per_token >= eager.block_passes_per_token
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_on_the_static_cache(caplog):
+    def refusing_backend(graph, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    model = _model("tiny-lt2-gdn")
+    prompts = _prompts(model.cfg.vocab_size)
+    eager = model.generate(prompts, max_new_tokens=6, temperature=0)
+    with caplog.at_level(logging.WARNING, logger="looplm.generation"):
+        fallback = model.generate(prompts, max_new_tokens=6, temperature=0, compile={"backend": refusing_backend})
+    assert torch.equal(fallback.sequences, eager.sequences)
+    assert "could not capture the decoding step" in caplog.text and "compiles nothing" in caplog.text

@@ -373,9 +373,18 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, compile: Union[b
         for tensor in static.tensors():
             torch._dynamo.mark_static_address(tensor)
     compiled = torch.compile(_decode_step, fullgraph=True, dynamic=False, **options)
+    runs, first = [compiled], static.get_seq_length()
 
     def step(model, token, cache, iterations):
-        out = compiled(model, token, cache, iterations)
+        try:
+            out = runs[-1](model, token, cache, iterations)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
+            if len(runs) > 1 or cache.get_seq_length() != first:  # only a first capture may fail over
+                raise
+            logger.warning("generate(compile=True) could not capture the decoding step (%s: %s); decoding "
+                           "eagerly on the static cache", type(error).__name__, " ".join(str(error).split())[:300])
+            runs.append(_decode_step)
+            out = _decode_step(model, token, cache, iterations)
         cache.advance(1)  # the host count the captured step leaves to its caller
         return out
 

@@ -31,6 +31,7 @@ SYNC_OPS = frozenset({
 })
 #: metadata-only operators that are not views by schema but launch nothing
 FREE_OPS = frozenset({"aten.detach", "aten.alias", "aten.lift_fresh", "aten._unsafe_view", "aten.empty_like",
+                      "aten.promote_types", "aten.result_type", "aten.is_same_size", "aten.sym_size", "aten.sym_stride",
                       "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
 
 

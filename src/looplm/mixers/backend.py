@@ -13,9 +13,15 @@ import torch
 logger = logging.getLogger("looplm")
 
 
-@functools.lru_cache(maxsize=None)
+_FLA: list[bool] = []  # the answer, once looked up (a plain global Dynamo reads as a constant)
+
+
 def fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
+    """Whether flash-linear-attention is importable (looked up once: an eager forward asks
+    before a captured decoding step does, so Dynamo never traces the import machinery)."""
+    if not _FLA:
+        _FLA.append(importlib.util.find_spec("fla") is not None)
+    return _FLA[0]
 
 
 def use_fla(x: torch.Tensor, gated: bool = False) -> bool:

@@ -33,7 +33,7 @@ from looplm.mixers.linear import (
     is_whole,
     whole,
 )
-from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, rms_scaled
+from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, host_scalar, rms_scaled
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import causal_conv1d
 from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, recurrent_delta_rule
@@ -275,7 +275,7 @@ class DeltaRuleMixer(ProjectedMixer):
                 alpha = torch.where(valid.view(B, *([1] * (alpha.dim() - 1))), alpha, 1.0)
         # fla's l2norm, x / sqrt(Σ x² + eps), for q and k in one division; q and k stay views
         # with one stride over (B, H), as the batched products take them
-        norm = torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), qk.new_tensor(L2_EPS**0.5))
+        norm = torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), host_scalar(L2_EPS**0.5))
         qk = qk / norm
         q, k = qk[:, :, 0], qk[:, :, 1]
         if use_fla(x, gated=alpha is not None):

@@ -68,8 +68,14 @@ class GatedRMSNorm(nn.Module):
         n = self.group_size or x32.shape[-1]
         normed = rms_scaled(x32.unflatten(-1, (-1, n)), self.eps).flatten(-2)  # over groups of n
         scale = self.weight * gate if self.norm_before_gate else self.weight
-        y = torch.addcmul(x32.new_tensor(0.0), normed, scale, value=n**0.5)  # √n · normed · scale
+        y = (normed * scale).mul_(n**0.5)  # √n · normed · scale
         return y.to(x.dtype)
+
+
+def host_scalar(value: float) -> torch.Tensor:
+    """A 0-dim CPU tensor: an operand a binary op on any device reads as a kernel argument
+    (``x.new_tensor(value)`` would copy it to the device on every call, a host sync on CUDA)."""
+    return torch.tensor(value)
 
 
 def rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,7 +83,7 @@ def rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
     operators: √n · rms(x) = hypot(‖x‖, sqrt(n·eps)). The caller multiplies √n back in with
     its weight (one operator fewer than the mean of squares, eps added, rsqrt)."""
     n = x.shape[-1]
-    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), x.new_tensor((n * eps) ** 0.5))
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), host_scalar((n * eps) ** 0.5))
 
 
 def gate_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
