@@ -461,3 +461,32 @@ def test_dsa_decoding_step_reads_only_its_top_k_rows_and_equals_the_masked_path(
     v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
     blind, _ = dsa_attention(q, k_bad, v_bad, q_index, k_index, w_index, None, top_k=6, scale=0.3)
     torch.testing.assert_close(blind, fast)
+
+
+@pytest.mark.parametrize("batch,kv", [(1, 4), (2, 2)])
+def test_dsa_decoding_step_dispatches_few_operators(batch, kv):
+    """One decoded token of a DSA layer (issue 30): projections, one rotary application for
+    q and k and one for the indexer, three in-place cache writes, the index scores, one
+    top-k over a 5-op int64 key (its positions reused from the state, not a new arange),
+    two gathers and the attention over the k picks; no zeros for a loss it does not
+    compute. Was 74 operators, now 40."""
+    from looplm.accounting.dispatch import count_dispatch
+
+    layer = _dsa_layer(kv=kv, top_k=6).eval()
+    S = 30
+    x = torch.randn(batch, S + 3, 32)
+    rope = Rotary(8, 10000.0)(torch.arange(S + 3).expand(batch, S + 3), torch.float32)
+
+    def context(past: int, length: int) -> MixerContext:
+        valid = torch.ones(batch, past + length, dtype=torch.bool)
+        return MixerContext(rope=tuple(r[:, past:past + length] for r in rope), valid=valid, past=past, padded=False)
+
+    with torch.no_grad():
+        _, state = layer(x[:, :S], context(0, S))
+        _, state = layer(x[:, S:S + 1], context(S, 1), state)  # moves the cache into a reserve with spare rows
+        count, (out, _) = count_dispatch(lambda: layer(x[:, S + 1:S + 2], context(S + 1, 1), state))
+        full, _ = layer(x[:, :S + 2], context(0, S + 2))
+    torch.testing.assert_close(out, full[:, -1:], atol=1e-6, rtol=1e-5)
+    assert count.syncs == 0, count.by_op
+    assert count.ops <= 40, count.by_op
+    assert "aten.arange" not in count.by_op and "aten.zeros" not in count.by_op, count.by_op

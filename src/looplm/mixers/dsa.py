@@ -20,6 +20,7 @@ and loop iterations) into ``ModelOutput.aux_losses`` and its training loss. Dens
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ from looplm.config_base import ConfigError, check
 from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
-from looplm.mixers.reserve import Reserve, extend
+from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.dsa import dsa_attention
@@ -82,18 +83,29 @@ class DSAConfig(MixerConfig):
 class DSAState:
     """DSA's decoding state: keys, values [B, H_kv, S, D] (rotated) and index keys
     [B, S, d^I] of every position; ``spare``: the buffers they are views of (decoding
-    appends in place, :mod:`looplm.mixers.reserve`)."""
+    appends in place, :mod:`looplm.mixers.reserve`); ``positions``: an int32 arange of at
+    least S entries that the decoding top-k reuses for its tie-break (never written, so
+    states share it; grown geometrically with the cache instead of built every step)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     index_keys: torch.Tensor
     spare: tuple[Optional[Reserve], ...] = dataclasses.field(default=(None, None, None), repr=False, compare=False)
+    positions: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
 
     def crop(self, length: int) -> "DSAState":
-        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length], self.spare)
+        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length], self.spare,
+                        self.positions)
 
     def select(self, index: torch.Tensor) -> "DSAState":
-        return DSAState(self.keys[index], self.values[index], self.index_keys[index])
+        return DSAState(self.keys[index], self.values[index], self.index_keys[index], positions=self.positions)
+
+
+def _positions(state: Optional[DSAState], length: int, device: torch.device) -> torch.Tensor:
+    """``state``'s positions when they cover ``length``, else a new int32 arange with spare room."""
+    if state is not None and state.positions is not None and state.positions.shape[0] >= length:
+        return state.positions
+    return torch.arange(length + max(math.ceil(length * SPARE), MIN_SPARE), dtype=torch.int32, device=device)
 
 
 class LightningIndexer(nn.Module):
@@ -111,11 +123,15 @@ class LightningIndexer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I])."""
+        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I]).
+
+        The query heads and the key are rotated together, as H^I + 1 heads (one rotary
+        application; elementwise, so the same numbers as rotating each)."""
         B, T, _ = x.shape
-        q = apply_rotary(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), *rope)
-        k = apply_rotary(self.k_norm(self.k_proj(x))[:, None], *rope)[:, 0]
-        return q.transpose(1, 2), k, self.w_proj(x) * self.heads**-0.5
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x))[:, :, None]  # [B, T, 1, d^I]
+        qk = apply_rotary(torch.cat([q, k], dim=2).transpose(1, 2), *rope)  # [B, H^I + 1, T, d^I]
+        return qk[:, :-1].transpose(1, 2), qk[:, -1], self.w_proj(x) * self.heads**-0.5
 
 
 class DeepSeekSparseAttention(nn.Module):
@@ -144,25 +160,26 @@ class DeepSeekSparseAttention(nn.Module):
         log_backend("dsa", "torch")
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
-        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
+        qk = apply_rotary(qkv[:, :H + Hkv], *ctx.rope)  # q and k rotated as one tensor (one rotary application)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # [B, H, T, D], [B, H_kv, T, D] x2
         q_index, k_index, w_index = self.indexer(x.detach(), ctx.rope)  # detached: trained by its own loss
-        spare = (None, None, None)
-        if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
+        spare, positions = (None, None, None), None
+        if state is None:  # a cache of its own, not views of the rotated queries' tensor
+            k, k_index = k.contiguous(), k_index.contiguous()
+        else:  # appended into the cache's spare rows, not a copy of the whole cache
             (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
                                           extend(state.values, v, 2, state.spare[1]))
             k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
             spare = (k_spare, v_spare, i_spare)
+            positions = _positions(state, k.shape[2], x.device)
         o, index_loss = dsa_attention(
             q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
-            top_k=self.top_k, scale=D**-0.5, index_loss=self.training,
+            top_k=self.top_k, scale=D**-0.5, index_loss=self.training, positions=positions,
         )  # o: [B, H_kv, G, T, D]
         if index_loss is not None:
             ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)
         y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
-        return self.o_proj(y), DSAState(k, v, k_index, spare)
+        return self.o_proj(y), DSAState(k, v, k_index, spare, positions)

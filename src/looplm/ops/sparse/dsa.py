@@ -111,6 +111,7 @@ def dsa_attention(
     scale: float,
     index_loss: bool = False,
     block: int = QUERY_BLOCK,
+    positions: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """DSA for the last T of S positions: each query attends to its top-k keys by index score
     among the real keys at or before it (a padding query sees only itself), block by block.
@@ -118,12 +119,15 @@ def dsa_attention(
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
     q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
     [B, S] (False: left padding), or None when every position is real (then a decoding step,
-    T = 1, takes one top-k over its whole score row, no candidate mask). ``index_loss``:
+    T = 1, is :func:`decode_step`: one top-k over its whole score row, no candidate mask;
+    ``positions`` is passed on to it). ``index_loss``:
     also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
     Returns (o [B, H_kv, G, T, D], loss).
     With grad enabled and more than one block, each block is checkpointed.
     """
     T, S = q.shape[3], k.shape[2]
+    if valid is None and T == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
+        return decode_step(q, k, v, q_index, k_index, w_index, top_k=top_k, scale=scale, positions=positions), None
     keep = torch.is_grad_enabled() and T > block
     outputs, total, rows = [], 0.0, 0
     for start in range(0, max(T, 1), block):  # one (empty) block when T = 0
@@ -132,9 +136,31 @@ def dsa_attention(
                 S - T + start, top_k, scale, index_loss)
         o, block_total, block_rows = checkpoint(_dsa_block, *args, use_reentrant=False) if keep else _dsa_block(*args)
         outputs.append(o)
-        total, rows = total + block_total, rows + block_rows
+        if index_loss:
+            total, rows = total + block_total, rows + block_rows
     o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=3)
     return o, (total / rows.clamp_min(1) if index_loss else None)
+
+
+def decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+    w_index: torch.Tensor, *, top_k: int, scale: float, positions: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One decoding step of DSA (one query, every one of the S keys real and earlier, top_k <
+    S): score the index keys, take one exact :func:`topk_indices` over the row (no candidate
+    mask, no -inf flags to compute) and attend to the k gathered rows only, O(S·H^I·d^I +
+    k·H·D). Shapes as :func:`dsa_attention` with T = 1; ``positions``: an int32 arange of at
+    least S entries kept by the caller (built here when None). Returns o [B, H_kv, G, 1, D].
+    """
+    B, Hkv, G, _, D = q.shape
+    scores = index_scores(q_index, k_index, w_index)[:, 0]  # Eq. (1): [B, S]
+    index, _ = topk_indices(scores, top_k, positions, need_keep=False)  # [B, k]
+    rows = index[:, None, :, None]  # [B, 1, k, 1], broadcast over heads and channels
+    k_sel = k.gather(2, rows.expand(B, Hkv, -1, D))  # [B, H_kv, k, D]
+    v_sel = v.gather(2, rows.expand(B, Hkv, -1, v.shape[-1]))
+    s = torch.matmul(q[:, :, :, 0], k_sel.transpose(-1, -2)) * scale  # [B, H_kv, G, k]
+    p = torch.softmax(s, dim=-1, dtype=s.dtype if s.dtype == torch.float64 else torch.float32)  # float32 at least
+    return torch.matmul(p.to(v.dtype), v_sel)[:, :, :, None]  # [B, H_kv, G, 1, D]
 
 
 def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool):
@@ -144,9 +170,6 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     S = first + Q
     k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
-    if valid is None and Q == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
-        index, _ = topk_indices(scores, top_k)
-        return gathered_attention(q, k, v, index, None, scale), q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     key = torch.arange(S, device=q.device)
     query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
     causal = (key <= query)[None]  # [1, Q, S]
@@ -161,11 +184,11 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
         index, keep = select_key_indices(scores, candidates, top_k)
         o = gathered_attention(q, k, v, index, keep, scale)
-        return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+        return o, None, None
     allowed = select_keys(scores, candidates, top_k)
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
-        return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+        return o, None, None
     selected = allowed & query_valid[..., None]  # a padding query's own key is not a selection
     total, rows = index_kl_sum(scores, p.detach().sum(dim=(1, 2)), selected, query_valid)
     return o, total, rows
