@@ -33,7 +33,7 @@ from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
-from looplm.ops.sparse.dsa import dsa_attention
+from looplm.ops.sparse.dsa import KERNELS, dsa_attention, use_selected_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,11 @@ class DSAConfig(MixerConfig):
     first rotary-dim channels, so index_head_dim >= the model's rotary dim).
     index_loss_weight: factor on the indexer's KL loss returned in training.
     output_gate: LT2's SDPA output gate (§4.4).
+    kernel: where the attention over the selected keys runs in prefill and training: "auto"
+    (a Triton kernel on CUDA that reads the selected rows in place, the PyTorch reference
+    elsewhere), "torch" (the reference everywhere, e.g. to rule the kernel out), "triton"
+    (the kernel everywhere; on CPU only under TRITON_INTERPRET=1, for tests). Same results
+    to float rounding; decoding steps always run the PyTorch path.
     """
 
     kind: str = "dsa"
@@ -54,6 +59,7 @@ class DSAConfig(MixerConfig):
     index_heads: int = 4
     index_head_dim: int = 32
     index_loss_weight: float = 1.0
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,6 +67,7 @@ class DSAConfig(MixerConfig):
         check(self.index_heads >= 1, "model.mixer.index_heads", self.index_heads, "an integer >= 1")
         check(self.index_head_dim >= 1, "model.mixer.index_head_dim", self.index_head_dim, "an integer >= 1")
         check(self.index_loss_weight >= 0, "model.mixer.index_loss_weight", self.index_loss_weight, "a number >= 0")
+        check(self.kernel in KERNELS, "model.mixer.kernel", self.kernel, "one of " + ", ".join(KERNELS))
 
     def build(self, shape: BlockShape) -> nn.Module:
         if self.index_head_dim < shape.rotary_dim:
@@ -71,7 +78,7 @@ class DSAConfig(MixerConfig):
         return DeepSeekSparseAttention(
             shape.d_model, shape.n_heads, shape.kv_heads, shape.bias,
             top_k=self.top_k, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
-            index_loss_weight=self.index_loss_weight, output_gate=self.output_gate,
+            index_loss_weight=self.index_loss_weight, output_gate=self.output_gate, kernel=self.kernel,
         )
 
     @property
@@ -139,12 +146,12 @@ class DeepSeekSparseAttention(nn.Module):
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, *, top_k: int, index_heads: int,
-        index_head_dim: int, index_loss_weight: float = 1.0, output_gate: bool = False,
+        index_head_dim: int, index_loss_weight: float = 1.0, output_gate: bool = False, kernel: str = "auto",
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = dim // n_heads
-        self.top_k, self.index_loss_weight = top_k, index_loss_weight
+        self.top_k, self.index_loss_weight, self.kernel = top_k, index_loss_weight, kernel
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.indexer = LightningIndexer(dim, index_heads, index_head_dim, bias)
         self.gate = nn.Linear(dim, n_heads * self.head_dim, bias=bias) if output_gate else None
@@ -157,8 +164,8 @@ class DeepSeekSparseAttention(nn.Module):
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[DSAState] = None
     ) -> tuple[torch.Tensor, DSAState]:
         """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
-        log_backend("dsa", "torch")
         B, T, _ = x.shape
+        log_backend("dsa", "triton" if T > 1 and use_selected_kernel(x, self.kernel) else "torch")
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
         qk = apply_rotary(qkv[:, :H + Hkv], *ctx.rope)  # q and k rotated as one tensor (one rotary application)
@@ -176,6 +183,7 @@ class DeepSeekSparseAttention(nn.Module):
         o, index_loss = dsa_attention(
             q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
             top_k=self.top_k, scale=D**-0.5, index_loss=self.training, positions=positions,
+            kernel=self.kernel,
         )  # o: [B, H_kv, G, T, D]
         if index_loss is not None:
             ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)

@@ -26,6 +26,8 @@ indexer only; the main attention gathers and reads the k selected key/value rows
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -35,6 +37,22 @@ from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
+#: how the main attention over the selected keys runs: "auto" (the Triton kernel on CUDA when
+#: triton is installed, the PyTorch reference elsewhere), "torch" (always the reference),
+#: "triton" (always the kernel; CPU tensors need TRITON_INTERPRET=1)
+KERNELS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_selected_kernel(x: torch.Tensor, kernel: str) -> bool:
+    """Whether the selected-key attention runs :mod:`~looplm.ops.sparse.selected_triton`."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
+    return kernel == "triton" or (kernel == "auto" and x.is_cuda and triton_installed())
 
 
 def index_scores(
@@ -112,6 +130,7 @@ def dsa_attention(
     index_loss: bool = False,
     block: int = QUERY_BLOCK,
     positions: Optional[torch.Tensor] = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """DSA for the last T of S positions: each query attends to its top-k keys by index score
     among the real keys at or before it (a padding query sees only itself), block by block.
@@ -123,17 +142,22 @@ def dsa_attention(
     ``positions`` is passed on to it). ``index_loss``:
     also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
     Returns (o [B, H_kv, G, T, D], loss).
-    With grad enabled and more than one block, each block is checkpointed.
+    With grad enabled and more than one block, each block is checkpointed. ``kernel``
+    (:data:`KERNELS`): where the selected-key attention of a prefill or training block runs;
+    the Triton kernel reads the selected rows in place (no [B, H_kv, T, k, D] gathers, no
+    dense [B, H, T, S] probabilities for the indexer loss, see
+    :mod:`~looplm.ops.sparse.selected_triton`).
     """
     T, S = q.shape[3], k.shape[2]
     if valid is None and T == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
         return decode_step(q, k, v, q_index, k_index, w_index, top_k=top_k, scale=scale, positions=positions), None
     keep = torch.is_grad_enabled() and T > block
+    fast = use_selected_kernel(q, kernel)
     outputs, total, rows = [], 0.0, 0
     for start in range(0, max(T, 1), block):  # one (empty) block when T = 0
         end = min(start + block, T)
         args = (q[:, :, :, start:end], k, v, q_index[:, start:end], k_index, w_index[:, start:end], valid,
-                S - T + start, top_k, scale, index_loss)
+                S - T + start, top_k, scale, index_loss, fast)
         o, block_total, block_rows = checkpoint(_dsa_block, *args, use_reentrant=False) if keep else _dsa_block(*args)
         outputs.append(o)
         if index_loss:
@@ -163,7 +187,8 @@ def decode_step(
     return torch.matmul(p.to(v.dtype), v_sel)[:, :, :, None]  # [B, H_kv, G, 1, D]
 
 
-def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool):
+def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool,
+               fast: bool):
     """One block of Q queries at absolute positions first .. first + Q − 1 against the keys at
     or before its last query (the later ones are never candidates)."""
     Q = q.shape[3]
@@ -181,6 +206,16 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
         candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
             query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]
         )
+    if fast and top_k < S:  # the kernel reads the selected rows in place; the loss sees only them
+        from looplm.ops.sparse.selected_triton import selected_attention
+
+        index, keep = select_key_indices(scores, candidates, top_k)
+        o, mass = selected_attention(q, k, v, index, keep, scale, with_mass=index_loss)
+        if not index_loss:
+            return o, None, None
+        selected = keep & query_valid[..., None]  # a padding query's own key is not a selection
+        total, rows = index_kl_sum(scores.gather(-1, index), mass.sum(dim=1), selected, query_valid)  # [B, Q, k]
+        return o, total, rows
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
         index, keep = select_key_indices(scores, candidates, top_k)
         o = gathered_attention(q, k, v, index, keep, scale)
