@@ -367,7 +367,8 @@ def test_dsa_index_loss_is_zero_when_the_indexer_matches_attention():
     [({"kind": "nsa", "select_blocks": 2}, "select_blocks"),
      ({"kind": "nsa", "block_size": 4, "block_stride": 5}, "block_stride"),
      ({"kind": "nsa", "compression": "max"}, "compression"), ({"kind": "nsa", "window": -1}, "window"),
-     ({"kind": "dsa", "top_k": 0}, "top_k"), ({"kind": "dsa", "topk": 3}, "topk")],
+     ({"kind": "dsa", "top_k": 0}, "top_k"), ({"kind": "dsa", "topk": 3}, "topk"),
+     ({"kind": "dsa", "kernel": "cuda"}, "kernel")],
 )
 def test_sparse_config_errors_name_the_field(mixer, field):
     with pytest.raises(ConfigError, match=f"model.mixer.{field}"):

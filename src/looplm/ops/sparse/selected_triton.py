@@ -64,8 +64,8 @@ def _forward_kernel(
     HAS_KEEP: tl.constexpr, WITH_MASS: tl.constexpr,
     BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
+    t = tl.program_id(0).to(tl.int64)  # int64 offsets: a cache can exceed 2^31 elements
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // Hkv, bh % Hkv
     g, d, dv = tl.arange(0, BG), tl.arange(0, BD), tl.arange(0, BDV)
     q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + t * sq_t + d[None, :],
@@ -105,8 +105,8 @@ def _backward_kernel(
     Hkv, T, G, S, W, D, DV, scale,
     HAS_KEEP: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BW: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
+    t = tl.program_id(0).to(tl.int64)  # int64 offsets: a cache can exceed 2^31 elements
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // Hkv, bh % Hkv
     g, d, dv = tl.arange(0, BG), tl.arange(0, BD), tl.arange(0, BDV)
     rows = g[:, None] < G
