@@ -137,9 +137,8 @@ def dsa_attention(
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
     q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding), or None when every position is real (then a decoding step,
-    T = 1, is :func:`decode_step`: one top-k over its whole score row, no candidate mask;
-    ``positions`` is passed on to it). ``index_loss``:
+    [B, S] (False: left padding), or None when every position is real. A decoding step (T =
+    1, no loss) is :func:`decode_step`; ``positions`` is passed on to it. ``index_loss``:
     also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
     Returns (o [B, H_kv, G, T, D], loss).
     With grad enabled and more than one block, each block is checkpointed. ``kernel``
@@ -149,8 +148,8 @@ def dsa_attention(
     :mod:`~looplm.ops.sparse.selected_triton`).
     """
     T, S = q.shape[3], k.shape[2]
-    if valid is None and T == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
-        return decode_step(q, k, v, q_index, k_index, w_index, top_k=top_k, scale=scale, positions=positions), None
+    if T == 1 and not index_loss and top_k < S:  # a decoding step
+        return decode_step(q, k, v, q_index, k_index, w_index, valid, top_k=top_k, scale=scale, positions=positions), None
     keep = torch.is_grad_enabled() and T > block
     fast = use_selected_kernel(q, kernel)
     outputs, total, rows = [], 0.0, 0
@@ -168,21 +167,31 @@ def dsa_attention(
 
 def decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
-    w_index: torch.Tensor, *, top_k: int, scale: float, positions: Optional[torch.Tensor] = None,
+    w_index: torch.Tensor, valid: Optional[torch.Tensor], *, top_k: int, scale: float,
+    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One decoding step of DSA (one query, every one of the S keys real and earlier, top_k <
-    S): score the index keys, take one exact :func:`topk_indices` over the row (no candidate
-    mask, no -inf flags to compute) and attend to the k gathered rows only, O(S·H^I·d^I +
-    k·H·D). Shapes as :func:`dsa_attention` with T = 1; ``positions``: an int32 arange of at
-    least S entries kept by the caller (built here when None). Returns o [B, H_kv, G, 1, D].
+    """One decoding step of DSA (one query, the last of S positions, top_k < S): score the
+    index keys, take one exact :func:`topk_indices` over the row and attend to the k gathered
+    rows only, O(S·H^I·d^I + k·H·D). Shapes as :func:`dsa_attention` with T = 1. valid: None
+    when every key is real (then no candidate mask and no -inf flags), else bool [B, S]: the
+    real keys are the candidates (a padding query's only candidate is itself). ``positions``:
+    an int32 arange of at least S entries kept by the caller (built here when None).
+    Returns o [B, H_kv, G, 1, D].
     """
     B, Hkv, G, _, D = q.shape
+    S = k.shape[2]
     scores = index_scores(q_index, k_index, w_index)[:, 0]  # Eq. (1): [B, S]
-    index, _ = topk_indices(scores, top_k, positions, need_keep=False)  # [B, k]
+    if valid is not None:
+        candidates = valid & valid[:, S - 1:]  # a padding query: nothing ...
+        candidates[:, S - 1] = True  # ... but itself (a real query's own key is real)
+        scores = scores.masked_fill(~candidates, float("-inf"))
+    index, keep = topk_indices(scores, top_k, positions, need_keep=valid is not None)  # [B, k]
     rows = index[:, None, :, None]  # [B, 1, k, 1], broadcast over heads and channels
     k_sel = k.gather(2, rows.expand(B, Hkv, -1, D))  # [B, H_kv, k, D]
     v_sel = v.gather(2, rows.expand(B, Hkv, -1, v.shape[-1]))
     s = torch.matmul(q[:, :, :, 0], k_sel.transpose(-1, -2)) * scale  # [B, H_kv, G, k]
+    if keep is not None:  # fewer candidates than k: the fillers get no weight (a row always has itself)
+        s = s.masked_fill(~keep[:, None, None], float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=s.dtype if s.dtype == torch.float64 else torch.float32)  # float32 at least
     return torch.matmul(p.to(v.dtype), v_sel)[:, :, :, None]  # [B, H_kv, G, 1, D]
 
@@ -206,6 +215,13 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
         candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
             query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]
         )
+    return _selected_block(q, k, v, scores, candidates, query_valid, top_k, scale, index_loss, fast)
+
+
+def _selected_block(q, k, v, scores, candidates, query_valid, top_k: int, scale: float, index_loss: bool, fast: bool):
+    """A block's attention over its top-k candidates (bool [B, Q, S]) by index score, and its
+    indexer-loss pieces when ``index_loss``."""
+    S = k.shape[2]
     if fast and top_k < S:  # the kernel reads the selected rows in place; the loss sees only them
         from looplm.ops.sparse.selected_triton import selected_attention
 
