@@ -1,5 +1,6 @@
-"""DeepSeek Sparse Attention (DeepSeek-AI 2025, "DeepSeek-V3.2"), plain PyTorch reference:
-the lightning indexer, its top-k key selection, and the indexer's training loss.
+"""DeepSeek Sparse Attention (DeepSeek-AI 2025, "DeepSeek-V3.2"): the lightning indexer, its
+top-k key selection, the attention over the selected keys and the indexer's training loss
+(plain PyTorch, with a Triton kernel for the selected-key attention on CUDA).
 
 The indexer scores each earlier key s for query t (DeepSeek-V3.2 Eq. (1)),
 
@@ -20,8 +21,16 @@ because H^I and d^I are small and it runs in FP8), the selection O(T·S) (one ex
 works through blocks of queries, scoring each block against the keys up to its last
 query, so the live memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
-T × S scores and probabilities of every head. Decoding (T = 1) is O(S·H^I·d^I) in the
-indexer only; the main attention gathers and reads the k selected key/value rows.
+T × S scores and probabilities of every head. Decoding (T = 1, :func:`decode_step`) is
+O(S·H^I·d^I) in the indexer only; the main attention gathers and reads the k selected
+key/value rows (about 40 dispatched operators per layer and token).
+
+Memory of the main attention over the selected keys: the PyTorch reference gathers each
+block's selected rows, [B, H_kv, block, k, D] keys and values, and in training takes a
+dense masked attention whose [B, H, block, S] probabilities also feed the indexer loss. On
+CUDA the Triton kernel (:mod:`~looplm.ops.sparse.selected_triton`) reads the rows in place
+and returns the attention mass of just the selected keys for the loss, so per block only
+the index scores [B, block, S] and the picks [B, block, k] are allocated besides q, k, v.
 """
 
 from __future__ import annotations
