@@ -138,3 +138,21 @@ def test_a_dsa_model_trains_and_decodes_alike_with_the_kernel():
     with torch.no_grad():
         tokens = [m.eval().generate(ids, max_new_tokens=2, temperature=0).sequences for m in (ref, fast)]
     assert torch.equal(tokens[0], tokens[1])
+
+
+@runs_kernels
+def test_selected_attention_compiles_as_one_opaque_operator():
+    """Under torch.compile(fullgraph=True) the kernel is a custom operator (no graph break,
+    no tracing into Triton), forward and backward as in eager."""
+    from looplm.ops.sparse.selected_triton import selected_attention
+
+    q, k, v, scores = _inputs(1, 2, 2, 4, 24, 16, 16, 5, torch.float32, seed=7)
+    index, keep = topk_indices(scores, 5)
+    compiled = torch.compile(lambda q, k, v: selected_attention(q, k, v, index, keep, 0.3, with_mass=True),
+                             fullgraph=True, backend="aot_eager")
+    (out, mass), (ref, ref_mass) = compiled(q, k, v), selected_attention(q, k, v, index, keep, 0.3, with_mass=True)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(mass, ref_mass, atol=0, rtol=0)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, **TOL)

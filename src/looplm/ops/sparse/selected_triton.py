@@ -139,54 +139,88 @@ def _block(n: int) -> int:
 
 
 def _launch_args(q, k, v, index, o):
-    B, Hkv, G, T, D = q.shape
     return (*q.stride()[:4], *k.stride()[:3], *v.stride()[:3], *index.stride()[:2], *o.stride()[:4])
 
 
-class _SelectedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, index, keep, scale, with_mass):
-        q, k, v, index = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, index))
-        B, Hkv, G, T, D = q.shape
-        S, DV, W = k.shape[2], v.shape[-1], index.shape[-1]
-        o = torch.empty(B, Hkv, G, T, DV, dtype=v.dtype, device=q.device)
-        lse = torch.empty(B, Hkv, G, T, dtype=torch.float32, device=q.device)
-        mass = torch.empty(B, Hkv, T, W, dtype=torch.float32, device=q.device) if with_mass else lse
-        keep_arg = index if keep is None else keep.contiguous()
-        if B * T * Hkv > 0 and W > 0:
-            _forward_kernel[(T, B * Hkv)](
-                q, k, v, index, keep_arg, o, lse, mass, *_launch_args(q, k, v, index, o),
-                Hkv, T, G, W, D, DV, scale, HAS_KEEP=keep is not None, WITH_MASS=with_mass,
-                BG=_block(G), BD=_block(D), BDV=_block(DV), BW=BLOCK_KEYS,
-            )
-        else:
-            o.zero_()
-            lse.fill_(float("inf"))
-            mass.zero_()
-        ctx.save_for_backward(q, k, v, index, keep_arg, o, lse)
-        ctx.scale, ctx.has_keep = scale, keep is not None
-        if with_mass:
-            ctx.mark_non_differentiable(mass)
-            return o, mass
-        return o, None
+def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
-    @staticmethod
-    def backward(ctx, do, _):
-        q, k, v, index, keep_arg, o, lse = ctx.saved_tensors
-        B, Hkv, G, T, D = q.shape
-        S, DV, W = k.shape[2], v.shape[-1], index.shape[-1]
-        do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, H_kv, G, T]: Σ_d o·dO
-        dq = torch.zeros(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(B, Hkv, S, D, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(B, Hkv, S, DV, dtype=torch.float32, device=q.device)
-        if B * T * Hkv > 0 and W > 0:
-            _backward_kernel[(T, B * Hkv)](
-                q, k, v, index, keep_arg, do, lse, delta, dq, dk, dv, *_launch_args(q, k, v, index, do),
-                Hkv, T, G, S, W, D, DV, ctx.scale, HAS_KEEP=ctx.has_keep,
-                BG=_block(G), BD=_block(D), BDV=_block(DV), BW=BLOCK_KEYS,
-            )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+# The kernels are registered as custom operators (forward, backward, autograd between them), so
+# torch.compile keeps each as one opaque call in its graph instead of tracing into Triton.
+@torch.library.custom_op("looplm::selected_attention", mutates_args=())
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, keep: Optional[torch.Tensor],
+    scale: float, with_mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o [B, H_kv, G, T, D_v], lse float32 [B, H_kv, G, T], mass float32 [B, H_kv, T, k], or
+    [0] without ``with_mass``)."""
+    q, k, v, index = (_last_dim_dense(x) for x in (q, k, v, index))
+    B, Hkv, G, T, D = q.shape
+    DV, W = v.shape[-1], index.shape[-1]
+    o = torch.empty(B, Hkv, G, T, DV, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, Hkv, G, T, dtype=torch.float32, device=q.device)
+    mass = torch.empty((B, Hkv, T, W) if with_mass else (0,), dtype=torch.float32, device=q.device)
+    if B * T * Hkv == 0 or W == 0:
+        return o.zero_(), lse.fill_(float("inf")), mass.zero_()
+    _forward_kernel[(T, B * Hkv)](
+        q, k, v, index, index if keep is None else keep.contiguous(), o, lse, mass, *_launch_args(q, k, v, index, o),
+        Hkv, T, G, W, D, DV, scale, HAS_KEEP=keep is not None, WITH_MASS=with_mass,
+        BG=_block(G), BD=_block(D), BDV=_block(DV), BW=BLOCK_KEYS,
+    )
+    return o, lse, mass
+
+
+@_forward.register_fake
+def _(q, k, v, index, keep, scale, with_mass):
+    B, Hkv, G, T, _ = q.shape
+    mass_shape = (B, Hkv, T, index.shape[-1]) if with_mass else (0,)
+    return (q.new_empty(B, Hkv, G, T, v.shape[-1], dtype=v.dtype), q.new_empty(B, Hkv, G, T, dtype=torch.float32),
+            q.new_empty(mass_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("looplm::selected_attention_backward", mutates_args=())
+def _backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, keep: Optional[torch.Tensor],
+    o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's, k's and v's dtypes."""
+    q, k, v, index, do = (_last_dim_dense(x) for x in (q, k, v, index, do))
+    B, Hkv, G, T, D = q.shape
+    S, DV, W = k.shape[2], v.shape[-1], index.shape[-1]
+    delta = (o.float() * do.float()).sum(-1).contiguous()  # [B, H_kv, G, T]: Σ_d o·dO
+    dq = torch.zeros(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, Hkv, S, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, Hkv, S, DV, dtype=torch.float32, device=q.device)
+    if B * T * Hkv > 0 and W > 0:
+        _backward_kernel[(T, B * Hkv)](
+            q, k, v, index, index if keep is None else keep.contiguous(), do, lse.contiguous(), delta, dq, dk, dv,
+            *_launch_args(q, k, v, index, do), Hkv, T, G, S, W, D, DV, scale, HAS_KEEP=keep is not None,
+            BG=_block(G), BD=_block(D), BDV=_block(DV), BW=BLOCK_KEYS,
+        )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_backward.register_fake
+def _(q, k, v, index, keep, o, lse, do, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, index, keep, scale, _ = inputs
+    o, lse, _ = output
+    ctx.save_for_backward(q, k, v, index, keep, o, lse)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse, output[2])
+
+
+def _autograd_backward(ctx, do, _lse_grad, _mass_grad):
+    q, k, v, index, keep, o, lse = ctx.saved_tensors
+    dq, dk, dv = _backward(q, k, v, index, keep, o, lse, do, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def selected_attention(
@@ -199,8 +233,9 @@ def selected_attention(
     q: [B, H_kv, G, T, D]; k: [B, H_kv, S, D]; v: [B, H_kv, S, D_v]; index: long [B, T, k],
     distinct positions per row; keep: bool [B, T, k] or None. Returns (o [B, H_kv, G, T, D_v]
     in v's dtype, differentiable in q, k, v; with ``with_mass`` the attention mass of each
-    selected key summed over the G heads, float32 [B, H_kv, T, k], not differentiable). A row
-    with nothing kept gives zeros (and zero mass). Triton: CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1``.
+    selected key summed over the G heads, float32 [B, H_kv, T, k], not differentiable, else
+    None). A row with nothing kept gives zeros (and zero mass). Triton: CUDA tensors, or CPU
+    tensors under ``TRITON_INTERPRET=1``.
     """
-    return _SelectedAttention.apply(q, k, v, index, keep, scale, with_mass)
+    o, _, mass = _forward(q, k, v, index, keep, scale, with_mass)
+    return o, (mass if with_mass else None)
