@@ -91,7 +91,7 @@ def select_key_indices(
     """:func:`select_keys` as positions: (index long [B, T, k], keep bool [B, T, k]), k =
     min(top_k, S); keep is False for the filler entries of a query with fewer candidates.
     The same choice as the mask (one :func:`topk_indices`, ties to the later key)."""
-    index, _ = topk_indices(scores.masked_fill(~candidates, float("-inf")), top_k)
+    index, _ = topk_indices(scores.masked_fill(~candidates, float("-inf")), top_k, need_keep=False)
     return index, candidates.gather(-1, index)
 
 
