@@ -31,7 +31,6 @@ from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
-from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.dsa import KERNELS, dsa_attention, use_selected_kernel
 
@@ -127,18 +126,37 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim)
         self.w_proj = nn.Linear(dim, heads, bias=False)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, d] -> (q^I [B, H^I, T, d^I], k^I [B, 1, T, d^I], both not yet rotated, w [B, T, H^I])."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x))[:, None]
+        return q, k, self.w_proj(x) * self.heads**-0.5
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I]).
+        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I]), rotated."""
+        q, k, w = self.project(x)
+        q, k = rotate_together([q, k], *rope)
+        return q.transpose(1, 2), k[:, 0], w
 
-        The query heads and the key are rotated together, as H^I + 1 heads (one rotary
-        application; elementwise, so the same numbers as rotating each)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x))[:, :, None]  # [B, T, 1, d^I]
-        qk = apply_rotary(torch.cat([q, k], dim=2).transpose(1, 2), *rope)  # [B, H^I + 1, T, d^I]
-        return qk[:, :-1].transpose(1, 2), qk[:, -1], self.w_proj(x) * self.heads**-0.5
+
+def rotate_together(tensors: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`~looplm.modules.rotary.apply_rotary` of each of ``tensors`` ([B, N_i, T, D_i],
+    D_i >= R; cos, sin [B, T, R]) as one rotation of all their first R channels: the same
+    elementwise arithmetic, so the same numbers, in 6 + n operators instead of 6·n (a
+    decoding step of DSA rotates its queries, keys, index queries and index key). Each
+    result is a contiguous [B, N_i, T, D_i]."""
+    R = cos.shape[-1]
+    if R == 0:
+        return list(tensors)
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, R]
+    x = torch.cat([t[..., :R] for t in tensors], dim=1)  # [B, ΣN_i, T, R]
+    x1, x2 = x.chunk(2, dim=-1)
+    x = x * cos + torch.cat([-x2, x1], dim=-1) * sin  # RoFormer's rotation, GPT-NeoX's half split
+    rotated = x.split([t.shape[1] for t in tensors], dim=1)
+    return [torch.cat([r, t[..., R:]], dim=-1) for r, t in zip(rotated, tensors)]
 
 
 class DeepSeekSparseAttention(nn.Module):
@@ -168,13 +186,11 @@ class DeepSeekSparseAttention(nn.Module):
         log_backend("dsa", "triton" if T > 1 and use_selected_kernel(x, self.kernel) else "torch")
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
-        qk = apply_rotary(qkv[:, :H + Hkv], *ctx.rope)  # q and k rotated as one tensor (one rotary application)
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # [B, H, T, D], [B, H_kv, T, D] x2
-        q_index, k_index, w_index = self.indexer(x.detach(), ctx.rope)  # detached: trained by its own loss
+        q_index, k_index, w_index = self.indexer.project(x.detach())  # detached: trained by its own loss
+        q, k, q_index, k_index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], q_index, k_index], *ctx.rope)
+        q_index, k_index, v = q_index.transpose(1, 2), k_index[:, 0], qkv[:, H + Hkv:]  # [B, T, H^I, d^I], [B, T, d^I]
         spare, positions = (None, None, None), None
-        if state is None:  # a cache of its own, not views of the rotated queries' tensor
-            k, k_index = k.contiguous(), k_index.contiguous()
-        else:  # appended into the cache's spare rows, not a copy of the whole cache
+        if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
             (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
                                           extend(state.values, v, 2, state.spare[1]))
             k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
