@@ -23,7 +23,7 @@ query, so the live memory is O(block·S·(H + H^I)); in training each block is r
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
 T × S scores and probabilities of every head. Decoding (T = 1, :func:`decode_step`) is
 O(S·H^I·d^I) in the indexer only; the main attention gathers and reads the k selected
-key/value rows (36 dispatched operators per layer and token).
+key/value rows (37 dispatched operators per layer and token).
 
 Memory of the main attention over the selected keys: the PyTorch reference gathers each
 block's selected rows, [B, H_kv, block, k, D] keys and values, and in training takes a
