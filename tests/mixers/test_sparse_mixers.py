@@ -237,6 +237,18 @@ def test_dsa_with_top_k_at_least_the_length_is_dense_softmax_attention(kv, gate)
     torch.testing.assert_close(dsa(x, ctx)[0], dense(x, ctx)[0], atol=1e-6, rtol=1e-5)
 
 
+def test_rotating_tensors_together_equals_rotating_each():
+    from looplm.mixers.dsa import rotate_together
+
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(2, n, 5, d, generator=g) for n, d in ((4, 8), (2, 8), (3, 12), (1, 12))]
+    for rotary_dim in (0, 4, 8):
+        rope = Rotary(rotary_dim, 10000.0)(torch.arange(5).expand(2, 5), torch.float32)
+        together = rotate_together(tensors, *rope)
+        for x, y in zip(together, tensors):
+            assert torch.equal(x, apply_rotary(y, *rope))  # the same arithmetic, bit for bit
+
+
 def test_dsa_matches_fla_naive_reference():
     naive = pytest.importorskip("fla.ops.dsa.naive")
     B, T, H, Hkv, D = 2, 23, 4, 2, 8
@@ -367,7 +379,8 @@ def test_dsa_index_loss_is_zero_when_the_indexer_matches_attention():
     [({"kind": "nsa", "select_blocks": 2}, "select_blocks"),
      ({"kind": "nsa", "block_size": 4, "block_stride": 5}, "block_stride"),
      ({"kind": "nsa", "compression": "max"}, "compression"), ({"kind": "nsa", "window": -1}, "window"),
-     ({"kind": "dsa", "top_k": 0}, "top_k"), ({"kind": "dsa", "topk": 3}, "topk")],
+     ({"kind": "dsa", "top_k": 0}, "top_k"), ({"kind": "dsa", "topk": 3}, "topk"),
+     ({"kind": "dsa", "kernel": "cuda"}, "kernel")],
 )
 def test_sparse_config_errors_name_the_field(mixer, field):
     with pytest.raises(ConfigError, match=f"model.mixer.{field}"):
@@ -461,3 +474,54 @@ def test_dsa_decoding_step_reads_only_its_top_k_rows_and_equals_the_masked_path(
     v_bad = v.masked_fill(unused[:, None, :, None], float("nan"))
     blind, _ = dsa_attention(q, k_bad, v_bad, q_index, k_index, w_index, None, top_k=6, scale=0.3)
     torch.testing.assert_close(blind, fast)
+
+
+@pytest.mark.parametrize("batch,kv,padded", [(1, 4, False), (2, 2, False), (2, 2, True)])
+def test_dsa_decoding_step_dispatches_few_operators(batch, kv, padded):
+    """One decoded token of a DSA layer (issue 30): projections, one rotation of q, k and
+    the indexer's q and k together, three in-place cache writes, the index scores, one
+    top-k over a 5-op int64 key (its positions reused from the state, not a new arange),
+    two gathers and the attention over the k picks; no zeros for a loss it does not
+    compute. Was 74 operators, now 37; with left padding (candidate mask, -inf flags,
+    masked softmax) was 102, now 44."""
+    from looplm.accounting.dispatch import count_dispatch
+
+    layer = _dsa_layer(kv=kv, top_k=6).eval()
+    S = 30
+    x = torch.randn(batch, S + 3, 32)
+    rope = Rotary(8, 10000.0)(torch.arange(S + 3).expand(batch, S + 3), torch.float32)
+    real = torch.ones(batch, S + 3, dtype=torch.bool)
+    real[0, :4 if padded else 0] = False
+
+    def context(past: int, length: int) -> MixerContext:
+        return MixerContext(rope=tuple(r[:, past:past + length] for r in rope), valid=real[:, :past + length],
+                            past=past, padded=padded)
+
+    with torch.no_grad():
+        _, state = layer(x[:, :S], context(0, S))
+        _, state = layer(x[:, S:S + 1], context(S, 1), state)  # moves the cache into a reserve with spare rows
+        token = x[:, S + 1:S + 2].contiguous()  # as the model's hidden state (a slice would cost each bias an add)
+        step = context(S + 1, 1)
+        count, (out, _) = count_dispatch(lambda: layer(token, step, state))
+        full, _ = layer(x[:, :S + 2], context(0, S + 2))
+    torch.testing.assert_close(out, full[:, -1:], atol=1e-6, rtol=1e-5)
+    assert count.syncs == 0, count.by_op
+    assert count.ops <= (44 if padded else 37), str(sorted(count.by_op.items()))
+    assert "aten.arange" not in count.by_op and "aten.zeros" not in count.by_op, count.by_op
+
+
+@pytest.mark.parametrize("S", [9, 40])
+def test_dsa_padded_decoding_step_equals_the_full_forward_last_query(S):
+    """A decoding step with left padding (row 0: 6 padding keys, so at S = 9 it has fewer
+    real keys than top_k and the top-k carries fillers) and a padding query (row 1's last
+    position: it attends to itself only) equals the last query of a full forward."""
+    (q, k, v, q_index, k_index, w_index), _ = _dsa_inputs(T=S, S=S, seed=11)
+    q, k, v, q_index, k_index, w_index = (x.detach() for x in (q, k, v, q_index, k_index, w_index))
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[0, :6] = False
+    valid[1, -1] = False
+    full, _ = dsa_attention(q, k, v, q_index, k_index, w_index, valid, top_k=6, scale=0.3)
+    step, _ = dsa_attention(q[:, :, :, -1:], k, v, q_index[:, -1:], k_index, w_index[:, -1:], valid, top_k=6,
+                            scale=0.3)
+    torch.testing.assert_close(step, full[:, :, :, -1:], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(step[1, :, :, 0], v[1, :, None, -1].expand(-1, 2, -1), atol=1e-6, rtol=1e-5)

@@ -20,6 +20,7 @@ and loop iterations) into ``ModelOutput.aux_losses`` and its training loss. Dens
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -29,10 +30,10 @@ from looplm.config_base import ConfigError, check
 from looplm.mixers.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
-from looplm.mixers.reserve import Reserve, extend
+from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
-from looplm.ops.sparse.dsa import dsa_attention
+from looplm.ops.sparse.dsa import KERNELS, dsa_attention, use_selected_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,11 @@ class DSAConfig(MixerConfig):
     first rotary-dim channels, so index_head_dim >= the model's rotary dim).
     index_loss_weight: factor on the indexer's KL loss returned in training.
     output_gate: LT2's SDPA output gate (§4.4).
+    kernel: where the attention over the selected keys runs in prefill and training: "auto"
+    (a Triton kernel on CUDA that reads the selected rows in place, the PyTorch reference
+    elsewhere), "torch" (the reference everywhere, e.g. to rule the kernel out), "triton"
+    (the kernel everywhere; on CPU only under TRITON_INTERPRET=1, for tests). Same results
+    to float rounding; decoding steps always run the PyTorch path.
     """
 
     kind: str = "dsa"
@@ -53,6 +59,7 @@ class DSAConfig(MixerConfig):
     index_heads: int = 4
     index_head_dim: int = 32
     index_loss_weight: float = 1.0
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +67,7 @@ class DSAConfig(MixerConfig):
         check(self.index_heads >= 1, "model.mixer.index_heads", self.index_heads, "an integer >= 1")
         check(self.index_head_dim >= 1, "model.mixer.index_head_dim", self.index_head_dim, "an integer >= 1")
         check(self.index_loss_weight >= 0, "model.mixer.index_loss_weight", self.index_loss_weight, "a number >= 0")
+        check(self.kernel in KERNELS, "model.mixer.kernel", self.kernel, "one of " + ", ".join(KERNELS))
 
     def build(self, shape: BlockShape) -> nn.Module:
         if self.index_head_dim < shape.rotary_dim:
@@ -70,7 +78,7 @@ class DSAConfig(MixerConfig):
         return DeepSeekSparseAttention(
             shape.d_model, shape.n_heads, shape.kv_heads, shape.bias,
             top_k=self.top_k, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
-            index_loss_weight=self.index_loss_weight, output_gate=self.output_gate,
+            index_loss_weight=self.index_loss_weight, output_gate=self.output_gate, kernel=self.kernel,
         )
 
     @property
@@ -82,18 +90,29 @@ class DSAConfig(MixerConfig):
 class DSAState:
     """DSA's decoding state: keys, values [B, H_kv, S, D] (rotated) and index keys
     [B, S, d^I] of every position; ``spare``: the buffers they are views of (decoding
-    appends in place, :mod:`looplm.mixers.reserve`)."""
+    appends in place, :mod:`looplm.mixers.reserve`); ``positions``: an int32 arange of at
+    least S entries that the decoding top-k reuses for its tie-break (never written, so
+    states share it; grown geometrically with the cache instead of built every step)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     index_keys: torch.Tensor
     spare: tuple[Optional[Reserve], ...] = dataclasses.field(default=(None, None, None), repr=False, compare=False)
+    positions: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
 
     def crop(self, length: int) -> "DSAState":
-        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length], self.spare)
+        return DSAState(self.keys[:, :, :length], self.values[:, :, :length], self.index_keys[:, :length], self.spare,
+                        self.positions)
 
     def select(self, index: torch.Tensor) -> "DSAState":
-        return DSAState(self.keys[index], self.values[index], self.index_keys[index])
+        return DSAState(self.keys[index], self.values[index], self.index_keys[index], positions=self.positions)
+
+
+def _positions(state: Optional[DSAState], length: int, device: torch.device) -> torch.Tensor:
+    """``state``'s positions when they cover ``length``, else a new int32 arange with spare room."""
+    if state is not None and state.positions is not None and state.positions.shape[0] >= length:
+        return state.positions
+    return torch.arange(length + max(math.ceil(length * SPARE), MIN_SPARE), dtype=torch.int32, device=device)
 
 
 class LightningIndexer(nn.Module):
@@ -108,14 +127,34 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim)
         self.w_proj = nn.Linear(dim, heads, bias=False)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, d] -> (q^I [B, H^I, T, d^I], k^I [B, 1, T, d^I], both not yet rotated, w [B, T, H^I])."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x))[:, None]
+        return q, k, self.w_proj(x) * self.heads**-0.5
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I])."""
-        B, T, _ = x.shape
-        q = apply_rotary(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), *rope)
-        k = apply_rotary(self.k_norm(self.k_proj(x))[:, None], *rope)[:, 0]
-        return q.transpose(1, 2), k, self.w_proj(x) * self.heads**-0.5
+        """x: [B, T, d] -> (q^I [B, T, H^I, d^I], k^I [B, T, d^I], w [B, T, H^I]), rotated."""
+        q, k, w = self.project(x)
+        q, k = rotate_together([q, k], *rope)
+        return q.transpose(1, 2), k[:, 0], w
+
+
+def rotate_together(tensors: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`~looplm.modules.rotary.apply_rotary` of each of ``tensors`` ([B, N_i, T, D_i],
+    D_i >= R; cos, sin [B, T, R]) as one application to all their first R channels,
+    concatenated: elementwise, so the same numbers, in 1 + n operators plus one rotation
+    instead of n rotations (a decoding step of DSA rotates its queries, keys, index queries
+    and index key). Each result is a contiguous [B, N_i, T, D_i]."""
+    R = cos.shape[-1]
+    if R == 0:
+        return list(tensors)
+    rotated = apply_rotary(torch.cat([t[..., :R] for t in tensors], dim=1), cos, sin)  # [B, ΣN_i, T, R]
+    parts = rotated.split([t.shape[1] for t in tensors], dim=1)
+    return [torch.cat([r, t[..., R:]], dim=-1) for r, t in zip(parts, tensors)]
 
 
 class DeepSeekSparseAttention(nn.Module):
@@ -123,12 +162,12 @@ class DeepSeekSparseAttention(nn.Module):
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int, bias: bool, *, top_k: int, index_heads: int,
-        index_head_dim: int, index_loss_weight: float = 1.0, output_gate: bool = False,
+        index_head_dim: int, index_loss_weight: float = 1.0, output_gate: bool = False, kernel: str = "auto",
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = dim // n_heads
-        self.top_k, self.index_loss_weight = top_k, index_loss_weight
+        self.top_k, self.index_loss_weight, self.kernel = top_k, index_loss_weight, kernel
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.indexer = LightningIndexer(dim, index_heads, index_head_dim, bias)
         self.gate = nn.Linear(dim, n_heads * self.head_dim, bias=bias) if output_gate else None
@@ -141,28 +180,28 @@ class DeepSeekSparseAttention(nn.Module):
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[DSAState] = None
     ) -> tuple[torch.Tensor, DSAState]:
         """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
-        log_backend("dsa", "torch")
         B, T, _ = x.shape
+        log_backend("dsa", "triton" if T > 1 and use_selected_kernel(x, self.kernel) else "torch")
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
-        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-        q_index, k_index, w_index = self.indexer(x.detach(), ctx.rope)  # detached: trained by its own loss
-        spare = (None, None, None)
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
+        q_index, k_index, w_index = self.indexer.project(x.detach())  # detached: trained by its own loss
+        q, k, q_index, k_index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], q_index, k_index], *ctx.rope)
+        q_index, k_index, v = q_index.transpose(1, 2), k_index[:, 0], qkv[:, H + Hkv:]  # [B, T, H^I, d^I], [B, T, d^I]
+        spare, positions = (None, None, None), None
         if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
             (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
                                           extend(state.values, v, 2, state.spare[1]))
             k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
             spare = (k_spare, v_spare, i_spare)
+            positions = _positions(state, k.shape[2], x.device)
         o, index_loss = dsa_attention(
             q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
-            top_k=self.top_k, scale=D**-0.5, index_loss=self.training,
+            top_k=self.top_k, scale=D**-0.5, index_loss=self.training, positions=positions,
+            kernel=self.kernel,
         )  # o: [B, H_kv, G, T, D]
         if index_loss is not None:
             ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)
         y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
-        return self.o_proj(y), DSAState(k, v, k_index, spare)
+        return self.o_proj(y), DSAState(k, v, k_index, spare, positions)

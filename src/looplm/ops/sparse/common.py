@@ -8,6 +8,7 @@ order a kernel happens to visit them (:func:`topk_indices`).
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -94,35 +95,57 @@ def gathered_attention(
     return o.transpose(2, 3).contiguous()  # [B, H_kv, G, T, D]
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_indices(
+    scores: torch.Tensor, k: int, positions: Optional[torch.Tensor] = None, need_keep: bool = True
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The ``k`` largest entries along the last dim, exactly and deterministically:
     (index long [..., k'], keep bool [..., k']) with k' = min(k, n), ordered by score, then
     position, both descending. ``keep`` is False for -inf entries (masked out; they are
-    picked only when fewer than k entries are finite).
+    picked only when fewer than k entries are finite); None when ``need_keep`` is False
+    (a caller whose rows are all finite).
 
     Tie rule: among equal scores the later position wins (-0.0 and 0.0 are equal), so a
     query's choice depends neither on how many later, masked entries its row has (a full
     forward's row versus a decoding step's) nor on the order a kernel visits them.
-    Implemented as one ``topk`` over distinct int64 keys, score's order-preserving bits
-    (float32; bfloat16 and float16 convert exactly) in the high 32 bits and the position
-    in the low 32, so the kernel never sees a tie. float64 scores do not fit a 64-bit key
-    with the position: they take a stable sort of the reversed row (same result, O(n log n)).
-    Scores must not be NaN.
+    Implemented as one ``topk`` over distinct int64 keys: the score's order-preserving int32
+    (float32; bfloat16 and float16 convert exactly) as the high word and the position as the
+    low word, packed by stacking the two int32 words and viewing them as one int64 (4 integer
+    ops and one stack; no int64 arithmetic), so the kernel never sees a tie. ``positions``:
+    an int32 ``arange`` of at least n entries to reuse (a decoding state keeps one), else one
+    is built. float64 scores do not fit a 64-bit key with the position: they take a stable
+    sort of the reversed row (same result, O(n log n)). Scores must not be NaN.
     """
     n = scores.shape[-1]
     k = min(k, n)
     if scores.dtype == torch.float64:
         reversed_order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
         index = (n - 1) - reversed_order  # stable on the reversed row: the later of equals first
-    else:
-        x = scores.float()
-        x = torch.where(x == 0, torch.zeros_like(x), x)  # -0.0 -> 0.0: equal scores, equal bits
-        bits = x.view(torch.int32)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip magnitude bits -> int order = float order
-        key = ordered.long() * 2**32 + torch.arange(n, device=scores.device)  # distinct per row
-        index = torch.topk(key, k, dim=-1, sorted=True).indices
-    keep = scores.gather(-1, index) > float("-inf")
-    return index, keep
+        return index, (scores.gather(-1, index) > float("-inf")) if need_keep else None
+    key = order_key(scores, positions)
+    top = torch.topk(key, k, dim=-1, sorted=True)
+    if not need_keep:
+        return top.indices, None
+    high = top.values.view(torch.int32)[..., _HIGH_WORD::2]  # the ordered score of each pick
+    return top.indices, high > _ORDERED_NEG_INF
+
+
+def order_key(scores: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 keys [..., n] whose order is (score, position): the high 32 bits are the score
+    as an int32 in float order with -0.0 equal to 0.0, the low 32 bits its position."""
+    bits = scores.float().view(torch.int32)
+    sign = bits >> 31  # -1 for negative floats (and -0.0), else 0
+    ordered = ((bits & 0x7FFFFFFF) ^ sign) - sign  # sign-magnitude -> two's complement: -|x| for x < 0, -0.0 -> 0
+    n = scores.shape[-1]
+    if positions is None:
+        positions = torch.arange(n, dtype=torch.int32, device=scores.device)
+    low = positions[:n].expand(ordered.shape)
+    return torch.stack([low, ordered] if _LITTLE_ENDIAN else [ordered, low], dim=-1).view(torch.int64).squeeze(-1)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_HIGH_WORD = 1 if _LITTLE_ENDIAN else 0  # where an int64's high int32 lies
+#: ``order_key``'s high word for -inf: below every finite score's
+_ORDERED_NEG_INF = -0x7F800000
 
 
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""DeepSeek Sparse Attention (DeepSeek-AI 2025, "DeepSeek-V3.2"), plain PyTorch reference:
-the lightning indexer, its top-k key selection, and the indexer's training loss.
+"""DeepSeek Sparse Attention (DeepSeek-AI 2025, "DeepSeek-V3.2"): the lightning indexer, its
+top-k key selection, the attention over the selected keys and the indexer's training loss
+(plain PyTorch, with a Triton kernel for the selected-key attention on CUDA).
 
 The indexer scores each earlier key s for query t (DeepSeek-V3.2 Eq. (1)),
 
@@ -20,12 +21,22 @@ because H^I and d^I are small and it runs in FP8), the selection O(T·S) (one ex
 works through blocks of queries, scoring each block against the keys up to its last
 query, so the live memory is O(block·S·(H + H^I)); in training each block is recomputed in the backward
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
-T × S scores and probabilities of every head. Decoding (T = 1) is O(S·H^I·d^I) in the
-indexer only; the main attention gathers and reads the k selected key/value rows.
+T × S scores and probabilities of every head. Decoding (T = 1, :func:`decode_step`) is
+O(S·H^I·d^I) in the indexer only; the main attention gathers and reads the k selected
+key/value rows (37 dispatched operators per layer and token).
+
+Memory of the main attention over the selected keys: the PyTorch reference gathers each
+block's selected rows, [B, H_kv, block, k, D] keys and values, and in training takes a
+dense masked attention whose [B, H, block, S] probabilities also feed the indexer loss. On
+CUDA the Triton kernel (:mod:`~looplm.ops.sparse.selected_triton`) reads the rows in place
+and returns the attention mass of just the selected keys for the loss, so per block only
+the index scores [B, block, S] and the picks [B, block, k] are allocated besides q, k, v.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -35,6 +46,22 @@ from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
+#: how the main attention over the selected keys runs: "auto" (the Triton kernel on CUDA when
+#: triton is installed, the PyTorch reference elsewhere), "torch" (always the reference),
+#: "triton" (always the kernel; CPU tensors need TRITON_INTERPRET=1)
+KERNELS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_selected_kernel(x: torch.Tensor, kernel: str) -> bool:
+    """Whether the selected-key attention runs :mod:`~looplm.ops.sparse.selected_triton`."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
+    return kernel == "triton" or (kernel == "auto" and x.is_cuda and triton_installed())
 
 
 def index_scores(
@@ -64,7 +91,7 @@ def select_key_indices(
     """:func:`select_keys` as positions: (index long [B, T, k], keep bool [B, T, k]), k =
     min(top_k, S); keep is False for the filler entries of a query with fewer candidates.
     The same choice as the mask (one :func:`topk_indices`, ties to the later key)."""
-    index, _ = topk_indices(scores.masked_fill(~candidates, float("-inf")), top_k)
+    index, _ = topk_indices(scores.masked_fill(~candidates, float("-inf")), top_k, need_keep=False)
     return index, candidates.gather(-1, index)
 
 
@@ -111,42 +138,81 @@ def dsa_attention(
     scale: float,
     index_loss: bool = False,
     block: int = QUERY_BLOCK,
+    positions: Optional[torch.Tensor] = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """DSA for the last T of S positions: each query attends to its top-k keys by index score
     among the real keys at or before it (a padding query sees only itself), block by block.
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
     q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding), or None when every position is real (then a decoding step,
-    T = 1, takes one top-k over its whole score row, no candidate mask). ``index_loss``:
+    [B, S] (False: left padding), or None when every position is real. A decoding step (T =
+    1, no loss) is :func:`decode_step`; ``positions`` is passed on to it. ``index_loss``:
     also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
     Returns (o [B, H_kv, G, T, D], loss).
-    With grad enabled and more than one block, each block is checkpointed.
+    With grad enabled and more than one block, each block is checkpointed. ``kernel``
+    (:data:`KERNELS`): where the selected-key attention of a prefill or training block runs;
+    the Triton kernel reads the selected rows in place (no [B, H_kv, T, k, D] gathers, no
+    dense [B, H, T, S] probabilities for the indexer loss, see
+    :mod:`~looplm.ops.sparse.selected_triton`).
     """
     T, S = q.shape[3], k.shape[2]
+    if T == 1 and not index_loss and top_k < S:  # a decoding step
+        return decode_step(q, k, v, q_index, k_index, w_index, valid, top_k=top_k, scale=scale, positions=positions), None
     keep = torch.is_grad_enabled() and T > block
+    fast = use_selected_kernel(q, kernel)
     outputs, total, rows = [], 0.0, 0
     for start in range(0, max(T, 1), block):  # one (empty) block when T = 0
         end = min(start + block, T)
         args = (q[:, :, :, start:end], k, v, q_index[:, start:end], k_index, w_index[:, start:end], valid,
-                S - T + start, top_k, scale, index_loss)
+                S - T + start, top_k, scale, index_loss, fast)
         o, block_total, block_rows = checkpoint(_dsa_block, *args, use_reentrant=False) if keep else _dsa_block(*args)
         outputs.append(o)
-        total, rows = total + block_total, rows + block_rows
+        if index_loss:
+            total, rows = total + block_total, rows + block_rows
     o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=3)
     return o, (total / rows.clamp_min(1) if index_loss else None)
 
 
-def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool):
+def decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+    w_index: torch.Tensor, valid: Optional[torch.Tensor], *, top_k: int, scale: float,
+    positions: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One decoding step of DSA (one query, the last of S positions, top_k < S): score the
+    index keys, take one exact :func:`topk_indices` over the row and attend to the k gathered
+    rows only, O(S·H^I·d^I + k·H·D). Shapes as :func:`dsa_attention` with T = 1. valid: None
+    when every key is real (then no candidate mask and no -inf flags), else bool [B, S]: the
+    real keys are the candidates (a padding query's only candidate is itself). ``positions``:
+    an int32 arange of at least S entries kept by the caller (built here when None).
+    Returns o [B, H_kv, G, 1, D].
+    """
+    B, Hkv, G, _, D = q.shape
+    S = k.shape[2]
+    scores = index_scores(q_index, k_index, w_index)[:, 0]  # Eq. (1): [B, S]
+    if valid is not None:
+        candidates = valid & valid[:, S - 1:]  # a padding query: nothing ...
+        candidates[:, S - 1] = True  # ... but itself (a real query's own key is real)
+        scores = scores.masked_fill(~candidates, float("-inf"))
+    index, keep = topk_indices(scores, top_k, positions, need_keep=valid is not None)  # [B, k]
+    rows = index[:, None, :, None]  # [B, 1, k, 1], broadcast over heads and channels
+    k_sel = k.gather(2, rows.expand(B, Hkv, -1, D))  # [B, H_kv, k, D]
+    v_sel = v.gather(2, rows.expand(B, Hkv, -1, v.shape[-1]))
+    s = torch.matmul(q[:, :, :, 0], k_sel.transpose(-1, -2)) * scale  # [B, H_kv, G, k]
+    if keep is not None:  # fewer candidates than k: the fillers get no weight (a row always has itself)
+        s = s.masked_fill(~keep[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=s.dtype if s.dtype == torch.float64 else torch.float32)  # float32 at least
+    return torch.matmul(p.to(v.dtype), v_sel)[:, :, :, None]  # [B, H_kv, G, 1, D]
+
+
+def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool,
+               fast: bool):
     """One block of Q queries at absolute positions first .. first + Q − 1 against the keys at
     or before its last query (the later ones are never candidates)."""
     Q = q.shape[3]
     S = first + Q
     k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
-    if valid is None and Q == 1 and not index_loss and top_k < S:  # a decoding step: every key is a candidate
-        index, _ = topk_indices(scores, top_k)
-        return gathered_attention(q, k, v, index, None, scale), q.new_zeros(()), q.new_zeros((), dtype=torch.long)
     key = torch.arange(S, device=q.device)
     query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
     causal = (key <= query)[None]  # [1, Q, S]
@@ -158,14 +224,31 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
         candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
             query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]
         )
+    return _selected_block(q, k, v, scores, candidates, query_valid, top_k, scale, index_loss, fast)
+
+
+def _selected_block(q, k, v, scores, candidates, query_valid, top_k: int, scale: float, index_loss: bool, fast: bool):
+    """A block's attention over its top-k candidates (bool [B, Q, S]) by index score, and its
+    indexer-loss pieces when ``index_loss``."""
+    S = k.shape[2]
+    if fast and top_k < S:  # the kernel reads the selected rows in place; the loss sees only them
+        from looplm.ops.sparse.selected_triton import selected_attention
+
+        index, keep = select_key_indices(scores, candidates, top_k)
+        o, mass = selected_attention(q, k, v, index, keep, scale, with_mass=index_loss)
+        if not index_loss:
+            return o, None, None
+        selected = keep & query_valid[..., None]  # a padding query's own key is not a selection
+        total, rows = index_kl_sum(scores.gather(-1, index), mass.sum(dim=1), selected, query_valid)  # [B, Q, k]
+        return o, total, rows
     if not index_loss and top_k < S:  # read only the selected keys and values (decoding, evaluation)
         index, keep = select_key_indices(scores, candidates, top_k)
         o = gathered_attention(q, k, v, index, keep, scale)
-        return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+        return o, None, None
     allowed = select_keys(scores, candidates, top_k)
     o, p = grouped_attention(q, k, v, allowed[:, None, None], scale)  # p: [B, H_kv, G, Q, S] float32
     if not index_loss:
-        return o, q.new_zeros(()), q.new_zeros((), dtype=torch.long)
+        return o, None, None
     selected = allowed & query_valid[..., None]  # a padding query's own key is not a selection
     total, rows = index_kl_sum(scores, p.detach().sum(dim=(1, 2)), selected, query_valid)
     return o, total, rows
