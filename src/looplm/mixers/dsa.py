@@ -33,7 +33,7 @@ from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
-from looplm.ops.sparse.dsa import KERNELS, dsa_attention, use_selected_kernel
+from looplm.ops.sparse.dsa import KERNELS, decode_step, dsa_attention, use_selected_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,47 @@ class DSAState:
 
     def select(self, index: torch.Tensor) -> "DSAState":
         return DSAState(self.keys[index], self.values[index], self.index_keys[index], positions=self.positions)
+
+
+    def static(self, capacity: int) -> "StaticDSAState":
+        """The keys, values and index keys in buffers preallocated for ``capacity`` positions
+        (:mod:`looplm.cache`)."""
+        B, Hkv, S, D = self.keys.shape
+        keys, values = self.keys.new_zeros(B, Hkv, capacity, D), self.values.new_zeros(B, Hkv, capacity, D)
+        index_keys = self.index_keys.new_zeros(B, capacity, self.index_keys.shape[-1])
+        keys[:, :, :S], values[:, :, :S], index_keys[:, :S] = self.keys, self.values, self.index_keys
+        return StaticDSAState(keys, values, index_keys, torch.arange(capacity, dtype=torch.int32, device=keys.device))
+
+
+@dataclasses.dataclass
+class StaticDSAState:
+    """DSA's state in a static cache: keys, values [B, H_kv, C, D] and index keys [B, C, d^I]
+    preallocated for C positions, written in place at the step's rows; ``positions`` the
+    int32 arange(C) of the decoding top-k's tie-break. A step scores every row and picks
+    among the valid ones at or before it (:func:`~looplm.ops.sparse.dsa.decode_step`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    index_keys: torch.Tensor
+    positions: torch.Tensor
+
+    def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index_keys: torch.Tensor) -> None:
+        self.keys.index_copy_(2, rows, keys)
+        self.values.index_copy_(2, rows, values)
+        self.index_keys.index_copy_(1, rows, index_keys)
+
+    rewind = None  # a crop may remove any number of positions: their rows are rewritten
+
+    def crop(self, length: int) -> "StaticDSAState":
+        return self
+
+    def select(self, index: torch.Tensor) -> "StaticDSAState":
+        """Reorder the rows in place (beam search keeps the batch size)."""
+        if index.shape[0] != self.keys.shape[0]:
+            return StaticDSAState(self.keys[index], self.values[index], self.index_keys[index], self.positions)
+        for buffer in (self.keys, self.values, self.index_keys):
+            buffer.copy_(buffer[index])
+        return self
 
 
 def _positions(state: Optional[DSAState], length: int, device: torch.device) -> torch.Tensor:
@@ -187,6 +228,12 @@ class DeepSeekSparseAttention(nn.Module):
         q_index, k_index, w_index = self.indexer.project(x.detach())  # detached: trained by its own loss
         q, k, q_index, k_index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], q_index, k_index], *ctx.rope)
         q_index, k_index, v = q_index.transpose(1, 2), k_index[:, 0], qkv[:, H + Hkv:]  # [B, T, H^I, d^I], [B, T, d^I]
+        if isinstance(state, StaticDSAState):
+            o = self._attend_static(q.reshape(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx, state)
+            y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            if self.gate is not None:
+                y = y * torch.sigmoid(self.gate(x))
+            return self.o_proj(y), state
         spare, positions = (None, None, None), None
         if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
             (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
@@ -205,3 +252,20 @@ class DeepSeekSparseAttention(nn.Module):
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
         return self.o_proj(y), DSAState(k, v, k_index, spare, positions)
+
+    def _attend_static(self, q, k, v, q_index, k_index, w_index, ctx: MixerContext,
+                       state: StaticDSAState) -> torch.Tensor:
+        """DSA against a static cache: write the new rows, then one query picks among the
+        valid rows at or before it (the captured decoding step); several new positions
+        (an eager chunk) attend over the rows written so far, read from the host."""
+        state.write(ctx.slots, k, v, k_index)
+        if q.shape[3] == 1:
+            candidates = ctx.static_mask("window", None)[:, 0, 0]  # [B, C]: causal, valid, itself
+            return decode_step(q, state.keys, state.values, q_index, state.index_keys, w_index, None,
+                               top_k=self.top_k, scale=self.head_dim**-0.5, positions=state.positions,
+                               candidates=candidates)
+        end = int(ctx.slots[-1]) + 1  # a host read: chunks against a static cache run eagerly
+        o, _ = dsa_attention(q, state.keys[:, :, :end], state.values[:, :, :end], q_index,
+                             state.index_keys[:, :end], w_index, ctx.valid[:, :end] if ctx.padded else None,
+                             top_k=self.top_k, scale=self.head_dim**-0.5, kernel=self.kernel)
+        return o

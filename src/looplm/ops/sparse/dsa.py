@@ -177,7 +177,7 @@ def dsa_attention(
 def decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
     w_index: torch.Tensor, valid: Optional[torch.Tensor], *, top_k: int, scale: float,
-    positions: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None, candidates: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One decoding step of DSA (one query, the last of S positions, top_k < S): score the
     index keys, take one exact :func:`topk_indices` over the row and attend to the k gathered
@@ -185,12 +185,17 @@ def decode_step(
     when every key is real (then no candidate mask and no -inf flags), else bool [B, S]: the
     real keys are the candidates (a padding query's only candidate is itself). ``positions``:
     an int32 arange of at least S entries kept by the caller (built here when None).
+    ``candidates``: bool [B, S], the keys the query may pick, given whole (a static cache's
+    rows, where the query is not the last row); then ``valid`` is unused and fillers, when
+    fewer than top_k rows are candidates, get no weight.
     Returns o [B, H_kv, G, 1, D].
     """
     B, Hkv, G, _, D = q.shape
     S = k.shape[2]
     scores = index_scores(q_index, k_index, w_index)[:, 0]  # Eq. (1): [B, S]
-    if valid is not None:
+    if candidates is not None:
+        scores, valid = scores.masked_fill(~candidates, float("-inf")), candidates
+    elif valid is not None:
         candidates = valid & valid[:, S - 1:]  # a padding query: nothing ...
         candidates[:, S - 1] = True  # ... but itself (a real query's own key is real)
         scores = scores.masked_fill(~candidates, float("-inf"))
