@@ -39,7 +39,8 @@ class _WriteRead(torch.autograd.Function):
     """One MeSH write-read (Alg. 2 lines 9-13 / 17-22) on the unrolled form of Eq. (7).
 
     state [B, T, d]: h^(t), what the routers read. update [B, T, d]: h_m^(t), the value
-    written. values [B, T, J, d] / weights [B, T, J, S]: the values written so far and
+    written; None writes the state itself (t = -1 writes the prelude output its routers
+    read). values [B, T, J, d] / weights [B, T, J, S]: the values written so far and
     their write weights (row 0: h_emb and e_0). Router parameters: Linear_write^(t) and
     Linear_read^(t) (weight [S, d], bias [S]), used as one d -> 2S matmul.
     Returns h^(t+1) [B, T, d], the values and weights with this write appended
@@ -60,6 +61,8 @@ class _WriteRead(torch.autograd.Function):
             probs = torch.softmax(logits.view(B, T, 2, S), dim=-1)
             write, read = probs.unbind(dim=-2)  # [B, T, S] each
             weights = torch.cat([weights.to(probs.dtype), write.unsqueeze(-2)], dim=-2)  # [B, T, J+1, S]
+            ctx.writes_state = update is None
+            update = state if update is None else update
             values = torch.cat([values, update.unsqueeze(-2).to(values.dtype)], dim=-2)  # [B, T, J+1, d]
             coef = torch.bmm(weights.view(N, J + 1, S), read.reshape(N, S, 1))  # Eq. (7) α: [N, J+1, 1]
             h = torch.bmm(coef.transpose(1, 2).to(values.dtype), values.view(N, J + 1, d))  # [N, 1, d]
@@ -83,10 +86,14 @@ class _WriteRead(torch.autograd.Function):
             g_weights = _outer(grad_weights, g_coef, read, (N, J1, S))  # [N, J+1, S]
             g_probs = torch.stack([g_weights[:, -1], g_read.view(N, S)], dim=1)  # [N, 2, S]
             g_logits = torch._softmax_backward_data(g_probs, probs.view(N, 2, S), -1, probs.dtype).view(N, 2 * S)
-            g_state = torch.mm(g_logits, router_weight).view(B, T, d)
+            g_update = g_values[:, -1]
+            if ctx.writes_state:  # the state was also the update: one gradient for both
+                g_state, g_update = torch.addmm(g_update, g_logits, router_weight).view(B, T, d), None
+            else:
+                g_state = torch.mm(g_logits, router_weight).view(B, T, d)
             g_router_weight = torch.mm(g_logits.t(), s)  # [2S, d]
             g_router_bias = g_logits.sum(dim=0)
-        g_update = g_values[:, -1].view(B, T, d)
+        g_update = None if g_update is None else g_update.view(B, T, d)
         g_prev_values = g_values[:, :-1].view(B, T, J1 - 1, d)
         g_prev_weights = g_weights[:, :-1].view(B, T, J1 - 1, S) if ctx.needs_input_grad[3] else None
         return (g_state, g_update, g_prev_values, g_prev_weights,
@@ -117,7 +124,7 @@ class MeshTopology(Topology):
     def extra_repr(self) -> str:
         return f"slots={self.slots}"
 
-    def _write_read(self, state: LoopState, update: torch.Tensor, index: int) -> LoopState:
+    def _write_read(self, state: LoopState, update: Optional[torch.Tensor], index: int) -> LoopState:
         carrier = state.carrier
         h, values, weights, probs = _WriteRead.apply(
             state.h, update, carrier["values"], carrier["weights"],
@@ -134,7 +141,7 @@ class MeshTopology(Topology):
         empty = LoopState(h=h_pre, carrier={"values": h_emb.unsqueeze(-2),
                                             "weights": self.slot0.expand(B, T, 1, self.slots)})
         # Alg. 2 lines 8-13: routers of t = -1 read the prelude output h_m^(-1) and write it
-        state = self._write_read(empty, h_pre, 0)
+        state = self._write_read(empty, None, 0)
         return LoopState(h=state.h, carrier={"h0": state.h, "h_emb": h_emb, **state.carrier}, record=state.record)
 
     def step(self, state: LoopState, update: torch.Tensor, t: int) -> LoopState:
