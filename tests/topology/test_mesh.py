@@ -200,16 +200,18 @@ def _step_counts(topology: str):
 
 
 def test_training_step_costs_few_operators_more_than_the_base_loop():
-    """The buffer form dispatched 598 operators against base's 522 (1.15×). The unrolled form
-    needs per write-read a router matmul and softmax, two small batched matmuls (the Eq. 7
-    coefficients, the read), two appends and their backward: 577 (1.105×)."""
+    """The buffer form dispatched 598 operators against base's 522 (+76, 1.15×). Unrolled,
+    three write-reads cost 54 more than base (1.10×): per write-read the fused router
+    (addmm, softmax; softmax backward, input-, weight- and bias-gradient), the Eq. (7)
+    coefficients and the read (two bmm forward, four backward), two appends, a stack of
+    the router gradients, and the state's gradient summed over router and core. Asserted
+    as operators over base, which other changes to the loop do not move."""
     base, mesh = _step_counts("base"), _step_counts("mesh")
     extra = mesh.by_op.copy()
     extra.subtract(base.by_op)
     detail = {k: v for k, v in extra.items() if v}
     assert mesh.syncs == 0, mesh.by_op
-    assert mesh.ops <= 1.11 * base.ops, f"mesh {mesh.ops} vs base {base.ops}: extra {detail}"
-    assert mesh.ops - base.ops <= 55, f"mesh {mesh.ops} vs base {base.ops}: extra {detail}"
+    assert mesh.ops - base.ops <= 54, f"mesh {mesh.ops} vs base {base.ops}: extra {detail}"
 
 
 def test_write_reads_trace_as_one_graph():

@@ -16,12 +16,14 @@ and the read is the unrolled recurrence of Eq. (7),
     h^(t+1) = Σ_b w_read(t)_b m_b = w_read(t)_0 · h_emb + Σ_{t'} ⟨w_read(t), w_write(t')⟩ · h_m(t').
 
 The carrier keeps the written values V = [h_emb, h_m(-1), .., h_m(t)] [B, T, t+3, d] and
-their write weights A = [e_0, w_write(-1), .., w_write(t)] [B, T, t+3, B] (e_0 the one-hot
-of slot 0, h_emb's "write"); a write-read appends to both and reads h = (A·w_read)ᵀ V:
-two batched matmuls over t + 3 rows instead of a [B, T, slots, d] buffer rebuilt each time.
-One :class:`torch.autograd.Function` runs a write-read with one fused router matmul
-(d -> 2·B: write and read logits together) and a hand-written backward, so a training step
-launches a fixed handful of kernels per iteration (DESIGN.md invariant 6).
+their write weights A = [e_0, w_write(-1), .., w_write(t)] [B, T, t+3, S] (S slots, the
+paper's B; e_0 the one-hot of slot 0, h_emb's "write"); a write-read appends to both and
+reads h = (A·w_read)ᵀ V: two batched matmuls over t + 3 rows instead of a [S, B, T, d]
+buffer rebuilt, multiplied and contracted each time. One :class:`torch.autograd.Function`
+runs a write-read with one fused router matmul (d -> 2S: write and read logits together)
+and a hand-written backward, so a training step launches a fixed handful of kernels per
+iteration (DESIGN.md invariant 6). Saved for the backward: each write-read's t + 3 values,
+Σ_t (t + 3)·d per position over the loop (the buffer form saved S·d per write-read).
 """
 
 from __future__ import annotations
