@@ -103,11 +103,11 @@ class _WriteRead(torch.autograd.Function):
 
 
 def _outer(incoming: Optional[torch.Tensor], column: torch.Tensor, row: torch.Tensor, shape) -> torch.Tensor:
-    """column @ row, [N, J, 1] x [N, 1, K] -> [N, J, K], plus ``incoming`` (the gradient from
-    later write-reads, None after the last) in the same kernel."""
+    """column ⊗ row, [N, J, 1] x [N, 1, K] -> [N, J, K], plus ``incoming`` (the gradient from
+    later write-reads, None after the last) in the same elementwise kernel."""
     if incoming is None:
-        return torch.bmm(column, row)
-    return torch.baddbmm(incoming.reshape(shape), column, row)
+        return column * row
+    return torch.addcmul(incoming.reshape(shape), column, row)
 
 
 class MeshTopology(Topology):
