@@ -233,3 +233,13 @@ def test_write_reads_trace_as_one_graph():
     for a, b in zip(torch.autograd.grad(got, [emb, pre, *topo.parameters()]),
                     torch.autograd.grad(want, [emb, pre, *topo.parameters()])):
         torch.testing.assert_close(a, b)
+
+
+def test_runs_on_the_meta_device():
+    """Shapes without memory (a meta model, as looplm info builds one): the write-read's
+    autocast guard must not need a device with autocast."""
+    with torch.device("meta"):
+        model = LoopLM(load_config("tiny-mesh").model)
+        out = model(torch.zeros(2, 8, dtype=torch.long), output_states=True)
+    assert out.logits.shape == (2, 8, 257) and out.logits.is_meta
+    assert [r.shape for r in out.record["read"]] == [(2, 8, model.topology.slots)] * (model.cfg.iterations + 1)
