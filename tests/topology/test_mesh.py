@@ -243,3 +243,25 @@ def test_runs_on_the_meta_device():
         out = model(torch.zeros(2, 8, dtype=torch.long), output_states=True)
     assert out.logits.shape == (2, 8, 257) and out.logits.is_meta
     assert [r.shape for r in out.record["read"]] == [(2, 8, model.topology.slots)] * (model.cfg.iterations + 1)
+
+
+def test_gradient_of_an_intermediate_state_alone():
+    """A loss on h^(1) only (h^(3) detached): the write-read that makes h^(1) gets no
+    gradient for the values it passes on, the later ones are out of the graph; the
+    gradients are the buffer form's."""
+    torch.manual_seed(0)
+    topo = MeshTopology(8, 3, 4)
+    _randomise_routers(topo, seed=5)
+    ref = copy.deepcopy(topo)
+    ref.__class__ = BufferMesh
+    emb, pre = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True)
+    grads = []
+    for module in (topo, ref):
+        states, _ = _run_topology(module, emb, pre, lambda h, t: torch.tanh(2 * h), 3)
+        grads.append(torch.autograd.grad(states[1].sum() + states[3].detach().sum(), [emb, pre, *module.parameters()],
+                                         allow_unused=True))
+    for a, b in zip(*grads):
+        if b is None or not b.abs().sum():
+            assert a is None or not a.abs().sum()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

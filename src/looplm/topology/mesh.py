@@ -81,7 +81,7 @@ class _WriteRead(torch.autograd.Function):
         B, T, J1, d = values.shape
         N, S = B * T, probs.shape[-1]
         with _no_autocast(s.device):
-            g_h = grad_h.reshape(N, 1, d)
+            g_h = (torch.zeros_like(s) if grad_h is None else grad_h).reshape(N, 1, d)  # None: h unused
             g_coef = torch.bmm(values.view(N, J1, d), g_h.transpose(1, 2)).to(coef.dtype)  # [N, J+1, 1]
             g_values = _outer(grad_values, coef.to(values.dtype), g_h, (N, J1, d))  # [N, J+1, d]
             read = probs.view(N, 2, S)[:, 1:]  # [N, 1, S]
@@ -91,7 +91,8 @@ class _WriteRead(torch.autograd.Function):
             g_logits = torch._softmax_backward_data(g_probs, probs.view(N, 2, S), -1, probs.dtype).view(N, 2 * S)
             g_update = g_values[:, -1]
             if ctx.writes_state:  # the state was also the update: one gradient for both
-                g_state, g_update = torch.addmm(g_update, g_logits, router_weight).view(B, T, d), None
+                g_state = torch.addmm(g_update.to(g_logits.dtype), g_logits, router_weight).view(B, T, d)
+                g_update = None
             else:
                 g_state = torch.mm(g_logits, router_weight).view(B, T, d)
             g_router_weight = torch.mm(g_logits.t(), s)  # [2S, d]
