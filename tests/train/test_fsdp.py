@@ -154,8 +154,11 @@ def test_sharded_checkpoint_resumes_exactly_and_consolidates(runs):
     # the consolidated model.safetensors is a plain checkpoint's
     consolidated, single = checkpoint_weights(whole, 4), checkpoint_weights(runs / "one-mesh", 4)
     assert consolidated.keys() == single.keys()
+    # against the one-process run's weights: equal to rounding, but Adam's normalised update
+    # magnifies a rounding difference in a near-zero gradient (seen: 1.3e-5 at one element of
+    # 1024 after step 2, with the rest below 1e-6); a scrambled shard would differ by ~1e-2
     for key in single:
-        torch.testing.assert_close(consolidated[key], single[key], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(consolidated[key], single[key], rtol=1e-4, atol=5e-5)
     tied = runs / "fsdp-gdn"  # a tied embedding is stored once, as save_model stores it
     assert load_file(str(tied / "checkpoints" / "step_0000003" / "model.safetensors")).keys() == \
         load_file(str(runs / "one-gdn" / "checkpoints" / "step_0000003" / "model.safetensors")).keys()

@@ -15,6 +15,7 @@ from typing import Literal
 from looplm.config_base import ConfigError
 
 ATTENTION = ("full", "causal", "none")
+MESH_READS = ("buffer", "unrolled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Convention:
     chunkwise algorithm that runs in training (``chunk``) or as the token recurrence
     (``recurrent``). read_flops_per_mac: FLOPs per MAC of the MeSH buffer read (a
     contraction over slots; 0: flops_per_mac; MeSH's Eq. 8 counts its multiply and add, 2).
+    mesh_read: that read counted as the paper's buffer read (``buffer``, Eq. 8) or as the
+    unrolled read of Eq. (7) that looplm runs (``unrolled``: what a FLOP counter measures).
     embedding: the embedding lookup counted as a one-hot matmul (V·d MACs per token) whose
     training cost is its forward plus the weight gradient, 2 × forward, not
     ``training_multiplier`` × (no input gradient; what SGT's Table 1-2 totals imply)."""
@@ -47,6 +50,7 @@ class Convention:
     training_multiplier: float = 3.0
     linear_form: Literal["chunk", "recurrent"] = "chunk"
     read_flops_per_mac: int = 0
+    mesh_read: Literal["buffer", "unrolled"] = "buffer"
     embedding: bool = False
     description: str = ""
 
@@ -55,6 +59,8 @@ class Convention:
             raise ConfigError("convention.flops_per_mac", self.flops_per_mac, "1 (fvcore) or 2")
         if self.attention not in ATTENTION:
             raise ConfigError("convention.attention", self.attention, ", ".join(ATTENTION))
+        if self.mesh_read not in MESH_READS:
+            raise ConfigError("convention.mesh_read", self.mesh_read, ", ".join(MESH_READS))
 
     def replace(self, **changes) -> "Convention":
         return dataclasses.replace(self, **changes)
@@ -76,7 +82,7 @@ CONVENTIONS: dict[str, Convention] = {
                    "embedding as a one-hot matmul (forward + weight gradient)"),
         Convention("lt2", attention="full",
                    description="LT2 Appendix: per-layer FLOPs × layers × T (unrolled), 2 FLOPs/MAC"),
-        Convention("torch", attention="full", state=False,
+        Convention("torch", attention="full", state=False, mesh_read="unrolled",
                    description="what torch.utils.flop_counter.FlopCounterMode measures: matmuls at 2 FLOPs/MAC, "
                    "SDPA over all T×S pairs, nothing elementwise"),
     )

@@ -25,7 +25,9 @@ class Cost:
     mac: multiply-accumulates of projections and other matmuls. attn_full / attn_causal:
     MACs of the score and value products over all T × S pairs / over the pairs a query
     may see. mixer_chunk / mixer_recurrent: MACs of a linear mixer's core in its chunkwise
-    form / as the token recurrence. read_mac: MACs of the MeSH buffer read. norm: norm
+    form / as the token recurrence. read_mac: MACs of the MeSH buffer read (Eq. 8's count);
+    read_unrolled_mac: MACs of the same read as looplm runs it, unrolled (Eq. 7: the
+    coefficients and the weighted sum of the values written so far). norm: norm
     FLOPs. bias: bias additions (and learned vectors added to every position: position
     rows, step embeddings). residual: the block's residual additions. state: elementwise
     ops combining loop states (topology, stream inputs, ACT readout). embed: the embedding
@@ -37,6 +39,7 @@ class Cost:
     mixer_chunk: float = 0
     mixer_recurrent: float = 0
     read_mac: float = 0
+    read_unrolled_mac: float = 0
     norm: float = 0
     bias: float = 0
     residual: float = 0
@@ -55,7 +58,8 @@ class Cost:
         mixer = self.mixer_chunk if c.linear_form == "chunk" else self.mixer_recurrent
         return (
             c.flops_per_mac * (self.mac + attention + mixer)
-            + (c.read_flops_per_mac or c.flops_per_mac) * self.read_mac
+            + (c.read_flops_per_mac or c.flops_per_mac) * (self.read_mac if c.mesh_read == "buffer"
+                                                            else self.read_unrolled_mac)
             + (self.norm if c.norms else 0)
             + (self.bias if c.bias else 0)
             + (self.residual if c.residual else 0)

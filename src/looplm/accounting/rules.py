@@ -338,10 +338,14 @@ def _mesh(m: MeshTopology, call: Call) -> Cost:
     """One write-read per call (t = -1 at the start, then each iteration; MeSH Alg. 2):
     write and read routers (Linear d -> B each), the write m_b += w_b ⊙ h (a multiply and
     an add per slot and channel) and the read Σ_b w_b ⊙ m_b (a contraction over slots).
-    MeSH Eq. (8) totals 6·d·B per position at one FLOP per operation."""
+    MeSH Eq. (8) totals 6·d·B per position at one FLOP per operation. Run unrolled (Eq. 7,
+    topology/mesh.py), the read after the write of iteration t contracts the t + 3 values
+    written so far (h_emb included) with coefficients from t + 3 write weights of B slots."""
     d, B = m.write[0].in_features, m.slots
+    written = call.iteration + 3  # h_emb, h_m^(-1), .., h_m^(t); the start is t = -1
     routers = module_cost(m.write[0], call) + module_cost(m.read[0], call)
-    return routers + Cost(state=2 * call.rows * d * B, read_mac=call.rows * d * B)
+    return routers + Cost(state=2 * call.rows * d * B, read_mac=call.rows * d * B,
+                          read_unrolled_mac=call.rows * written * (d + B))
 
 
 

@@ -2,8 +2,8 @@
 
 A topology decides how the core's output f_core(h^(t)) enters the loop state. It owns
 its parameters (routers, gates) but never its carrier: the anchor h^(0), the embeddings
-and the MeSH buffer travel in a :class:`LoopState` that the loop driver passes along, so
-the same module can serve every iteration and every batch.
+and the values MeSH has written travel in a :class:`LoopState` that the loop driver
+passes along, so the same module can serve every iteration and every batch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 @dataclasses.dataclass
 class LoopState:
     """h: the state h^(t) the next core pass reads, [B, T, d].
-    carrier: what the topology keeps besides h (h^(0), h_emb, the MeSH buffer).
+    carrier: what the topology keeps besides h (h^(0), h_emb, the values MeSH wrote).
     record: per-iteration values for callers (e.g. router weights), lists in iteration order.
     """
 

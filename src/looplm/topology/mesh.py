@@ -1,4 +1,4 @@
-"""MeSH: Memory-as-State-Highways (mesh.txt §3.2, Algorithm 2).
+"""MeSH: Memory-as-State-Highways (mesh.txt §3.2, Algorithm 2), computed without its buffer.
 
 A buffer of B slots, each shaped like the hidden state, replaces the fixed supplement of
 Eq. (1). Slot 0 starts as the embeddings, the others as zeros (Eq. 2). Per iteration
@@ -8,14 +8,115 @@ the write weights (Eq. 5) and the next state is read with the read weights (Eq. 
 t = -1 is the transitional write-read of the prelude output (Alg. 2 lines 8-13); the
 state after the last read goes to the coda (line 25). Routers add
 (K + 1) · 2 · (d · B + B) parameters (Appendix E.4, Table 6).
+
+The buffer is linear in what was written, so it never needs to exist: after the writes of
+iterations -1 .. t slot b holds m_b = [b = 0]·h_emb + Σ_{t' <= t} w_write(t')_b · h_m(t'),
+and the read is the unrolled recurrence of Eq. (7),
+
+    h^(t+1) = Σ_b w_read(t)_b m_b = w_read(t)_0 · h_emb + Σ_{t'} ⟨w_read(t), w_write(t')⟩ · h_m(t').
+
+The carrier keeps the written values V = [h_emb, h_m(-1), .., h_m(t)] [B, T, t+3, d] and
+their write weights A = [e_0, w_write(-1), .., w_write(t)] [B, T, t+3, S] (S slots, the
+paper's B; e_0 the one-hot of slot 0, h_emb's "write"); a write-read appends to both and
+reads h = (A·w_read)ᵀ V: two batched matmuls over t + 3 rows instead of a [S, B, T, d]
+buffer rebuilt, multiplied and contracted each time. One :class:`torch.autograd.Function`
+runs a write-read with one fused router matmul (d -> 2S: write and read logits together)
+and a hand-written backward, so a training step launches a fixed handful of kernels per
+iteration (DESIGN.md invariant 6). Saved for the backward: each write-read's t + 3 values,
+Σ_t (t + 3)·d per position over the loop (the buffer form saved S·d per write-read).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from looplm.topology.base import LoopState, Topology
+
+
+class _WriteRead(torch.autograd.Function):
+    """One MeSH write-read (Alg. 2 lines 9-13 / 17-22) on the unrolled form of Eq. (7).
+
+    state [B, T, d]: h^(t), what the routers read. update [B, T, d]: h_m^(t), the value
+    written; None writes the state itself (t = -1 writes the prelude output its routers
+    read). values [B, T, J, d] / weights [B, T, J, S]: the values written so far and
+    their write weights (row 0: h_emb and e_0). Router parameters: Linear_write^(t) and
+    Linear_read^(t) (weight [S, d], bias [S]), used as one d -> 2S matmul.
+    Returns h^(t+1) [B, T, d], the values and weights with this write appended
+    ([B, T, J+1, ·]) and the router probabilities [B, T, 2, S] (write, read; no gradient:
+    they are the record). Autocast is off inside: the router and the read run in the
+    state's dtype (fp32 under mixed precision), one cast of the weights at most.
+    """
+
+    @staticmethod
+    def forward(ctx, state, update, values, weights, write_weight, write_bias, read_weight, read_bias):
+        B, T, d = state.shape
+        N, J, S = B * T, values.shape[-2], write_weight.shape[0]
+        with _no_autocast(state.device):
+            router_weight = torch.cat([write_weight, read_weight]).to(state.dtype)  # [2S, d]
+            router_bias = torch.cat([write_bias, read_bias]).to(state.dtype)
+            s = state.reshape(N, d)
+            logits = torch.addmm(router_bias, s, router_weight.t())  # Eq. (3), both routers: [N, 2S]
+            probs = torch.softmax(logits.view(B, T, 2, S), dim=-1)
+            write, read = probs.unbind(dim=-2)  # [B, T, S] each
+            weights = torch.cat([weights.to(probs.dtype), write.unsqueeze(-2)], dim=-2)  # [B, T, J+1, S]
+            ctx.writes_state = update is None
+            update = state if update is None else update
+            values = torch.cat([values, update.unsqueeze(-2).to(values.dtype)], dim=-2)  # [B, T, J+1, d]
+            coef = torch.bmm(weights.view(N, J + 1, S), read.reshape(N, S, 1))  # Eq. (7) α: [N, J+1, 1]
+            h = torch.bmm(coef.transpose(1, 2).to(values.dtype), values.view(N, J + 1, d))  # [N, 1, d]
+        ctx.save_for_backward(s, router_weight, probs, weights, values, coef)
+        ctx.mark_non_differentiable(probs)
+        ctx.set_materialize_grads(False)
+        return h.view(B, T, d), values, weights, probs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_h, grad_values, grad_weights, _grad_probs):
+        s, router_weight, probs, weights, values, coef = ctx.saved_tensors
+        B, T, J1, d = values.shape
+        N, S = B * T, probs.shape[-1]
+        with _no_autocast(s.device):
+            g_h = (torch.zeros_like(s) if grad_h is None else grad_h).reshape(N, 1, d)  # None: h unused
+            g_coef = torch.bmm(values.view(N, J1, d), g_h.transpose(1, 2)).to(coef.dtype)  # [N, J+1, 1]
+            g_values = _outer(grad_values, coef.to(values.dtype), g_h, (N, J1, d))  # [N, J+1, d]
+            read = probs.view(N, 2, S)[:, 1:]  # [N, 1, S]
+            g_read = torch.bmm(weights.view(N, J1, S).transpose(1, 2), g_coef)  # [N, S, 1]
+            g_weights = _outer(grad_weights, g_coef, read, (N, J1, S))  # [N, J+1, S]
+            g_probs = torch.stack([g_weights[:, -1], g_read.view(N, S)], dim=1)  # [N, 2, S]
+            g_logits = torch._softmax_backward_data(g_probs, probs.view(N, 2, S), -1, probs.dtype).view(N, 2 * S)
+            g_update = g_values[:, -1]
+            if ctx.writes_state:  # the state was also the update: one gradient for both
+                g_state = torch.addmm(g_update.to(g_logits.dtype), g_logits, router_weight).view(B, T, d)
+                g_update = None
+            else:
+                g_state = torch.mm(g_logits, router_weight).view(B, T, d)
+            g_router_weight = torch.mm(g_logits.t(), s)  # [2S, d]
+            g_router_bias = g_logits.sum(dim=0)
+        g_update = None if g_update is None else g_update.view(B, T, d)
+        g_prev_values = g_values[:, :-1].view(B, T, J1 - 1, d)
+        g_prev_weights = g_weights[:, :-1].view(B, T, J1 - 1, S) if ctx.needs_input_grad[3] else None
+        return (g_state, g_update, g_prev_values, g_prev_weights,
+                g_router_weight[:S], g_router_bias[:S], g_router_weight[S:], g_router_bias[S:])
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device`` (a device without autocast, e.g. meta, needs nothing)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _outer(incoming: Optional[torch.Tensor], column: torch.Tensor, row: torch.Tensor, shape) -> torch.Tensor:
+    """column ⊗ row, [N, J, 1] x [N, 1, K] -> [N, J, K], plus ``incoming`` (the gradient from
+    later write-reads, None after the last) in the same elementwise kernel."""
+    if incoming is None:
+        return column * row
+    return torch.addcmul(incoming.reshape(shape), column, row)
 
 
 class MeshTopology(Topology):
@@ -26,31 +127,37 @@ class MeshTopology(Topology):
         # index i holds the routers of iteration t = i - 1 (i = 0 is the transitional t = -1)
         self.write = nn.ModuleList(nn.Linear(dim, slots) for _ in range(iterations + 1))
         self.read = nn.ModuleList(nn.Linear(dim, slots) for _ in range(iterations + 1))
+        # e_0: slot 0's "write weight" of h_emb (Eq. 2), the first row of the carrier's weights
+        slot0 = torch.zeros(slots)
+        slot0[0] = 1.0
+        self.register_buffer("slot0", slot0, persistent=False)
 
     def extra_repr(self) -> str:
         return f"slots={self.slots}"
 
-    def _write_read(self, state_h: torch.Tensor, h_m: torch.Tensor, memory: torch.Tensor, index: int, record: dict):
-        w_write = torch.softmax(self.write[index](state_h), dim=-1)  # Eq. (3): [B, T, S]
-        w_read = torch.softmax(self.read[index](state_h), dim=-1)
-        record.setdefault("write", []).append(w_write.detach())
-        record.setdefault("read", []).append(w_read.detach())
-        memory = memory + w_write.permute(2, 0, 1).unsqueeze(-1) * h_m  # Eq. (5): [S, B, T, d]
-        h = torch.einsum("sbtd,bts->btd", memory, w_read)  # read: h^(t+1) = Σ_b m_b ⊙ w_read,b
-        return h, memory
+    def _write_read(self, state: LoopState, update: Optional[torch.Tensor], index: int) -> LoopState:
+        carrier = state.carrier
+        h, values, weights, probs = _WriteRead.apply(
+            state.h, update, carrier["values"], carrier["weights"],
+            self.write[index].weight, self.write[index].bias, self.read[index].weight, self.read[index].bias,
+        )
+        write, read = probs.unbind(dim=-2)
+        state.record.setdefault("write", []).append(write)
+        state.record.setdefault("read", []).append(read)
+        return LoopState(h=h, carrier={**carrier, "values": values, "weights": weights}, record=state.record)
 
     def start(self, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
-        memory = torch.zeros((self.slots, *h_emb.shape), dtype=h_emb.dtype, device=h_emb.device)
-        memory[0] = h_emb  # Eq. (2): m_0 = h_emb, m_{b>0} = 0
-        record: dict[str, list[torch.Tensor]] = {}
-        # Alg. 2 lines 8-13: routers of t = -1 read the prelude output h_m^(-1)
-        h0, memory = self._write_read(h_pre, h_pre, memory, 0, record)
-        return LoopState(h=h0, carrier={"h0": h0, "h_emb": h_emb, "memory": memory}, record=record)
+        B, T, _ = h_emb.shape
+        # Eq. (2): m_0 = h_emb, m_{b>0} = 0, held as the written value h_emb with weight e_0
+        empty = LoopState(h=h_pre, carrier={"values": h_emb.unsqueeze(-2),
+                                            "weights": self.slot0.expand(B, T, 1, self.slots)})
+        # Alg. 2 lines 8-13: routers of t = -1 read the prelude output h_m^(-1) and write it
+        state = self._write_read(empty, None, 0)
+        return LoopState(h=state.h, carrier={"h0": state.h, "h_emb": h_emb, **state.carrier}, record=state.record)
 
     def step(self, state: LoopState, update: torch.Tensor, t: int) -> LoopState:
         # Alg. 2 lines 16-22: routers of iteration t read h^(t), the core's input
-        h, memory = self._write_read(state.h, update, state.carrier["memory"], t + 1, state.record)
-        return LoopState(h=h, carrier={**state.carrier, "memory": memory}, record=state.record)
+        return self._write_read(state, update, t + 1)
 
     def reset_parameters(self, init_std: float) -> None:
         for layer in [*self.write, *self.read]:
