@@ -28,3 +28,22 @@ def test_compiled_looped_hybrid_with_halting_trains_like_eager(tmp_path):
     assert sorted(losses[True]) == [1, 2]
     for step, loss in losses[False].items():
         assert losses[True][step] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", [True, "reduce-overhead", "max-autotune"])
+def test_compile_modes_reach_torch_compile(tmp_path, monkeypatch, mode):
+    """train.compile=reduce-overhead (CUDA graphs for the step) is passed on as the mode."""
+    import torch
+
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda module, **options: seen.update(options) or module)
+    Trainer(run_config(tmp_path, max_steps=2, compile=mode), progress=False)
+    assert seen == ({} if mode is True else {"mode": mode})
+
+
+def test_compile_mode_errors_name_the_allowed_values():
+    from looplm.config_base import ConfigError
+    from looplm.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="train.compile='fast' is invalid.*reduce-overhead"):
+        TrainConfig.from_dict({"compile": "fast"}, prefix="train")

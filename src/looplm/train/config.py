@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from looplm.config_base import Config, check
 
@@ -38,7 +38,9 @@ class TrainConfig(Config):
     decay_norms_and_biases: bool = False
     grad_clip: float = 1.0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    compile: bool = False
+    # torch.compile the model: true (inductor's default mode) or a mode; reduce-overhead
+    # replays each micro-step's forward and backward as CUDA graphs (static shapes)
+    compile: Union[bool, Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]] = False
     activation_checkpointing: Literal["none", "block", "iteration"] = "none"
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     fsdp_precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -282,8 +282,9 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=ids)
-        if self.cfg.train.compile:
-            wrapped = torch.compile(wrapped)
+        mode = self.cfg.train.compile
+        if mode:
+            wrapped = torch.compile(wrapped, **({} if mode is True else {"mode": mode}))
         return wrapped
 
     def _state(self) -> dict[str, Any]:
@@ -394,6 +395,8 @@ class Trainer:
         for i in range(tc.grad_accum):
             rows = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             last = i == tc.grad_accum - 1
+            if self.cfg.train.compile in ("reduce-overhead", "max-autotune"):
+                torch.compiler.cudagraph_mark_step_begin()  # a new replay: the last one's outputs are consumed
             with self._gradient_sync(last):  # DDP all-reduces only on the last micro-batch
                 with self._autocast():
                     loss, aux = self._forward_loss(inputs[rows], targets[rows])
