@@ -104,18 +104,19 @@ fi
 # 1. GPU tests: CUDA cases only (the CPU ones run in CI), a deadline per test where
 # pytest-timeout is installed, several processes where pytest-xdist is.
 TEST_ARGS=(-v -p no:cacheprovider -k "not cpu")
+TEST_FILES=(tests/gpu tests/ops/test_selected_triton.py)
 if ((!DRY)); then
   "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_ARGS+=(--timeout 100)
   "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 12)
 fi
 TEST_LOG=$RESULTS/.gpu-tests.log
-LABEL="$PY -m pytest tests/gpu ${TEST_ARGS[*]}" part "GPU tests" 120 bash -c 'set -o pipefail; "$0" -m pytest tests/gpu "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_ARGS[@]}"
+LABEL="$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}" part "GPU tests" 120 bash -c 'set -o pipefail; "$0" -m pytest "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_FILES[@]}" "${TEST_ARGS[@]}"
 if ((!DRY)) && [[ -f $TEST_LOG ]]; then
   {
-    echo "# GPU tests (tests/gpu, CUDA cases)"
+    echo "# GPU tests (${TEST_FILES[*]}, CUDA cases)"
     echo
     echo "Card: $CARD; $VERSIONS.  "
-    echo "Command: \`$PY -m pytest tests/gpu ${TEST_ARGS[*]}\` (run by benchmarks/gpu.sh, deadline 120 s)."
+    echo "Command: \`$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}\` (run by benchmarks/gpu.sh, deadline 120 s)."
     echo
     echo '```'
     grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|Timeout|^(E  |FAILED|ERROR)|passed|failed" "$TEST_LOG" | tail -150
