@@ -41,6 +41,8 @@ def test_sliced_heads_equal_masked_all_heads(variant):
     x = torch.randn(2, 7, 32)
     ctx, _ = model._context(torch.zeros(2, 7, dtype=torch.long), None, None, x.dtype)
     heads, weights = (0, 2, 3), (1.0, 0.25, 1.0)
+    loop = model.blocks()[1].head_loop
+    loop.set(1, [1.0, 0.0, 0.25, 1.0])
     captured = {}
     hook = attn.o_proj.register_forward_pre_hook(lambda m, a: captured.update(y=a[0]))
     attn(x, ctx)
@@ -48,7 +50,7 @@ def test_sliced_heads_equal_masked_all_heads(variant):
     scale = torch.zeros(4)
     scale[list(heads)] = torch.tensor(weights)
     masked = F.linear(captured["y"] * scale.repeat_interleave(8), attn.o_proj.weight)  # Σ_i w_i y_i W_O^(i)
-    sliced, state = head_subset_attention(attn, x, ctx, heads, weights)
+    sliced, state = head_subset_attention(attn, x, ctx, loop)
     torch.testing.assert_close(sliced, masked, atol=1e-6, rtol=1e-5)
     assert state.keys.shape[1] == (3 if attn.n_kv_heads == 4 else 2)  # only the kv heads S reads
 

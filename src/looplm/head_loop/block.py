@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from looplm.head_loop.attention import head_subset_attention
+from looplm.head_loop.attention import head_subset_attention, pass_weights, permute_heads
 from looplm.head_loop.structure import GrownLoop, LoopedState
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.mixers.attention import SoftmaxAttention
@@ -33,8 +33,13 @@ class GrownBlock(Block):
 
     def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
         super().__init__(cfg, mixers)
-        self.head_loop = GrownLoop(cfg.n_heads)
+        softmax = self.softmax_layers()
+        self.head_loop = GrownLoop(cfg.n_heads, softmax[0].n_kv_heads, softmax[0].head_dim)
         self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
+
+    def softmax_layers(self) -> list[SoftmaxAttention]:
+        """The block's softmax attention layers (parameter owners): the ones its passes slice."""
+        return [layer for layer in self.mixer_layers() if isinstance(layer, SoftmaxAttention)]
 
     def extra_passes(self, iteration: int = 0) -> int:
         """K_l at loop iteration ``iteration``: 0 where that iteration's mixer does not loop."""
@@ -52,9 +57,10 @@ class GrownBlock(Block):
         main, passes = (None, (None,) * depth) if state is None else (state.main, state.passes)
         x, main = self._first_pass(x, ctx, mixer, main)
         location, new_passes = ctx.location, []
+        weights = self._pass_weights(mixer)
         for k, pass_state in enumerate(passes):
             ctx.location = (f"{location[0]}.loop{k + 1}", location[1])  # probes: one entry per pass
-            x, pass_state = self._extra_pass(x, ctx, mixer, pass_state)
+            x, pass_state = self._extra_pass(x, ctx, mixer, pass_state, weights)
             new_passes.append(pass_state)
         ctx.location = location
         return self._last(x), LoopedState(main, tuple(new_passes))
@@ -62,7 +68,11 @@ class GrownBlock(Block):
     def _first_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
         raise NotImplementedError
 
-    def _extra_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
+    def _pass_weights(self, mixer: SoftmaxAttention):
+        """What every extra pass of one forward reads (taken once, shared by the K_l passes)."""
+        return None
+
+    def _extra_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state, weights) -> tuple[torch.Tensor, MixerState]:
         raise NotImplementedError
 
     def _last(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,15 +89,51 @@ class GrownBlock(Block):
 
 class HeadLoopBlock(GrownBlock):
     """``kind: heads``: after the attention sub-layer, K_l pre-norm passes of the selected
-    heads S only (Eq. 6), then the FFN on H^(K_l)."""
+    heads S only (Eq. 6), then the FFN on H^(K_l).
+
+    Its heads may be stored permuted (:meth:`arrange_heads`, ``head_loop.order``): the
+    attention probabilities it records for probes are put back in the original head order."""
+
+    def forward(self, x, ctx, state=None, iteration=0):
+        out = super().forward(x, ctx, state, iteration)
+        order = self.head_loop.order
+        if ctx.attentions is not None and ctx.location in ctx.attentions and order != tuple(sorted(order)):
+            probs = ctx.attentions[ctx.location]  # [B, H, T, S] in slot order
+            slot_of = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=probs.device)
+            ctx.attentions[ctx.location] = probs.index_select(1, slot_of)
+        return out
+
+    def arrange_heads(self, first: Sequence[int], optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Permute the heads in storage so that the heads ``first`` (original numbering)
+        take the first slots (under GQA: the kv groups holding them first, and within each
+        group those heads first), so that the extra passes read narrow views. A
+        re-parameterisation: the parameters, their gradients and ``optimizer``'s state
+        move together (:func:`~looplm.head_loop.attention.permute_heads`); the block
+        computes the same function and trains on as before. Returns whether anything
+        moved. Sharded (FSDP DTensor) weights are left in place: the passes gather then."""
+        loop = self.head_loop
+        H, g = loop.n_heads, loop.n_heads // loop.n_kv_heads
+        chosen = set(first)
+        groups = sorted(range(loop.n_kv_heads), key=lambda j: (not chosen & set(range(j * g, j * g + g)), j))
+        order = tuple(h for j in groups for h in sorted(range(j * g, j * g + g), key=lambda h: (h not in chosen, h)))
+        layers = self.softmax_layers()
+        if order == loop.order or any(hasattr(p, "full_tensor") for a in layers for p in a.parameters()):
+            return False
+        slot = {h: p for p, h in enumerate(loop.order)}
+        for layer in layers:
+            permute_heads(layer, [slot[h] for h in order], optimizer)
+        loop.set_order(order)
+        return True
 
     def _first_pass(self, x, ctx, mixer, state):
         mixed, state = mixer(self.attn_norm(x), ctx, state)
         return x + mixed, state  # H^(0) = H_post, Eq. (3)
 
-    def _extra_pass(self, x, ctx, mixer, state):
-        loop = self.head_loop
-        update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, loop.heads, loop.head_weights, state)
+    def _pass_weights(self, mixer):
+        return pass_weights(mixer, self.head_loop)
+
+    def _extra_pass(self, x, ctx, mixer, state, weights):
+        update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, self.head_loop, weights, state)
         return x + update, state  # Eq. (6): H^(k) = H^(k-1) + Σ_{i∈S} Attn^(i)(H^(k-1))
 
     def _last(self, x):
@@ -100,7 +146,8 @@ class BlockLoopBlock(GrownBlock):
     def _first_pass(self, x, ctx, mixer, state):
         return self._layer(x, ctx, state, mixer)
 
-    _extra_pass = _first_pass
+    def _extra_pass(self, x, ctx, mixer, state, weights):
+        return self._layer(x, ctx, state, mixer)
 
 
 #: ``model.head_loop.kind`` -> the grown block it builds

@@ -1,11 +1,18 @@
-"""The grown structure of one block (loop depth K_l, per-head loop weights) and the
-decoding state of its extra passes.
+"""The grown structure of one block (loop depth K_l, per-head loop weights, the storage
+order of its heads) and the decoding state of its extra passes.
 
-The structure is not a parameter: growing it leaves the parameter set (and so the
-optimiser state) unchanged. It travels with the weights as the module's extra state
-(``<block>.head_loop._extra_state`` in ``model.safetensors``: a float tensor [1 + H] holding
-K_l then the H head weights), so a saved or exported model reloads with its grown,
-static graph.
+The structure is not a parameter: growing it leaves the parameter set unchanged. It travels
+with the weights as the module's extra state (``<block>.head_loop._extra_state`` in
+``model.safetensors``: a float tensor [1 + 2·H] holding K_l, the H head weights in the
+original head numbering, then the head order; checkpoints written before the order was
+saved hold [1 + H] and load with the original order), so a saved or exported model reloads
+with its grown, static graph.
+
+The head order is SGT's re-parameterisation (:meth:`~looplm.head_loop.block.GrownBlock.arrange_heads`):
+at a growth event the block's attention heads are permuted in storage so that the looping
+ones come first, and an extra pass reads their projections as narrow views of the weights.
+``order[p]`` is the original index of the head stored in slot p; heads are reported (which
+loop, their weights and entropies) in the original numbering.
 """
 
 from __future__ import annotations
@@ -18,32 +25,97 @@ from torch import nn
 
 
 class GrownLoop(nn.Module):
-    """K_l (``depth``) and the loop weight w_i ∈ [0, 1] of every head of one block.
+    """K_l (``depth``), the loop weight w_i ∈ [0, 1] of every head of one block (original
+    numbering) and the storage order of its heads.
 
-    Heads with w_i = 0 are not computed at all; 0 < w_i < 1 while a head fades out."""
+    Heads with w_i = 0 are not computed at all; 0 < w_i < 1 while a head fades out. For the
+    extra passes the structure keeps, on the device, what they index with (non-persistent
+    buffers, rebuilt when the structure changes, never per pass): ``pass_scale`` [n·D] the
+    looping heads' weights when one is fading (else empty), ``pass_kv`` [n] the key/value
+    head each looping query head reads among those read (empty when head j reads head j),
+    ``pass_q_rows`` [n·D] / ``pass_kv_rows`` [m·D] the rows of the looping query / key-value
+    heads when they are not the first n / m slots (empty: narrow views)."""
 
-    def __init__(self, n_heads: int):
+    def __init__(self, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: int = 1):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, head_dim
         self.depth = 0
         self.weights: tuple[float, ...] = (1.0,) * n_heads
+        self.order: tuple[int, ...] = tuple(range(n_heads))
+        for name, dtype in (("pass_scale", torch.float32), ("pass_kv", torch.long), ("pass_q_rows", torch.long),
+                            ("pass_kv_rows", torch.long)):
+            self.register_buffer(name, torch.zeros(0, dtype=dtype), persistent=False)
+        self._refresh()
 
     def set(self, depth: int, weights: Optional[Sequence[float]] = None) -> None:
+        """K_l and the head weights (original numbering; None: every head at 1)."""
         weights = (1.0,) * self.n_heads if weights is None else tuple(float(w) for w in weights)
         if len(weights) != self.n_heads or depth < 0:
             raise ValueError(f"depth {depth} and {len(weights)} head weights for a block of {self.n_heads} heads")
         self.depth, self.weights = int(depth), weights
+        self._refresh()
+
+    def set_order(self, order: Sequence[int]) -> None:
+        """Record that slot p now stores original head ``order[p]`` (the parameters were
+        permuted alike, :meth:`GrownBlock.arrange_heads`). Grouped-query attention keeps
+        each kv head's group of query heads together: slots p·g .. p·g + g − 1 (g = H / H_kv)
+        hold one original group."""
+        order = tuple(int(h) for h in order)
+        g = self.n_heads // self.n_kv_heads
+        if sorted(order) != list(range(self.n_heads)) or any(
+                order[p] // g != order[p - p % g] // g for p in range(self.n_heads)):
+            raise ValueError(f"head order {list(order)}: a permutation of 0..{self.n_heads - 1} keeping each of the "
+                             f"{self.n_kv_heads} key/value groups of {g} query heads in consecutive slots")
+        self.order = order
+        self._refresh()
 
     @property
     def heads(self) -> tuple[int, ...]:
-        """S: the heads the extra passes compute (w_i > 0), ascending."""
+        """S: the heads the extra passes compute (w_i > 0), ascending, original numbering."""
         return tuple(i for i, w in enumerate(self.weights) if w > 0)
 
     @property
+    def slots(self) -> tuple[int, ...]:
+        """The storage slots of S, ascending: the order the extra passes compute them in."""
+        return tuple(p for p, h in enumerate(self.order) if self.weights[h] > 0)
+
+    @property
+    def kv_slots(self) -> tuple[int, ...]:
+        """The storage slots of the key/value heads S reads, ascending."""
+        g = self.n_heads // self.n_kv_heads
+        return tuple(sorted({p // g for p in self.slots}))
+
+    @property
+    def narrow(self) -> bool:
+        """Whether S and the kv heads it reads are the first slots (views, no gathers)."""
+        n, m = len(self.slots), len(self.kv_slots)
+        return self.slots == tuple(range(n)) and self.kv_slots == tuple(range(m))
+
+    @property
     def head_weights(self) -> Optional[tuple[float, ...]]:
-        """Weights of ``heads`` in order, or None when all are 1 (no scaling needed)."""
-        kept = tuple(self.weights[i] for i in self.heads)
+        """Weights of ``slots`` in order, or None when all are 1 (no scaling needed)."""
+        kept = tuple(self.weights[self.order[p]] for p in self.slots)
         return None if all(w == 1.0 for w in kept) else kept
+
+    def _refresh(self) -> None:
+        """Rebuild the device indices of the extra passes (once per structure change)."""
+        device, D, g = self.pass_scale.device, self.head_dim, self.n_heads // self.n_kv_heads
+        slots, kv_slots = self.slots, self.kv_slots
+        dims = torch.arange(D)
+
+        def rows(heads: Sequence[int]) -> torch.Tensor:
+            return (torch.tensor(heads, dtype=torch.long)[:, None] * D + dims).flatten()
+
+        weights = self.head_weights
+        self.pass_scale = torch.zeros(0) if weights is None else torch.tensor(weights).repeat_interleave(D)
+        kv_index = [kv_slots.index(p // g) for p in slots]
+        self.pass_kv = torch.zeros(0, dtype=torch.long) if kv_index == list(range(len(slots))) \
+            else torch.tensor(kv_index, dtype=torch.long)
+        empty = torch.zeros(0, dtype=torch.long)
+        self.pass_q_rows, self.pass_kv_rows = (empty, empty) if self.narrow or not slots \
+            else (rows(slots), rows(kv_slots))
+        for name in ("pass_scale", "pass_kv", "pass_q_rows", "pass_kv_rows"):
+            setattr(self, name, getattr(self, name).to(device))
 
     def describe(self) -> dict:
         return {"depth": self.depth, "heads": list(self.heads), "weights": list(self.weights)}
@@ -52,11 +124,13 @@ class GrownLoop(nn.Module):
         return f"depth={self.depth}, heads={list(self.heads)}"
 
     def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor([float(self.depth), *self.weights], dtype=torch.float32)
+        return torch.tensor([float(self.depth), *self.weights, *map(float, self.order)], dtype=torch.float32)
 
     def set_extra_state(self, state: torch.Tensor) -> None:
         values = state.detach().float().cpu().tolist()
-        self.set(int(round(values[0])), values[1:])
+        H = self.n_heads
+        self.set(int(round(values[0])), values[1: 1 + H])
+        self.set_order([int(round(v)) for v in values[1 + H:]] if len(values) == 1 + 2 * H else range(H))
 
 
 @dataclasses.dataclass
