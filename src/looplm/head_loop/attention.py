@@ -46,28 +46,30 @@ class PassWeights:
 
 
 def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
-    """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when the heads
-    are arranged, else gathered by the loop's device indices; under autocast cast once here
+    """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when its heads
+    (and the kv heads they read) lie in consecutive slots, else gathered by the loop's device indices; under autocast cast once here
     for all K_l passes (not again by every pass's products)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     n, m = len(loop.slots), len(loop.kv_slots)
     narrow = loop.pass_q_rows.numel() == 0
+    q0, kv0 = (loop.slots[0] * D, loop.kv_slots[0] * D) if narrow else (0, 0)  # first rows of S, its kv heads
     W, b = attn.qkv.weight, attn.qkv.bias
     d = W.shape[1]
 
     def q_part(t: Optional[torch.Tensor], dim: int = 0) -> Optional[torch.Tensor]:
         if t is None:
             return None
-        return t.narrow(dim, 0, n * D) if narrow else t.index_select(dim, loop.pass_q_rows)
+        return t.narrow(dim, q0, n * D) if narrow else t.index_select(dim, loop.pass_q_rows)
 
     def kv_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # t: [2, H_kv·D, ...]
         if t is None:
             return None
-        return t.narrow(1, 0, m * D) if narrow else t.index_select(1, loop.pass_kv_rows)
+        return t.narrow(1, kv0, m * D) if narrow else t.index_select(1, loop.pass_kv_rows)
 
     gate_w, gate_b = (None, None) if attn.gate is None else (attn.gate.weight, attn.gate.bias)
     if narrow and H == Hkv:  # one [3, n·D, d] view of q, k, v (their blocks have the same stride)
-        parts = dict(qkv=W.view(3, H * D, d)[:, : n * D], qkv_bias=None if b is None else b.view(3, H * D)[:, : n * D],
+        rows = slice(q0, q0 + n * D)
+        parts = dict(qkv=W.view(3, H * D, d)[:, rows], qkv_bias=None if b is None else b.view(3, H * D)[:, rows],
                      q=None, q_bias=None, kv=None, kv_bias=None)
     else:
         parts = dict(qkv=None, qkv_bias=None, q=q_part(W[: H * D]), q_bias=q_part(None if b is None else b[: H * D]),

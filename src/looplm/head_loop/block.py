@@ -96,26 +96,29 @@ class HeadLoopBlock(GrownBlock):
 
     def forward(self, x, ctx, state=None, iteration=0):
         out = super().forward(x, ctx, state, iteration)
-        order = self.head_loop.order
-        if ctx.attentions is not None and ctx.location in ctx.attentions and order != tuple(sorted(order)):
-            probs = ctx.attentions[ctx.location]  # [B, H, T, S] in slot order
-            slot_of = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=probs.device)
-            ctx.attentions[ctx.location] = probs.index_select(1, slot_of)
+        loop = self.head_loop
+        if ctx.attentions is not None and loop.order != tuple(sorted(loop.order)):  # probes: original order
+            location = ctx.location
+            heads = {location: loop.order}  # [B, H, T, S] recorded in slot order, then each pass's S
+            heads.update({(f"{location[0]}.loop{k + 1}", location[1]): [loop.order[p] for p in loop.slots]
+                          for k in range(self.extra_passes(iteration))})
+            for key, in_slots in heads.items():
+                if key in ctx.attentions:
+                    ascending = sorted(range(len(in_slots)), key=in_slots.__getitem__)
+                    probs = ctx.attentions[key]
+                    ctx.attentions[key] = probs.index_select(1, torch.tensor(ascending, device=probs.device))
         return out
 
     def arrange_heads(self, first: Sequence[int], optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Permute the heads in storage so that the heads ``first`` (original numbering)
-        take the first slots (under GQA: the kv groups holding them first, and within each
-        group those heads first), so that the extra passes read narrow views. A
+        take consecutive slots (:func:`_grouped_order`), so that the extra passes read narrow
+        views. A
         re-parameterisation: the parameters, their gradients and ``optimizer``'s state
         move together (:func:`~looplm.head_loop.attention.permute_heads`); the block
         computes the same function and trains on as before. Returns whether anything
         moved. Sharded (FSDP DTensor) weights are left in place: the passes gather then."""
         loop = self.head_loop
-        H, g = loop.n_heads, loop.n_heads // loop.n_kv_heads
-        chosen = set(first)
-        groups = sorted(range(loop.n_kv_heads), key=lambda j: (not chosen & set(range(j * g, j * g + g)), j))
-        order = tuple(h for j in groups for h in sorted(range(j * g, j * g + g), key=lambda h: (h not in chosen, h)))
+        order = _grouped_order(set(first), loop.n_heads, loop.n_kv_heads)
         layers = self.softmax_layers()
         if order == loop.order or any(hasattr(p, "full_tensor") for a in layers for p in a.parameters()):
             return False
@@ -138,6 +141,29 @@ class HeadLoopBlock(GrownBlock):
 
     def _last(self, x):
         return x + self.ffn(self.ffn_norm(x))  # the FFN reads H^(K_l) (Alg. 1 line 13)
+
+
+def _grouped_order(first: set[int], n_heads: int, n_kv_heads: int) -> tuple[int, ...]:
+    """A head order (slot -> original head) that keeps each kv head's group of g = H / H_kv
+    query heads in consecutive slots and puts the heads ``first`` in consecutive slots
+    (ascending): under MHA first; under GQA the groups they fill, with at most two groups
+    they share with other heads at either end (ending with / starting with theirs). With
+    more shared groups ``first`` cannot be consecutive: its groups come first, each
+    starting with its heads (the passes then gather the query rows)."""
+    g = n_heads // n_kv_heads
+
+    def members(j: int, leading: bool) -> list[int]:  # group j's heads, those of ``first`` leading or trailing
+        return sorted(range(j * g, j * g + g), key=lambda h: ((h in first) != leading, h))
+
+    touched = [j for j in range(n_kv_heads) if first & set(range(j * g, j * g + g))]
+    full = [j for j in touched if set(range(j * g, j * g + g)) <= first]
+    shared = [j for j in touched if j not in full]
+    rest = [j for j in range(n_kv_heads) if j not in touched]
+    if len(shared) == 2:
+        groups = [members(shared[0], False)] + [members(j, True) for j in full] + [members(shared[1], True)]
+    else:
+        groups = [members(j, True) for j in full + shared]
+    return tuple(h for group in groups + [members(j, True) for j in rest] for h in group)
 
 
 class BlockLoopBlock(GrownBlock):

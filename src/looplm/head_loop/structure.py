@@ -34,7 +34,7 @@ class GrownLoop(nn.Module):
     looping heads' weights when one is fading (else empty), ``pass_kv`` [n] the key/value
     head each looping query head reads among those read (empty when head j reads head j),
     ``pass_q_rows`` [n·D] / ``pass_kv_rows`` [m·D] the rows of the looping query / key-value
-    heads when they are not the first n / m slots (empty: narrow views)."""
+    heads when their slots are not consecutive (empty: narrow views from the first slot)."""
 
     def __init__(self, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: int = 1):
         super().__init__()
@@ -52,6 +52,8 @@ class GrownLoop(nn.Module):
         weights = (1.0,) * self.n_heads if weights is None else tuple(float(w) for w in weights)
         if len(weights) != self.n_heads or depth < 0:
             raise ValueError(f"depth {depth} and {len(weights)} head weights for a block of {self.n_heads} heads")
+        if depth > 0 and not any(w > 0 for w in weights):
+            raise ValueError(f"depth {depth} with head weights {list(weights)}: some head must loop (w > 0)")
         self.depth, self.weights = int(depth), weights
         self._refresh()
 
@@ -87,9 +89,9 @@ class GrownLoop(nn.Module):
 
     @property
     def narrow(self) -> bool:
-        """Whether S and the kv heads it reads are the first slots (views, no gathers)."""
-        n, m = len(self.slots), len(self.kv_slots)
-        return self.slots == tuple(range(n)) and self.kv_slots == tuple(range(m))
+        """Whether S and the kv heads it reads lie in consecutive slots (views, no gathers)."""
+        slots, kv = self.slots, self.kv_slots
+        return bool(slots) and slots == tuple(range(slots[0], slots[-1] + 1)) and kv == tuple(range(kv[0], kv[-1] + 1))
 
     @property
     def head_weights(self) -> Optional[tuple[float, ...]]:
