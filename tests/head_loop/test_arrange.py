@@ -13,6 +13,7 @@ import torch
 
 from looplm import LoopLM
 from looplm.accounting.dispatch import count_dispatch
+from looplm.head_loop.attention import permute_heads
 from looplm.head_loop.block import grown_structure
 from looplm.head_loop.entropy import EntropyMeter
 from looplm.model_config import ModelConfig
@@ -47,6 +48,14 @@ def _arranged(model: LoopLM, optimizer=None) -> LoopLM:
     return model
 
 
+def _restore(block, optimizer=None) -> None:
+    """Put an arranged block's heads back in the original order."""
+    slot = {h: p for p, h in enumerate(block.head_loop.order)}
+    for layer in block.softmax_layers():
+        permute_heads(layer, [slot[h] for h in range(len(slot))], optimizer)
+    block.head_loop.set_order(range(len(slot)))
+
+
 def _original_grads(model: LoopLM) -> dict[str, torch.Tensor]:
     """Parameter gradients with every arranged block's heads put back in the original order."""
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -58,7 +67,7 @@ def _original_grads(model: LoopLM) -> dict[str, torch.Tensor]:
         back = copy.deepcopy(block)
         for name, p in back.named_parameters():
             p.grad = grads.get(f"{prefix}.{name}")
-        back.arrange_heads(range(loop.n_heads))  # the original order: identity
+        _restore(back)
         for name, p in back.named_parameters():
             if p.grad is not None:
                 grads[f"{prefix}.{name}"] = p.grad
@@ -121,7 +130,7 @@ def test_adamw_continues_exactly_across_an_arrangement():
             losses.append(loss.item())
         if arrange:
             for layer in GROWN:
-                model.blocks()[layer].arrange_heads(range(model.cfg.n_heads), opt)
+                _restore(model.blocks()[layer], opt)
         runs.append((losses, model.state_dict()))
     torch.testing.assert_close(torch.tensor(runs[1][0]), torch.tensor(runs[0][0]), atol=1e-5, rtol=1e-5)
     for name, value in runs[0][1].items():
@@ -147,6 +156,8 @@ def test_head_order_must_keep_kv_groups_together():
     with pytest.raises(ValueError, match="permutation"):
         loop.set_order([0, 0, 2, 3])
     loop.set_order([2, 3, 1, 0])
+    block = _model("mha").blocks()[2]
+    assert not block.arrange_heads([1, 2]) and block.head_loop.order == (0, 1, 2, 3)  # already consecutive
 
 
 def test_arranged_passes_gather_nothing_and_sync_nothing():

@@ -112,13 +112,17 @@ class HeadLoopBlock(GrownBlock):
     def arrange_heads(self, first: Sequence[int], optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Permute the heads in storage so that the heads ``first`` (original numbering)
         take consecutive slots (:func:`_grouped_order`), so that the extra passes read narrow
-        views. A
+        views (nothing moves when they already lie so). A
         re-parameterisation: the parameters, their gradients and ``optimizer``'s state
         move together (:func:`~looplm.head_loop.attention.permute_heads`); the block
         computes the same function and trains on as before. Returns whether anything
         moved. Sharded (FSDP DTensor) weights are left in place: the passes gather then."""
         loop = self.head_loop
-        order = _grouped_order(set(first), loop.n_heads, loop.n_kv_heads)
+        chosen, g = set(first), loop.n_heads // loop.n_kv_heads
+        slots = [p for p, h in enumerate(loop.order) if h in chosen]
+        if _consecutive(slots) and _consecutive(sorted({p // g for p in slots})):
+            return False  # already narrow: nothing to move
+        order = _grouped_order(chosen, loop.n_heads, loop.n_kv_heads)
         layers = self.softmax_layers()
         if order == loop.order or any(hasattr(p, "full_tensor") for a in layers for p in a.parameters()):
             return False
@@ -141,6 +145,10 @@ class HeadLoopBlock(GrownBlock):
 
     def _last(self, x):
         return x + self.ffn(self.ffn_norm(x))  # the FFN reads H^(K_l) (Alg. 1 line 13)
+
+
+def _consecutive(values: Sequence[int]) -> bool:
+    return list(values) == list(range(values[0], values[0] + len(values))) if values else False
 
 
 def _grouped_order(first: set[int], n_heads: int, n_kv_heads: int) -> tuple[int, ...]:

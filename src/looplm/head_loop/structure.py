@@ -91,7 +91,7 @@ class GrownLoop(nn.Module):
     def narrow(self) -> bool:
         """Whether S and the kv heads it reads lie in consecutive slots (views, no gathers)."""
         slots, kv = self.slots, self.kv_slots
-        return bool(slots) and slots == tuple(range(slots[0], slots[-1] + 1)) and kv == tuple(range(kv[0], kv[-1] + 1))
+        return bool(slots) and slots[-1] - slots[0] == len(slots) - 1 and kv[-1] - kv[0] == len(kv) - 1
 
     @property
     def head_weights(self) -> Optional[tuple[float, ...]]:
