@@ -42,6 +42,8 @@ class GrownLoop(nn.Module):
         self.depth = 0
         self.weights: tuple[float, ...] = (1.0,) * n_heads
         self.order: tuple[int, ...] = tuple(range(n_heads))
+        half = head_dim // 2  # rotate_half(x) = roll(x, D/2) · rotate_sign (head_loop.attention.rotate)
+        self.register_buffer("rotate_sign", torch.cat([-torch.ones(half), torch.ones(head_dim - half)]), persistent=False)
         for name, dtype in (("pass_scale", torch.float32), ("pass_kv", torch.long), ("pass_q_rows", torch.long),
                             ("pass_kv_rows", torch.long)):
             self.register_buffer(name, torch.zeros(0, dtype=dtype), persistent=False)
