@@ -17,6 +17,7 @@ from looplm.head_loop.attention import permute_heads
 from looplm.head_loop.block import grown_structure
 from looplm.head_loop.entropy import EntropyMeter
 from looplm.model_config import ModelConfig
+from looplm.probes.capture import capture_forward
 
 VARIANTS = {
     "mha": {},
@@ -100,6 +101,10 @@ def test_probes_and_entropy_keep_the_original_head_numbering(variant):
     assert probs[0].keys() == probs[1].keys()
     for key in probs[0]:
         torch.testing.assert_close(probs[1][key], probs[0][key], atol=1e-6, rtol=1e-5, msg=str(key))
+    captured = [capture_forward(m, x, attentions=True, values=True) for m in (plain, arranged)]
+    assert captured[0].values.keys() == captured[1].values.keys()
+    for key, values in captured[0].values.items():  # the attention_contribution probe's V_j
+        torch.testing.assert_close(captured[1].values[key], values, atol=1e-6, rtol=1e-5, msg=str(key))
     measured = []
     for model in (plain, arranged):
         meter = EntropyMeter(model.blocks(), list(GROWN), model.cfg.n_heads, torch.device("cpu"))

@@ -97,7 +97,7 @@ class HeadLoopBlock(GrownBlock):
     def forward(self, x, ctx, state=None, iteration=0):
         out = super().forward(x, ctx, state, iteration)
         loop = self.head_loop
-        if ctx.attentions is not None and loop.order != tuple(sorted(loop.order)):  # probes: original order
+        if ctx.attentions is not None and loop.order != tuple(range(loop.n_heads)):  # probes: original order
             location = ctx.location
             heads = {location: loop.order}  # [B, H, T, S] recorded in slot order, then each pass's S
             heads.update({(f"{location[0]}.loop{k + 1}", location[1]): [loop.order[p] for p in loop.slots]

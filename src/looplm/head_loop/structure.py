@@ -74,6 +74,11 @@ class GrownLoop(nn.Module):
         self._refresh()
 
     @property
+    def slot_of(self) -> tuple[int, ...]:
+        """The slot of each original head: ``order`` inverted."""
+        return tuple(sorted(range(self.n_heads), key=self.order.__getitem__))
+
+    @property
     def heads(self) -> tuple[int, ...]:
         """S: the heads the extra passes compute (w_i > 0), ascending, original numbering."""
         return tuple(i for i, w in enumerate(self.weights) if w > 0)
