@@ -17,7 +17,7 @@ from looplm.modules.rotary import apply_rotary
 ROOT = Path(__file__).resolve().parents[2]
 #: measured 762 against dense 489 (1.56; 1083, 2.21 before the heads were arranged and
 #: the passes shared their weight views). The issue's 1.40 is below what an eager autograd
-#: pass reaches: see docs/sgt.md, "Cost of a head pass".
+#: pass reaches: see docs/accounting.md, "Dispatched operators".
 SGT_OVER_DENSE = 1.57
 
 

@@ -9,8 +9,9 @@ them), taken once per block forward (:func:`pass_weights`) and shared by its K_l
 Once the block's heads are arranged (:func:`permute_heads`, at growth events) S occupies
 the first slots and every view is narrow: no gathers, no host-built indices; under MHA
 q, k and v come from one batched product and q, k are rotated in one call. Unarranged
-heads (a structure written by hand, FSDP-sharded weights) are gathered with the device
-indices of :class:`~looplm.head_loop.structure.GrownLoop`: the same numbers, more work.
+heads (a structure written by hand, or S spread over more than two shared GQA groups)
+are gathered with the device indices of :class:`~looplm.head_loop.structure.GrownLoop`:
+the same numbers, more work.
 """
 
 from __future__ import annotations
@@ -55,20 +56,20 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop, rope: tuple[torch.Tens
     pass's products). rope: the forward's (cos, sin) [B, T, R]."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     n, m = len(loop.slots), len(loop.kv_slots)
-    narrow = loop.pass_q_rows.numel() == 0
-    q0, kv0 = (loop.slots[0] * D, loop.kv_slots[0] * D) if narrow else (0, 0)  # first rows of S, its kv heads
+    narrow = loop.narrow
+    q0, kv0 = loop.slots[0] * D, loop.kv_slots[0] * D  # first rows of S, of its kv heads (when narrow)
     W, b = attn.qkv.weight, attn.qkv.bias
     d = W.shape[1]
 
     def q_part(t: Optional[torch.Tensor], dim: int = 0) -> Optional[torch.Tensor]:
         if t is None:
             return None
-        return t.narrow(dim, q0, n * D) if narrow else t.index_select(dim, loop.pass_q_rows)
+        return t.narrow(dim, q0, n * D) if narrow else t.index_select(dim, loop.pass_q_rows[: n * D])
 
     def kv_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # t: [2, H_kv·D, ...]
         if t is None:
             return None
-        return t.narrow(1, kv0, m * D) if narrow else t.index_select(1, loop.pass_kv_rows)
+        return t.narrow(1, kv0, m * D) if narrow else t.index_select(1, loop.pass_kv_rows[: m * D])
 
     gate_w, gate_b = (None, None) if attn.gate is None else (attn.gate.weight, attn.gate.bias)
     if narrow and H == Hkv:  # one [3, n·D, d] view of q, k, v (their blocks have the same stride)
@@ -135,12 +136,12 @@ def head_subset_attention(
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
         k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
         q, k, v = rotated(q), rotated(k), v.transpose(1, 2)
-    kv_index = loop.pass_kv if loop.pass_kv.numel() else None
+    kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
     y, new_state = attn.attend_heads(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
     if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows
         y = y * torch.sigmoid(F.linear(x, weights.gate, weights.gate_bias))
-    if loop.pass_scale.numel():  # fading heads: scale each head's output before W_O
-        y = y * loop.pass_scale.to(y.dtype)
+    if loop.scaled:  # fading heads: scale each head's output before W_O
+        y = y * loop.pass_scale[: n * D].to(y.dtype)
     return F.linear(y, weights.out), new_state
 
 
@@ -151,7 +152,9 @@ def permute_heads(attn: SoftmaxAttention, source: Sequence[int], optimizer: Opti
     of ``o_proj``; the parameters' gradients and the optimiser's per-element state (AdamW's
     exp_avg, exp_avg_sq) move alike, in place, so training continues as before. Softmax
     attention sums over heads: the layer computes the same function (to float rounding of
-    that sum). ``source`` keeps each kv head's query group together (GrownLoop.set_order)."""
+    that sum). ``source`` keeps each kv head's query group together (GrownLoop.set_order).
+    FSDP2-sharded tensors are gathered whole on every rank, permuted and re-sharded (a
+    growth event, not a step, pays this)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     g = H // Hkv
     dims = torch.arange(D)
@@ -168,5 +171,12 @@ def permute_heads(attn: SoftmaxAttention, source: Sequence[int], optimizer: Opti
         state = optimizer.state.get(param, {}) if optimizer is not None else {}
         tensors = [param, param.grad] + [t for t in state.values() if torch.is_tensor(t) and t.shape == param.shape]
         for t in tensors:
-            if t is not None:
+            if t is None:
+                continue
+            if hasattr(t, "full_tensor"):  # FSDP2 shard (DTensor): every rank permutes the whole tensor, keeps its shard
+                from torch.distributed.tensor import distribute_tensor
+
+                moved = distribute_tensor(t.full_tensor().index_select(dim, index), t.device_mesh, t.placements)
+                t.to_local().copy_(moved.to_local())
+            else:
                 t.copy_(t.index_select(dim, index))

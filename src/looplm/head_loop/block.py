@@ -115,8 +115,8 @@ class HeadLoopBlock(GrownBlock):
         views (nothing moves when they already lie so). A
         re-parameterisation: the parameters, their gradients and ``optimizer``'s state
         move together (:func:`~looplm.head_loop.attention.permute_heads`); the block
-        computes the same function and trains on as before. Returns whether anything
-        moved. Sharded (FSDP DTensor) weights are left in place: the passes gather then."""
+        computes the same function and trains on as before (FSDP2 shards included).
+        Returns whether anything moved."""
         loop = self.head_loop
         chosen, g = set(first), loop.n_heads // loop.n_kv_heads
         slots = [p for p, h in enumerate(loop.order) if h in chosen]
@@ -124,7 +124,7 @@ class HeadLoopBlock(GrownBlock):
             return False  # already narrow: nothing to move
         order = _grouped_order(chosen, loop.n_heads, loop.n_kv_heads)
         layers = self.softmax_layers()
-        if order == loop.order or any(hasattr(p, "full_tensor") for a in layers for p in a.parameters()):
+        if order == loop.order:
             return False
         slot = {h: p for p, h in enumerate(loop.order)}
         for layer in layers:

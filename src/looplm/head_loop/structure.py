@@ -29,24 +29,26 @@ class GrownLoop(nn.Module):
     numbering) and the storage order of its heads.
 
     Heads with w_i = 0 are not computed at all; 0 < w_i < 1 while a head fades out. For the
-    extra passes the structure keeps, on the device, what they index with (non-persistent
-    buffers, rebuilt when the structure changes, never per pass): ``pass_scale`` [n·D] the
-    looping heads' weights when one is fading (else empty), ``pass_kv`` [n] the key/value
-    head each looping query head reads among those read (empty when head j reads head j),
-    ``pass_q_rows`` [n·D] / ``pass_kv_rows`` [m·D] the rows of the looping query / key-value
-    heads when their slots are not consecutive (empty: narrow views from the first slot)."""
+    extra passes the structure keeps, on the device, what they index with: buffers of fixed
+    sizes (structure-independent, so every loading path fits them) whose first entries are
+    rewritten in place when the structure changes, never per pass. ``pass_scale`` [n·D of
+    H·D] the looping heads' weights (read when one fades: ``scaled``), ``pass_kv`` [n of H]
+    the key/value head each looping query head reads among the m read (when not head j for
+    query head j: ``kv_mapped``), ``pass_q_rows`` [n·D of H·D] / ``pass_kv_rows`` [m·D of
+    H_kv·D] the rows of the looping query / key-value heads (when their slots are not
+    consecutive: not ``narrow``), ``rotate_sign`` [D] the sign of rotate_half's roll form."""
 
-    def __init__(self, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: int = 1):
+    def __init__(self, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: int = 2):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, head_dim
         self.depth = 0
         self.weights: tuple[float, ...] = (1.0,) * n_heads
         self.order: tuple[int, ...] = tuple(range(n_heads))
-        half = head_dim // 2  # rotate_half(x) = roll(x, D/2) · rotate_sign (head_loop.attention.rotate)
-        self.register_buffer("rotate_sign", torch.cat([-torch.ones(half), torch.ones(head_dim - half)]), persistent=False)
-        for name, dtype in (("pass_scale", torch.float32), ("pass_kv", torch.long), ("pass_q_rows", torch.long),
-                            ("pass_kv_rows", torch.long)):
-            self.register_buffer(name, torch.zeros(0, dtype=dtype), persistent=False)
+        H, D = n_heads, head_dim
+        for name, size, dtype in (("rotate_sign", D, torch.float32), ("pass_scale", H * D, torch.float32),
+                                  ("pass_kv", H, torch.long), ("pass_q_rows", H * D, torch.long),
+                                  ("pass_kv_rows", self.n_kv_heads * D, torch.long)):
+            self.register_buffer(name, torch.zeros(size, dtype=dtype), persistent=False)
         self._refresh()
 
     def set(self, depth: int, weights: Optional[Sequence[float]] = None) -> None:
@@ -106,25 +108,39 @@ class GrownLoop(nn.Module):
         kept = tuple(self.weights[self.order[p]] for p in self.slots)
         return None if all(w == 1.0 for w in kept) else kept
 
+    @property
+    def scaled(self) -> bool:
+        """Whether a looping head fades (its output is scaled by ``pass_scale``)."""
+        return self.head_weights is not None
+
+    @property
+    def kv_mapped(self) -> bool:
+        """Whether looping query head j reads another kv head than the j-th one read (GQA)."""
+        return self._kv_index() != list(range(len(self.slots)))
+
+    def _kv_index(self) -> list[int]:
+        g, kv_slots = self.n_heads // self.n_kv_heads, self.kv_slots
+        return [kv_slots.index(p // g) for p in self.slots]
+
+    @torch.no_grad()
     def _refresh(self) -> None:
-        """Rebuild the device indices of the extra passes (once per structure change)."""
-        device, D, g = self.pass_scale.device, self.head_dim, self.n_heads // self.n_kv_heads
-        slots, kv_slots = self.slots, self.kv_slots
+        """Write the extra passes' device indices (once per structure change, in place)."""
+        D = self.head_dim
         dims = torch.arange(D)
 
-        def rows(heads: Sequence[int]) -> torch.Tensor:
-            return (torch.tensor(heads, dtype=torch.long)[:, None] * D + dims).flatten()
+        def put(buffer: torch.Tensor, values) -> None:
+            values = torch.as_tensor(values, dtype=buffer.dtype).flatten()
+            buffer[: values.numel()].copy_(values)
 
-        weights = self.head_weights
-        self.pass_scale = torch.zeros(0) if weights is None else torch.tensor(weights).repeat_interleave(D)
-        kv_index = [kv_slots.index(p // g) for p in slots]
-        self.pass_kv = torch.zeros(0, dtype=torch.long) if kv_index == list(range(len(slots))) \
-            else torch.tensor(kv_index, dtype=torch.long)
-        empty = torch.zeros(0, dtype=torch.long)
-        self.pass_q_rows, self.pass_kv_rows = (empty, empty) if self.narrow or not slots \
-            else (rows(slots), rows(kv_slots))
-        for name in ("pass_scale", "pass_kv", "pass_q_rows", "pass_kv_rows"):
-            setattr(self, name, getattr(self, name).to(device))
+        def rows(heads: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(heads), dtype=torch.long)[:, None] * D + dims
+
+        half = D // 2  # rotate_half(x) = roll(x, D/2) · rotate_sign (head_loop.attention.rotate)
+        put(self.rotate_sign, [-1.0] * half + [1.0] * (D - half))
+        put(self.pass_scale, torch.tensor(self.head_weights or [1.0] * len(self.slots)).repeat_interleave(D))
+        put(self.pass_kv, self._kv_index())
+        put(self.pass_q_rows, rows(self.slots))
+        put(self.pass_kv_rows, rows(self.kv_slots))
 
     def describe(self) -> dict:
         return {"depth": self.depth, "heads": list(self.heads), "weights": list(self.weights)}
