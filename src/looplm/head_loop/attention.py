@@ -137,7 +137,7 @@ def head_subset_attention(
         k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
         q, k, v = rotated(q), rotated(k), v.transpose(1, 2)
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
-    y, new_state = attn.attend_heads(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
+    y, new_state = attn.attend_rotated(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
     if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows
         y = y * torch.sigmoid(F.linear(x, weights.gate, weights.gate_bias))
     if loop.scaled:  # fading heads: scale each head's output before W_O

@@ -153,14 +153,13 @@ class SoftmaxAttention(nn.Module):
         q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        return self.attend_heads(apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope), v, ctx, state, kv_index)
+        return self.attend_rotated(apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope), v, ctx, state, kv_index)
 
-    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
-                     state: Optional[KVState] = None,
-                     kv_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KVState]:
-        """:meth:`attend` after the head split and rotary: q [B, H, T, D] and k [B, H_kv, T, D]
-        already rotated, v [B, H_kv, T, D]. SGT's head passes rotate their queries and keys
-        in one call (:mod:`looplm.head_loop.attention`) and enter here."""
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
+                       state: Optional[KVState] = None,
+                       kv_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KVState]:
+        """:meth:`attend` on rotated heads: q [B, H, T, D], k, v [B, H_kv, T, D]. SGT's head
+        passes rotate their queries and keys in one call (:mod:`looplm.head_loop.attention`)."""
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         start, spare = 0, (None, None)
