@@ -99,35 +99,35 @@ class HeadLoopBlock(GrownBlock):
         loop = self.head_loop
         if ctx.attentions is not None and loop.order != tuple(range(loop.n_heads)):  # probes: original order
             location = ctx.location
-            heads = {location: loop.order}  # [B, H, T, S] recorded in slot order, then each pass's S
-            heads.update({(f"{location[0]}.loop{k + 1}", location[1]): [loop.order[p] for p in loop.slots]
-                          for k in range(self.extra_passes(iteration))})
-            for key, in_slots in heads.items():
+            looped = [loop.order[p] for p in loop.slots]  # the heads a pass computes, in slot order
+            by_pass = sorted(range(len(looped)), key=looped.__getitem__)
+            ascending = {location: loop.slot_of}  # [B, H, T, S] recorded in slot order
+            ascending.update({(f"{location[0]}.loop{k + 1}", location[1]): by_pass
+                              for k in range(self.extra_passes(iteration))})
+            for key, index in ascending.items():
                 if key in ctx.attentions:
-                    ascending = sorted(range(len(in_slots)), key=in_slots.__getitem__)
                     probs = ctx.attentions[key]
-                    ctx.attentions[key] = probs.index_select(1, torch.tensor(ascending, device=probs.device))
+                    ctx.attentions[key] = probs.index_select(1, torch.tensor(index, device=probs.device))
         return out
 
     def arrange_heads(self, first: Sequence[int], optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Permute the heads in storage so that the heads ``first`` (original numbering)
-        take consecutive slots (:func:`_grouped_order`), so that the extra passes read narrow
-        views (nothing moves when they already lie so). A
-        re-parameterisation: the parameters, their gradients and ``optimizer``'s state
-        move together (:func:`~looplm.head_loop.attention.permute_heads`); the block
-        computes the same function and trains on as before (FSDP2 shards included).
-        Returns whether anything moved."""
+        take consecutive slots (:func:`_grouped_order`) and the extra passes read narrow
+        views; nothing moves when they already do. A re-parameterisation: the parameters,
+        their gradients and ``optimizer``'s state move together
+        (:func:`~looplm.head_loop.attention.permute_heads`), so the block computes the same
+        function and trains on as before (FSDP2 shards included). Returns whether
+        anything moved."""
         loop = self.head_loop
         chosen, g = set(first), loop.n_heads // loop.n_kv_heads
         slots = [p for p, h in enumerate(loop.order) if h in chosen]
         if _consecutive(slots) and _consecutive(sorted({p // g for p in slots})):
             return False  # already narrow: nothing to move
         order = _grouped_order(chosen, loop.n_heads, loop.n_kv_heads)
-        layers = self.softmax_layers()
         if order == loop.order:
             return False
         slot = {h: p for p, h in enumerate(loop.order)}
-        for layer in layers:
+        for layer in self.softmax_layers():
             permute_heads(layer, [slot[h] for h in order], optimizer)
         loop.set_order(order)
         return True

@@ -116,8 +116,7 @@ class EntropyMeter:
         for layer, loop, row in zip(self.layers, self.loops, values):
             if row[-1] > 0:
                 by_slot = [s / row[-1] for s in row[:-1]]
-                order = range(len(by_slot)) if loop is None else loop.order
-                out[layer] = [by_slot[p] for p in sorted(range(len(by_slot)), key=order.__getitem__)]
+                out[layer] = by_slot if loop is None else [by_slot[p] for p in loop.slot_of]
         return out
 
     def detach(self) -> None:

@@ -4,8 +4,8 @@ After every optimiser step t the trainer calls :meth:`Growth.after_step`: the st
 last-query entropies (all micro-batches, all data-parallel ranks, so every rank decides
 alike) update the EMA; at a decision step the growth operator updates Θ_t; the grown
 structure for the next forwards (loop depths, fading head weights) is written into the
-blocks. When a layer is activated its heads are arranged so that the selected ones come
-first in storage (:meth:`HeadLoopBlock.arrange_heads`, a re-parameterisation that moves
+blocks. When a layer is activated its heads are arranged so that the selected ones lie in
+consecutive slots (:meth:`HeadLoopBlock.arrange_heads`, a re-parameterisation that moves
 the optimiser's state with the weights), so its extra passes read narrow weight views.
 """
 
@@ -52,8 +52,8 @@ class Growth:
 
     def apply(self, step: int) -> None:
         """Write Θ after step ``step`` into the grown blocks; arrange the heads of a newly
-        activated layer (S_l first: a no-op once arranged, and after resuming, whose
-        checkpoint holds the arranged weights and their order)."""
+        activated layer (S_l in consecutive slots: a no-op once arranged, and after
+        resuming, whose checkpoint holds the arranged weights and their order)."""
         structure = self.schedule.structure(step)
         for layer, block in self.grown.items():
             depth, weights = structure.get(layer, (0, None))
