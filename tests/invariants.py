@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
 from looplm import LoopCache
+from looplm.cache import NotStatic
 
 
 def assert_strictly_causal(model, x: torch.Tensor, positions: Sequence[int], *, shift: int, vocab: int = 61,
@@ -33,6 +35,31 @@ def assert_decodes_like_full_forward(model, x: torch.Tensor, splits: Sequence[Se
             start = end
         torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=atol, rtol=rtol)
         assert cache.get_seq_length() == x.shape[1]
+
+
+def assert_static_decodes_like_full_forward(model, x: torch.Tensor, ends: Sequence[int], *, atol: float,
+                                            rtol: float = 1e-5, capacity: int = 0) -> Optional[str]:
+    """Cache equivalence on the static cache: a prefill of x[:, :ends[0]] into a growing
+    cache, then the rest piece by piece against its static form (buffers for ``capacity``,
+    default the length, positions), equal to one full forward. Returns None, or why the
+    cache has no static form (then nothing else is checked)."""
+    full = model(x).logits
+    cache = LoopCache()
+    pieces = [model(x[:, : ends[0]], cache=cache).logits]
+    try:
+        static = cache.static(max(capacity, x.shape[1]))
+    except NotStatic as reason:
+        return str(reason)
+    for start, end in zip(ends, ends[1:]):
+        pieces.append(model(x[:, start:end], cache=static).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=atol, rtol=rtol)
+    assert static.get_seq_length() == x.shape[1]
+    return None
+
+
+#: what may have no static cache yet: sparse and head-looped attention states, adaptive
+#: halting that stops early, multi-resolution chunk states (NotStatic's messages)
+NOT_STATIC_YET = ("DSAState", "NSAState", "LoopedState", "adaptive halting", "multi-resolution")
 
 
 def error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -3,6 +3,10 @@ scripts, not a measurement; the figures live in benchmarks/results/)."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +14,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from looplm import LoopLM
+
 ROOT = Path(__file__).resolve().parent.parent
+#: whether generate() has the captured decode step (``compile=True``); its rows are skipped before
+HAS_COMPILED_GENERATE = "compile" in inspect.signature(LoopLM.generate).parameters
 
 
 def run(script: str, *args: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def benchmark(name: str):
+    """The module of benchmarks/NAME.py (run in process: the path CUDA runs take)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_mixer_benchmark_writes_its_table(tmp_path):
@@ -34,11 +51,7 @@ def test_mixer_benchmark_writes_its_table(tmp_path):
 
 def test_mixer_benchmark_in_process_path():
     """The path CUDA runs take (no subprocess per job), exercised on CPU."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import mixers
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    mixers = benchmark("mixers")
     job = dict(what="train", kind="gla", backend="torch", length=32, heads=2, head_dim=16, device="cpu",
                repeats=1, batch=2, dtype="bfloat16")
     result = mixers._measure(dict(job))
@@ -64,16 +77,173 @@ def test_long_context_benchmark_writes_its_tables(tmp_path):
     assert text.count("| looped transformer |") == 4 and text.count("| GDN+DSA hybrid |") == 4, text
     assert "error" not in text and "OOM" not in text, text
     assert "Decode throughput against the looped transformer at S=64" in text
+    assert "Precision fp32" in text and "warm-up: one untimed prefill and 3 decode steps" in text, text
+
+
+def count_prefills(model, context: int) -> list[int]:
+    """A list that grows by one at every forward of ``model`` over ``context`` new positions."""
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1) if args[0].shape[1] == context else None)
+    return calls
+
+
+@pytest.mark.parametrize("decode_via, prefills", [("cache", 2), ("generate", 4)])
+def test_long_context_in_process_cells_warm_up_and_share_one_model(decode_via, prefills):
+    """The CUDA path, on CPU: one bf16 model serves every context of a run, and each cell
+    runs untimed what it times first (a prefill; with generate both calls)."""
+    lc = benchmark("long_context")
+    args = lc.parse(["--models", "GDN+DSA hybrid", "--contexts", "16", "32", "--d-model", "32", "--heads", "2",
+                     "--new", "2", "--dtype", "bf16", "--decode-via", decode_via, "--threads", "1"])
+    job = {"model": "GDN+DSA hybrid", **lc.job_options(args)}
+    model = lc.build(job, lc.max_len_for(32, 2))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # cast, not autocast
+    for context in (16, 32):
+        calls = count_prefills(model, context)
+        result = lc.measure({**job, "context": context}, model)
+        assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0 and "error" not in result, result
+        assert len(calls) == prefills
+
+
+@pytest.mark.skipif(not HAS_COMPILED_GENERATE, reason="generate() has no compile parameter yet")
+def test_long_context_compiled_cell_decodes_through_generate():
+    lc = benchmark("long_context")
+    args = lc.parse(["--models", "looped transformer", "--contexts", "16", "--d-model", "32", "--heads", "2",
+                     "--new", "2", "--compile", "--threads", "1"])
+    assert args.decode_via == "generate"
+    job = {"model": "looped transformer", "context": 16, **lc.job_options(args)}
+    try:
+        result = lc.measure(job)
+    finally:
+        torch._dynamo.reset()
+    assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0, result
+
+
+def test_long_context_refuses_inconsistent_options():
+    lc = benchmark("long_context")
+    refused = [["--shape", "lt2-0.6b", "--d-model", "64"], ["--compile", "--decode-via", "cache"],
+               ["--profile", "looped GDN", "--decode-via", "generate"], ["--contexts", "64", "32"]]
+    if not HAS_COMPILED_GENERATE:
+        refused.append(["--compile"])
+    for argv in refused:
+        with pytest.raises(SystemExit):
+            lc.parse(argv)
+    assert lc.parse(["--device", "cuda"]).dtype == "bf16" and lc.parse([]).dtype == "fp32"
+
+
+def test_long_context_lt2_shape_is_the_papers_four_models():
+    """--shape lt2-0.6b: lt2.txt Table 2's looped 0.6B models, max_seq_len covering the run."""
+    lc = benchmark("long_context")
+    expected = {"looped transformer": ("25R4", "attention", None), "looped GDN": ("25R4", "gated_deltanet", None),
+                "Full+GDN hybrid": ("21R4", "gated_deltanet", "attention"),
+                "GDN+DSA hybrid": ("21R4", "dsa", "gated_deltanet")}
+    for name, (layout, mixer, periodic) in expected.items():
+        cfg = lc.model_config("lt2-0.6b", name, 8192 + 30)
+        assert (cfg.d_model, cfg.n_heads, cfg.layout, cfg.mixer.kind) == (1024, 16, layout, mixer), name
+        assert (cfg.hybrid.mixer.kind if cfg.hybrid else None) == periodic, name
+        assert cfg.vocab_size == 128256 and cfg.max_seq_len == 8192 + 30
+    args = lc.parse(["--shape", "lt2-0.6b", "--contexts", "2048", "8192", "--compile", "--decode-via", "generate"]
+                    if HAS_COMPILED_GENERATE else ["--shape", "lt2-0.6b", "--contexts", "2048", "8192"])
+    assert re.search(r"looped transformer `lt2-0.6b-transformer` 25R4, [0-9.]+M parameters", lc.shape_line(args))
+    assert lc.default_out(args).name == ("long-context-lt2-0.6b-compiled-cpu.md" if HAS_COMPILED_GENERATE
+                                         else "long-context-lt2-0.6b-cpu.md")
+
+
+def test_long_context_report_of_a_stopped_run_marks_what_is_missing():
+    lc = benchmark("long_context")
+    args = lc.parse(["--contexts", "16", "32", "--models", "looped transformer", "looped GDN"])
+    done = {"prefill_tok_s": 100.0, "decode_tok_s": 10.0, "peak_mib": 1.0}
+    text = lc.render(args, {("looped transformer", 16): done, ("looped transformer", 32): done,
+                            ("looped GDN", 16): {"error": "RuntimeError: boom"}}, ["# header", ""])
+    assert "**Partial**: 1 of 4 cells not measured" in text
+    assert "| looped GDN | error | … |" in text and "- looped GDN, S=16: RuntimeError: boom" in text
+    assert "| looped transformer | 1.00x | 1.00 |" in text and "| looped GDN | - | - |" in text
+
+
+#: a tiny generate.py run: 2 layers, d 64, batches 1 and 2, 4 new tokens
+GENERATE_TINY = ["--device", "cpu", "--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "256",
+                 "--prompt-len", "8", "--new-tokens", "4", "--warmup", "1", "--repeats", "1", "--threads", "1"]
+
+
+def run_generate(argv: list[str]) -> list[dict]:
+    threads = torch.get_num_threads()
+    try:
+        return benchmark("generate").main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_generate_benchmark_eager_rows(tmp_path):
+    out = tmp_path / "generate.md"
+    rows = run_generate([*GENERATE_TINY, "--batches", "1", "2", "--systems", "looplm eager", "transformers eager",
+                         "--out", str(out)])
+    assert [(r["batch"], r["system"]) for r in rows] == [
+        (1, "transformers eager"), (1, "looplm eager"), (2, "transformers eager"), (2, "looplm eager")]
+    for row in rows:  # fp32, the same weights: the same greedy tokens
+        assert row["seconds"] > 0 and row["same_tokens"] == row["batch"] * 4, row
+    text = out.read_text()
+    assert float(re.search(r"logit difference\| on the prompt: fp32 (\S+) ", text)[1]) <= 1e-5, text
+    assert "torch " in text and "transformers " in text and "Card: CPU" in text
+    assert len(re.findall(r"^\| [12] \| (looplm|transformers) eager \| [0-9.]+ \|", text, re.M)) == 4, text
+
+
+def test_generate_benchmark_compiled_rows():
+    """transformers' static cache + compile always; looplm's compile=True where generate has it."""
+    try:
+        rows = run_generate([*GENERATE_TINY, "--batches", "1"])
+    finally:
+        torch._dynamo.reset()
+    by = {r["system"]: r for r in rows}
+    assert by["transformers static + compile"]["compiled"] is True
+    compiled = ["transformers static + compile"]
+    if HAS_COMPILED_GENERATE:
+        compiled.append("looplm compiled")
+    else:
+        assert "no compile parameter" in by["looplm compiled"]["skipped"]
+    for system in compiled:
+        assert by[system]["seconds"] > 0 and by[system]["same_tokens"] == 4, by[system]
+
+
+def test_generate_benchmark_refuses_models_that_differ():
+    gen = benchmark("generate")
+    model, hf = gen.llama_pair(gen.parse(GENERATE_TINY), torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, 8))
+    assert "fp32" in gen.check_same_logits(model, hf, ids)
+    with torch.no_grad():
+        model.norm.weight.mul_(1.05)
+    with pytest.raises(SystemExit, match="disagree"):
+        gen.check_same_logits(model, hf, ids)
+
+
+def test_gpu_script_is_valid_bash_and_calls_what_exists():
+    """benchmarks/gpu.sh: valid syntax; its parts fit 8 minutes; every script and test folder
+    it names exists, and each benchmark's argument parser accepts the arguments given."""
+    script = ROOT / "benchmarks" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    done = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    parts = re.findall(r"^PART (.+?) (\d+)s: (.+)$", done.stdout, re.M)
+    names = [name for name, _, _ in parts]
+    assert names[0] == "GPU tests" and "generate" in names and "train throughput" in names, names
+    assert sum(int(limit) for _, limit, _ in parts) <= 480
+    for name, _, command in parts:
+        words = shlex.split(command)
+        paths = [w for w in words if w.startswith(("benchmarks/", "tests/")) and not w.endswith(".md")]
+        assert paths and all((ROOT / p).exists() for p in paths), (name, paths)
+        if words[1].endswith(".py"):
+            module, argv = benchmark(Path(words[1]).stem), words[2:]
+            if "--compile" in argv and words[1].endswith("long_context.py") and not HAS_COMPILED_GENERATE:
+                with pytest.raises(SystemExit):
+                    module.parse(argv)
+            else:
+                module.parse(argv)
+    shapes = {w for _, _, c in parts for w in re.findall(r"--shape (\S+)", c)}
+    assert shapes == {"tiny", "lt2-0.6b"}
 
 
 def test_train_throughput_core_reports_consistent_numbers(tmp_path):
     """train_throughput.py's figures follow from its measurements: FLOPs/token is the
     accounting module's, tokens/s and MFU come from the step times, each ratio from the rows."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import train_throughput as bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench = benchmark("train_throughput")
     from looplm.accounting import count_flops
 
     threads = torch.get_num_threads()

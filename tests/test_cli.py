@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -75,6 +76,11 @@ def test_train_eval_generate_resume_through_the_cli(tmp_path, capsys):
     assert greedy.startswith("def ")
     assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == greedy
+    if shutil.which("g++") or shutil.which("c++"):  # inductor's CPU backend compiles C++
+        # the captured static-cache step (torch.compile's default backend) decodes the same text
+        assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0",
+                     "--compile"]) == 0
+        assert capsys.readouterr().out == greedy
 
 
 def test_generate_from_save_pretrained_directory(tmp_path, capsys):

@@ -12,6 +12,8 @@ from looplm.config import load_config, preset_names
 from tests.conftest import TOPOLOGY_KINDS, all_configs, grow, random_ids, tiny_config
 from tests.invariants import (
     assert_decodes_like_full_forward,
+    NOT_STATIC_YET,
+    assert_static_decodes_like_full_forward,
     assert_strictly_causal,
     prefill_then_tokens,
 )
@@ -45,6 +47,15 @@ def test_cache_equivalence(name, cfg, prefill):
 def test_chunked_prefill_equivalence(name, cfg):
     """Several tokens at a time against a non-empty cache (explicit offset mask)."""
     assert_decodes_like_full_forward(_model(cfg, name), random_ids(2, 12), [[5, 9, 12]], atol=2e-5)
+
+
+@pytest.mark.parametrize("name,cfg", GRID, ids=[n for n, _ in GRID])
+def test_static_cache_equivalence(name, cfg):
+    """Prefill, then single tokens and a chunk against the static cache (spare rows after)."""
+    x = random_ids(2, 13)
+    reason = assert_static_decodes_like_full_forward(_model(cfg, name), x, [6, 7, 8, 11, 12, 13], atol=2e-5,
+                                                     capacity=20)
+    assert reason is None or any(part in reason for part in NOT_STATIC_YET), reason
 
 
 MIXER_SPECS = [
@@ -85,6 +96,7 @@ def test_invariants_over_config_space(topology, prelude, core, iterations, coda,
     pieces = [model(x[:, :split], cache=cache).logits]
     pieces += [model(x[:, i : i + 1], cache=cache).logits for i in range(split, length)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
+    assert_static_decodes_like_full_forward(model, x, [split, *range(split + 1, length + 1)], atol=2e-5, capacity=16)
     y = x.clone()
     y[:, split] = (y[:, split] + 1) % cfg.vocab_size
     torch.testing.assert_close(model(y).logits[:, :split], full[:, :split], atol=1e-6, rtol=0)
@@ -148,3 +160,5 @@ def test_tiny_lt2_presets_are_causal_and_decode_like_the_full_forward(model):
     x = torch.randint(0, cfg.vocab_size, (2, 24))
     assert_strictly_causal(net, x, [5, 17], shift=1, vocab=cfg.vocab_size, atol=1e-5)
     assert_decodes_like_full_forward(net, x, [[9, 16, 24], prefill_then_tokens(20, 24)], atol=1e-5)
+    reason = assert_static_decodes_like_full_forward(net, x, prefill_then_tokens(20, 24), atol=1e-5)
+    assert reason is None or model in ("dsa", "nsa", "hybrid-full-dsa", "hybrid-gdn-dsa"), reason

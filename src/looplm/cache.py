@@ -26,6 +26,7 @@ equal the full forward's, where halted positions pass through later steps frozen
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -119,6 +120,11 @@ class LoopCache:
     def get_seq_length(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
+    def static(self, capacity: int) -> "StaticLoopCache":
+        """This cache's contents in buffers preallocated for ``capacity`` positions
+        (:class:`StaticLoopCache`); raises :class:`NotStatic` naming what cannot be."""
+        return StaticLoopCache.of(self, capacity)
+
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (e.g. rejected speculative tokens)."""
         if self.valid is None or length >= self.get_seq_length():
@@ -153,3 +159,149 @@ class LoopCache:
         """Per multi-resolution iteration, the positions at which its coarse core ran (one per
         completed chunk, at the chunk's last position; spiralformer Appendix D)."""
         return {t: list(chunk.triggers) for t, chunk in sorted(self.chunks.items())}
+
+
+class NotStatic(ValueError):
+    """A cache that has no static form (a growing state, adaptive halting, chunk states);
+    the message says which part and why."""
+
+
+class StaticLoopCache(LoopCache):
+    """A :class:`LoopCache` whose tensors are preallocated for ``capacity`` positions and
+    written in place, so a decoding step reads and writes the same storage every time and
+    changes nothing on the host: it compiles to one graph and replays as a CUDA graph.
+
+    Made from a filled cache (:meth:`LoopCache.static`, after the prefill), sized at
+    ``generate`` time from the prompt and ``max_new_tokens``. ``valid`` [B, C] holds the
+    validity of every buffer row (False beyond the written ones); ``position`` [] the next
+    row to write, on the device; ``next_position`` [B] each row's next position id.
+    Attention keys live in :class:`~looplm.mixers.attention.StaticKVState` buffers; a
+    fixed-size state (a linear mixer's S and conv windows) keeps its tensors and each step
+    copies the new values into them (:meth:`set`). ``length`` mirrors ``position`` on the
+    host for the eager callers' checks; a captured step leaves it to its caller
+    (:meth:`advance`).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.position: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, cache: LoopCache, capacity: int) -> "StaticLoopCache":
+        if cache.valid is None:
+            raise NotStatic("an empty cache: fill it with a prefill forward first")
+        if cache.frozen is not None:
+            raise NotStatic("adaptive halting with frozen positions: its loop length depends on the data")
+        if cache.chunks:
+            raise NotStatic("multi-resolution iterations: their chunk states grow with each completed chunk")
+        length = cache.get_seq_length()
+        if capacity < length:
+            raise NotStatic(f"capacity {capacity} is below the {length} positions already cached")
+        static = cls(capacity)
+        for key, state in cache.states.items():
+            convert = getattr(state, "static", None)
+            if convert is None:
+                raise NotStatic(f"block {key[0]} (pass {key[1]}) holds a {type(state).__name__}, which has no static form")
+            static.states[key] = convert(capacity)
+        B, device = cache.valid.shape[0], cache.valid.device
+        static.valid = torch.zeros(B, capacity, dtype=torch.bool, device=device)
+        static.valid[:, :length] = cache.valid
+        static.next_position = cache.next_position.clone()
+        static.position = torch.tensor(length, device=device)
+        static.length, static.padded, static.iterations = length, cache.padded, cache.iterations
+        return static
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer a decoding step reads or writes (to mark as static addresses for
+        CUDA graphs)."""
+        found = [self.valid, self.next_position, self.position]
+        for state in self.states.values():
+            for field in dataclasses.fields(state):
+                value = getattr(state, field.name)
+                found.extend(v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, torch.Tensor))
+        return found
+
+    def set(self, block: str, iteration: int, state: MixerState) -> None:
+        """Keep the state's tensors where they are: copy a new state's values into them."""
+        old = self.states.get((block, iteration))
+        if old is None or old is state:
+            self.states[(block, iteration)] = state
+            return
+        for field in dataclasses.fields(old):
+            dest, value = getattr(old, field.name), getattr(state, field.name)
+            if isinstance(dest, torch.Tensor):
+                dest.copy_(value)
+            elif isinstance(dest, tuple):
+                for d, v in zip(dest, value):
+                    d.copy_(v)
+
+    def extend(self, new_valid: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        raise NotStatic("a static cache is extended by extend_static (LoopLM._context)")
+
+    def extend_static(self, new_valid: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write T new positions' validity into their rows. Returns (slots [T], the rows
+        written; positions [B, T], their position ids). Host state is untouched while
+        compiling (:meth:`advance` is then the caller's)."""
+        B, T = new_valid.shape
+        if B != self.valid.shape[0]:
+            raise ValueError(f"batch of {B} rows does not match the cache's {self.valid.shape[0]}")
+        if not torch.compiler.is_compiling():
+            if self.length + T > self.capacity:
+                raise ValueError(f"{self.length + T} positions exceed the static cache's capacity {self.capacity}")
+            if masked and not self.padded and not bool(new_valid.all()):
+                raise ValueError("a static cache cannot take padding after its prefill (pad the prompt instead)")
+        # a new tensor (not a view of position, which moves on below)
+        slots = self.position.reshape(1).clone() if T == 1 else self.position + torch.arange(T, device=new_valid.device)
+        self.valid.index_copy_(1, slots, new_valid)
+        if masked:
+            positions = (self.next_position[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)
+            self.next_position.add_(new_valid.sum(dim=1))
+        else:
+            step = torch.arange(T, device=new_valid.device) if T > 1 else 0
+            positions = self.next_position[:, None] + step  # a new tensor: next_position moves on below
+            self.next_position.add_(T)
+        self.position.add_(T)
+        self.advance(T)
+        return slots, positions
+
+    def advance(self, length: int) -> None:
+        """Count ``length`` more positions on the host (a captured step's caller does this)."""
+        if not torch.compiler.is_compiling():
+            self.length += length
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on; the rows stay and are rewritten later.
+        Refused when a state summarises every position (a linear mixer's S)."""
+        if length >= self.length:
+            return
+        for (block, t), state in self.states.items():
+            if not hasattr(state, "write"):  # not a key/value buffer: S summarises every position
+                raise ValueError(f"cannot crop the static cache to {length} positions: block {block} (pass {t}) "
+                                 f"holds a {type(state).__name__}, which cannot be rewound")
+        self.valid[:, length:] = False
+        self.next_position.copy_(self.valid.long().sum(dim=1))
+        self.position.fill_(length)
+        self.length = length
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder rows in place when ``index`` keeps the batch size (beam search)."""
+        same = index.shape[0] == self.valid.shape[0]
+        for key, state in self.states.items():
+            if hasattr(state, "write"):
+                self.states[key] = state.select(index)
+            elif same:
+                self.set(*key, state.select(index))
+            else:
+                self.states[key] = state.select(index)
+        for name in ("valid", "next_position"):
+            value = getattr(self, name)
+            if same:
+                value.copy_(value[index])
+            else:
+                setattr(self, name, value[index])
+        self.padded = not bool(self.valid[:, : self.length].all())

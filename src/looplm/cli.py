@@ -6,7 +6,7 @@ probe, flops, ladder, study, config, presets.
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... | --suite {mesh,spiralformer,sgt,lt2} [--batch-size B] [--include-path DIR] ...
     looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
-    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--no-verify]
+    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--compile] [--no-verify]
     looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
     looplm import HF_DIR OUT [--tokenizer SPEC]
     looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [model.key=value ...]
@@ -202,6 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         step_embeddings=not args.no_step_embeddings,
         verify=not args.no_verify,
+        compile=args.compile,
     )
     sys.stdout.write(text + "\n")
     return 0
@@ -511,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_TOP_P, default=None)
     _loop_options(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="decode through one captured step over a static cache (CUDA graphs on a GPU)")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
 

@@ -116,8 +116,10 @@ def generate_text(
     seed: int = 0,
     step_embeddings: bool = True,
     verify: bool = True,
+    compile: bool = False,
 ) -> str:
-    """Prompt plus continuation, decoded with the run's tokenizer."""
+    """Prompt plus continuation, decoded with the run's tokenizer (``compile``: through the
+    captured static-cache step, :func:`looplm.generation.generate`)."""
     run = load_run(path, verify=verify)
     set_step_embeddings(run.model, step_embeddings)
     tokenizer = data_tokenizer(run.config.data)
@@ -132,5 +134,6 @@ def generate_text(
         stop_tokens=(tokenizer.eos_id,),
         pad_token_id=tokenizer.pad_id,
         generator=torch.Generator().manual_seed(seed),
+        compile=compile,
     )
     return prompt + tokenizer.decode(out.new_tokens[0])

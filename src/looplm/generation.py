@@ -14,14 +14,17 @@ top-p (nucleus) -> softmax -> draw.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from looplm.cache import LoopCache
+from looplm.cache import LoopCache, NotStatic
 from looplm.config_base import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -228,6 +231,7 @@ def generate(
     pad_token_id: int = 0,
     iterations: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    compile: Union[bool, dict] = False,
 ) -> GenerationOutput:
     """Continue each prompt by up to ``max_new_tokens`` tokens of ``model`` (a
     :class:`~looplm.model.LoopLM`; this is its ``generate`` method) through the decoding cache.
@@ -247,6 +251,17 @@ def generate(
     ``iterations`` is the loop count of every forward (test-time compute; the model
     refuses counts its topology cannot run). The model runs in eval mode without
     gradients; its training flag is restored afterwards.
+
+    ``compile``: decode through one captured step (``torch.compile(fullgraph=True)``; on
+    CUDA with ``mode="reduce-overhead"``, so each token is one CUDA-graph replay) over a
+    static cache preallocated for the prompt and ``max_new_tokens``; a dict is passed to
+    ``torch.compile`` as options (e.g. ``{"backend": "aot_eager"}``). The numbers are the
+    eager path's. A model whose cache has no static form (adaptive halting that stops
+    early, multi-resolution chunks, sparse or head-looped attention states) decodes
+    eagerly instead, and the reason is logged. The prompt's prefill always runs eagerly.
+
+    Host syncs: none per token for greedy decoding; with ``stop_tokens``, one read every
+    ``STOP_CHECK_EVERY`` tokens of whether every row has stopped.
     """
     cfg = model.cfg
     _check_options(max_new_tokens, temperature, top_k, top_p, pad_token_id, cfg.vocab_size)
@@ -282,6 +297,7 @@ def generate(
                 out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations)
                 logits = out.logits[:, -1]
                 spent, seen = _passes_spent(out, mask), int(mask.sum())
+                step_fn, cache = _decoder(model, cache, ids.shape[1] + max_new_tokens, compile)
                 ones = torch.ones(B, 1, dtype=torch.long, device=device)
                 for step in range(max_new_tokens):
                     token = next_token(
@@ -289,26 +305,85 @@ def generate(
                     )
                     token = token.masked_fill(finished, pad_token_id)  # [B]
                     columns.append(token)
-                    stopped = ~finished & torch.isin(token, stop_tensor)
-                    lengths = torch.where(stopped, step + 1, lengths)
-                    finished = finished | stopped
-                    if bool(finished.all()) or step == max_new_tokens - 1:
+                    if stops:
+                        stopped = ~finished & torch.isin(token, stop_tensor)
+                        lengths = torch.where(stopped, step + 1, lengths)
+                        finished = finished | stopped
+                    if step == max_new_tokens - 1 or (stops and (step + 1) % STOP_CHECK_EVERY == 0
+                                                      and bool(finished.all())):  # a host read every k steps
                         break
-                    # The explicit mask of ones keeps the cache's record of earlier padding in force.
-                    out = model(token[:, None], attention_mask=ones, cache=cache, iterations=iterations)
-                    logits = out.logits[:, -1]
+                    # No mask: the new tokens are real, and the cache remembers the prompt's padding.
+                    logits, passes = step_fn(model, token, cache, iterations)
                     if spent is not None:
-                        spent, seen = spent + _passes_spent(out, ones), seen + B
+                        spent, seen = spent + _passes_spent(passes, ones), seen + B
     finally:
         model.train(was_training)
 
     generated = torch.stack(columns, dim=1) if columns else ids.new_zeros(B, 0)  # [B, N]
+    if stops and len(columns) and bool(finished.all()):  # drop the columns decoded after the last stop
+        generated = generated[:, : int(lengths.max())]
     sequences = torch.cat([ids, generated], dim=1)  # [B, T + N]
     n = generated.shape[1]
     new_tokens = [row[: min(int(length), n)] for row, length in zip(generated.tolist(), lengths.tolist())]
     passes = float(spent) / seen if spent is not None else None
     return GenerationOutput(sequences=sequences, new_tokens=new_tokens, finished=finished,
                             block_passes_per_token=passes)
+
+
+#: how often (in decoded tokens) ``generate`` reads back whether every row has stopped: a
+#: host sync stalls the device's queue, so it is paid once per this many tokens, and at most
+#: this many - 1 steps are decoded after the last row stopped (their columns are dropped)
+STOP_CHECK_EVERY = 16
+
+
+def _decode_step(model: nn.Module, token: torch.Tensor, cache: LoopCache, iterations: Optional[int]):
+    """One decoding forward of [B] new tokens: (last logits [B, V], the output the realised
+    compute is read from). The function ``generate(compile=True)`` captures."""
+    out = model(token[:, None], cache=cache, iterations=iterations)
+    return out.logits[:, -1], _Passes(out.block_passes, out.catch_up_passes)
+
+
+@dataclasses.dataclass
+class _Passes:
+    """The realised-compute fields of one forward's output (what :func:`_passes_spent` reads)."""
+
+    block_passes: Optional[torch.Tensor]
+    catch_up_passes: Optional[torch.Tensor]
+
+
+def _decoder(model: nn.Module, cache: LoopCache, capacity: int, compile: Union[bool, dict]):
+    """The decoding step and the cache it runs on: eager on the growing cache, or (with
+    ``compile``) captured on a static copy of it (:meth:`LoopCache.static`) sized for
+    ``capacity`` positions, rounded up to a multiple of ``STATIC_ROUND`` so prompts of
+    similar lengths share one compiled graph. A cache with no static form decodes eagerly,
+    with the reason logged."""
+    if compile is False or compile is None:
+        return _decode_step, cache
+    if not isinstance(compile, (bool, dict)):
+        raise _invalid("compile", compile, "True, False or a dict of torch.compile options")
+    try:
+        static = cache.static(-(-capacity // STATIC_ROUND) * STATIC_ROUND)
+    except NotStatic as reason:
+        logger.warning("generate(compile=True) decodes eagerly: %s", reason)
+        return _decode_step, cache
+    options = dict(compile) if isinstance(compile, dict) else {}
+    device = static.valid.device
+    if device.type == "cuda":
+        options.setdefault("mode", "reduce-overhead")  # CUDA graphs: one replay per token
+        for tensor in static.tensors():
+            torch._dynamo.mark_static_address(tensor)
+    compiled = torch.compile(_decode_step, fullgraph=True, dynamic=False, **options)
+
+    def step(model, token, cache, iterations):
+        out = compiled(model, token, cache, iterations)
+        cache.advance(1)  # the host count the captured step leaves to its caller
+        return out
+
+    return step, static
+
+
+#: a static cache's capacity is rounded up to a multiple of this many positions
+STATIC_ROUND = 64
 
 
 def _passes_spent(output, valid: torch.Tensor) -> Optional[torch.Tensor]:

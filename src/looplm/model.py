@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.cache import LoopCache
+from looplm.cache import LoopCache, StaticLoopCache
 from looplm.config_base import ConfigError
 from looplm.generation import generate
 from looplm.halting import Halting, Readout, build_halting
@@ -327,6 +327,11 @@ class LoopLM(nn.Module):
         new_valid = (
             torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
         )
+        if isinstance(cache, StaticLoopCache):  # rows written in place; nothing on the host moves
+            slots, positions = cache.extend_static(new_valid, masked=attention_mask is not None)
+            ctx = MixerContext(rope=self.rotary(positions, dtype), valid=cache.valid, past=None, padded=cache.padded,
+                               slots=slots)
+            return ctx, positions
         past = cache.get_seq_length() if cache is not None else 0
         if past + T > self.cfg.max_seq_len:  # host-side ints: no device sync under torch.compile
             raise ValueError(f"sequence of {past + T} positions exceeds model.max_seq_len={self.cfg.max_seq_len}")

@@ -72,3 +72,28 @@ def test_cache_argument_under_either_name(model):
         torch.testing.assert_close(model(ids[:, 5:6], **{name: cache}).logits[:, -1], full, atol=1e-5, rtol=0)
     with pytest.raises(ConfigError, match="one of cache or past_key_values"):
         model(ids[:, :1], cache=LoopLMCache(), past_key_values=LoopLMCache())
+
+
+@torch.no_grad()
+def test_static_cache_generates_what_the_growing_one_does(model, request, caplog):
+    """LoopLMCache(max_cache_len=N): after the prefill the loop cache sits in buffers for N
+    positions, written in place (or stays growing, with the reason logged)."""
+    from looplm.cache import StaticLoopCache
+    from looplm.hf.modeling import _CACHE_FIELD
+
+    ids = random_ids(2, 5)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    grown = model.generate(ids, **kwargs)
+    cache = LoopLMCache(max_cache_len=16)
+    static = model.generate(ids, **{_CACHE_FIELD: cache}, **kwargs)  # the argument's name in this version
+    assert torch.equal(static, grown)
+    if "act" in request.node.callspec.id:  # adaptive halting stops early: no static form
+        assert not cache.is_compileable and "adaptive halting" in caplog.text
+        return
+    assert cache.is_compileable and isinstance(cache.loop, StaticLoopCache)
+    assert cache.get_max_cache_shape() == 16 and cache.get_seq_length() == 5 + 6 - 1
+
+
+def test_static_capacity_is_checked():
+    with pytest.raises(ValueError, match="max_cache_len=0 is invalid"):
+        LoopLMCache(max_cache_len=0)

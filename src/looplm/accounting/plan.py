@@ -65,8 +65,9 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
 
     A multi-resolution iteration t (``model.resolution``, spiralformer.txt Alg. 1) adds S↓
     on the tokens of its L_t complete chunks, runs the core on L_t positions
-    (:func:`~looplm.resolution.core_lengths`) and adds S↑ with the causal shift on all T
-    positions; the topology step runs at full resolution. A block's grown loop (SGT) is
+    (:func:`~looplm.resolution.core_lengths`) and adds S↑ on those L_t latents (the router
+    once per chunk, each chunk's g_t slots written, the causal shift a copy); the topology
+    step runs at full resolution. A block's grown loop (SGT) is
     read from the block by its type's rule (``rules.py``: plain or grown block)."""
     cfg = model.cfg
     full = Call(batch, seq_len, seq_len, width=cfg.d_model)
@@ -120,7 +121,7 @@ def _recurrence_plan(model: LoopLM, seq_len: int, batch: int, targets: bool) -> 
             for j, block in enumerate(stack):
                 plan.append(Step("core", f"core.{j}", BlockCall(block, t), call, slot, grad))
             if scaled:
-                up = dataclasses.replace(full, phase="up", iteration=t)
+                up = Call(batch, n, n, phase="up", iteration=t, width=cfg.d_model)  # on the n latents
                 plan.append(Step("resolution", f"resolution.up.{t}", ResolutionCall(resolution, t), up, slot, grad))
         if streams.uses_topology:
             plan.append(Step("topology", f"topology.step.{t}", topology, at))
@@ -151,7 +152,7 @@ class PositionCall(nn.Module):
 
 class ResolutionCall(nn.Module):
     """Iteration t's S↓ (``phase="down"``: on the n·g_t tokens of its n complete chunks)
-    or S↑ and the causal shift (``phase="up"``: on every position)."""
+    or S↑ and the causal shift (``phase="up"``: on the n chunk latents, writing n·g_t slots)."""
 
     def __init__(self, resolution: nn.Module, iteration: int):
         super().__init__()

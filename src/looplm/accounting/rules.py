@@ -145,12 +145,12 @@ def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int) -> Cost:
 
 @register_flop_rule(ResolutionCall)
 def _resolution_call(m: ResolutionCall, call: Call) -> Cost:
-    """S↓ of iteration t on the tokens of its complete chunks; S↑ on every position plus
-    the causal shift's mask multiply (Eq. 22)."""
+    """S↓ of iteration t on the tokens of its complete chunks; S↑ on the chunk latents (the
+    causal shift, Eq. 22, is a pad: no arithmetic)."""
     key = str(m.iteration)
     if call.phase == "down":
         return module_cost(m.resolution.down_ops[key], call)
-    return module_cost(m.resolution.up_ops[key], call) + Cost(state=call.rows * call.width)
+    return module_cost(m.resolution.up_ops[key], call)
 
 
 @register_flop_rule(MeanPool)
@@ -167,14 +167,15 @@ def _self_aggregation(m: SelfAggregation, call: Call) -> Cost:
 
 @register_flop_rule(UniformBroadcast)
 def _uniform(m: UniformBroadcast, call: Call) -> Cost:
-    return Cost(state=call.rows * call.width)  # Eq. (20): (λ/g) ẑ
+    """Eq. (20): (λ/g) ẑ once per chunk latent (none at g = 1), then broadcast to its g slots."""
+    return Cost(state=call.rows * call.width if m.chunk > 1 else 0)
 
 
 @register_flop_rule(AllocationRouter)
 def _router(m: AllocationRouter, call: Call) -> Cost:
-    """Eq. (21): the router B^(t) (d -> g) as the model runs it, on the gathered latent of
-    every position (T rows, not one per chunk), then λ·β·ẑ (two multiplies)."""
-    return module_cost(m.router, call) + Cost(state=2 * call.rows * call.width)
+    """Eq. (21): the router B^(t) (d -> g) once per chunk latent (``call.rows`` of them), then
+    λ·β (g per chunk) and β_ρ·ẑ for every slot (g·d per chunk), Eq. (19)."""
+    return module_cost(m.router, call) + Cost(state=call.rows * m.chunk * (1 + call.width))
 
 
 # ------------------------------------------------------------------ softmax attention

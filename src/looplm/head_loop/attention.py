@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
-from looplm.modules.rotary import apply_rotary
+from looplm.modules.rotary import apply_rotary_heads_last
 
 
 @dataclasses.dataclass
@@ -33,9 +33,7 @@ class PassWeights:
     """What the extra passes of one forward read: the weights of S's heads, ``qkv``
     [3, n·D, d] (MHA: q, k and v of the n heads at once) or ``q`` [n·D, d] and ``kv``
     [2, m·D, d] (grouped-query attention: the m kv heads S reads); ``gate`` [n·D, d] or
-    None; ``out`` [d, n·D], S's columns of W_O; ``*_bias`` alike (None without biases);
-    ``rotary``: (cos, signed sin) [B, T, 1, D] for :func:`rotate` (None: partial rotary,
-    :func:`~looplm.modules.rotary.apply_rotary`)."""
+    None; ``out`` [d, n·D], S's columns of W_O; ``*_bias`` alike (None without biases)."""
 
     qkv: Optional[torch.Tensor]
     qkv_bias: Optional[torch.Tensor]
@@ -46,14 +44,13 @@ class PassWeights:
     gate: Optional[torch.Tensor]
     gate_bias: Optional[torch.Tensor]
     out: torch.Tensor
-    rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
-def pass_weights(attn: SoftmaxAttention, loop: GrownLoop, rope: tuple[torch.Tensor, torch.Tensor]) -> PassWeights:
+def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
     """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when its heads
     (and the kv heads they read) lie in consecutive slots, else gathered by the loop's
     device indices; under autocast cast once here for all K_l passes (not again by every
-    pass's products). rope: the forward's (cos, sin) [B, T, R]."""
+    pass's products)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     n, m = len(loop.slots), len(loop.kv_slots)
     narrow = loop.narrow
@@ -85,19 +82,8 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop, rope: tuple[torch.Tens
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         weights = PassWeights(**{f.name: None if getattr(weights, f.name) is None else getattr(weights, f.name).to(dtype)
-                                 for f in dataclasses.fields(PassWeights) if f.name != "rotary"})
-    cos, sin = rope
-    if cos.shape[-1] == D:  # full-width rotary: the roll form's table, once for all passes
-        weights.rotary = (cos[:, :, None], (sin * loop.rotate_sign.to(sin.dtype))[:, :, None])
+                                 for f in dataclasses.fields(PassWeights)})
     return weights
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Full-width rotary (RoFormer, as :func:`~looplm.modules.rotary.apply_rotary`) in four
-    operators: rotate_half(x) = [−x₂, x₁] is roll(x, D/2) = [x₂, x₁] times the sign
-    [−1…, +1…], folded into ``signed_sin``; the same products, bit for bit. x: [..., T, D];
-    cos, signed_sin broadcast to it."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -117,25 +103,21 @@ def head_subset_attention(
     (Eq. 6), w_i the loop weights (a fading head). No output bias (Eq. 2 has none per
     head). weights: :func:`pass_weights` (taken here when None). x: [B, T, d] -> ([B, T, d],
     state holding the used key/value heads only)."""
-    weights = pass_weights(attn, loop, ctx.rope) if weights is None else weights
+    weights = pass_weights(attn, loop) if weights is None else weights
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
     rows = x.reshape(B * T, d)
 
-    def rotated(t: torch.Tensor) -> torch.Tensor:  # [..., B, T, h, D] -> rotated, [..., B, h, T, D]
-        if weights.rotary is None:
-            return apply_rotary(t.transpose(-2, -3), *ctx.rope)
-        return rotate(t, *weights.rotary).transpose(-2, -3)  # rotated before the head transpose: no copy back
-
-    if weights.qkv is not None:  # MHA: [3, B, T, n, D]; q and k rotated together
+    if weights.qkv is not None:  # MHA: [3, B, T, n, D]; q and k rotated together, before the head transpose
         qk, v = _batched_linear(rows, weights.qkv, weights.qkv_bias).view(3, B, T, n, D).split([2, 1])
-        q, k = rotated(qk).unbind(0)
+        q, k = (t.transpose(1, 2) for t in apply_rotary_heads_last(qk, *ctx.rope).unbind(0))
         v = v.squeeze(0).transpose(1, 2)
     else:
         m = weights.kv.shape[1] // D
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
         k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
-        q, k, v = rotated(q), rotated(k), v.transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
+                                                 apply_rotary_heads_last(k, *ctx.rope), v))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
     y, new_state = attn.attend_rotated(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
     if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows

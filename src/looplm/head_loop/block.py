@@ -57,7 +57,7 @@ class GrownBlock(Block):
         main, passes = (None, (None,) * depth) if state is None else (state.main, state.passes)
         x, main = self._first_pass(x, ctx, mixer, main)
         location, new_passes = ctx.location, []
-        weights = self._pass_weights(mixer, ctx)
+        weights = self._pass_weights(mixer)
         for k, pass_state in enumerate(passes):
             ctx.location = (f"{location[0]}.loop{k + 1}", location[1])  # probes: one entry per pass
             x, pass_state = self._extra_pass(x, ctx, mixer, pass_state, weights)
@@ -68,7 +68,7 @@ class GrownBlock(Block):
     def _first_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
         raise NotImplementedError
 
-    def _pass_weights(self, mixer: SoftmaxAttention, ctx: MixerContext):
+    def _pass_weights(self, mixer: SoftmaxAttention):
         """What every extra pass of one forward reads (taken once, shared by the K_l passes)."""
         return None
 
@@ -136,8 +136,8 @@ class HeadLoopBlock(GrownBlock):
         mixed, state = mixer(self.attn_norm(x), ctx, state)
         return x + mixed, state  # H^(0) = H_post, Eq. (3)
 
-    def _pass_weights(self, mixer, ctx):
-        return pass_weights(mixer, self.head_loop, ctx.rope)
+    def _pass_weights(self, mixer):
+        return pass_weights(mixer, self.head_loop)
 
     def _extra_pass(self, x, ctx, mixer, state, weights):
         update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, self.head_loop, weights, state)

@@ -36,16 +36,16 @@ class GrownLoop(nn.Module):
     the key/value head each looping query head reads among the m read (when not head j for
     query head j: ``kv_mapped``), ``pass_q_rows`` [n·D of H·D] / ``pass_kv_rows`` [m·D of
     H_kv·D] the rows of the looping query / key-value heads (when their slots are not
-    consecutive: not ``narrow``), ``rotate_sign`` [D] the sign of rotate_half's roll form."""
+    consecutive: not ``narrow``)."""
 
-    def __init__(self, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: int = 2):
+    def __init__(self, n_heads: int, n_kv_heads: Optional[int] = None, head_dim: int = 1):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, head_dim
         self.depth = 0
         self.weights: tuple[float, ...] = (1.0,) * n_heads
         self.order: tuple[int, ...] = tuple(range(n_heads))
         H, D = n_heads, head_dim
-        for name, size, dtype in (("rotate_sign", D, torch.float32), ("pass_scale", H * D, torch.float32),
+        for name, size, dtype in (("pass_scale", H * D, torch.float32),
                                   ("pass_kv", H, torch.long), ("pass_q_rows", H * D, torch.long),
                                   ("pass_kv_rows", self.n_kv_heads * D, torch.long)):
             self.register_buffer(name, torch.zeros(size, dtype=dtype), persistent=False)
@@ -135,8 +135,6 @@ class GrownLoop(nn.Module):
         def rows(heads: Sequence[int]) -> torch.Tensor:
             return torch.tensor(list(heads), dtype=torch.long)[:, None] * D + dims
 
-        half = D // 2  # rotate_half(x) = roll(x, D/2) · rotate_sign (head_loop.attention.rotate)
-        put(self.rotate_sign, [-1.0] * half + [1.0] * (D - half))
         put(self.pass_scale, torch.tensor(self.head_weights or [1.0] * len(self.slots)).repeat_interleave(D))
         put(self.pass_kv, self._kv_index())
         put(self.pass_q_rows, rows(self.slots))

@@ -6,14 +6,24 @@ multi-resolution iterations and the frozen states of adaptive halting. This clas
 that :class:`LoopCache` whole (``.loop``) and answers the part of the ``Cache`` interface
 that ``generate()`` uses: the sequence length, cropping, and batch selection (beam search
 reordering, row selection, repetition).
+
+``LoopLMCache(max_cache_len=N)`` is the static form (transformers' ``StaticCache``
+counterpart): after the prefill the loop cache moves into buffers preallocated for N
+positions (:class:`~looplm.cache.StaticLoopCache`), written in place by every later step.
+A model whose cache has no static form keeps the growing one, and the reason is logged.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Optional
+
 import torch
 from transformers import Cache
 
-from looplm.cache import LoopCache
+from looplm.cache import LoopCache, NotStatic, StaticLoopCache
+
+logger = logging.getLogger(__name__)
 
 
 class LoopLMCache(Cache):
@@ -21,9 +31,29 @@ class LoopLMCache(Cache):
     looplm cache the model reads and writes. It has no transformers layers: ``update`` (per-
     layer key/value writes) is never called, the model writes through ``loop``."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_cache_len: Optional[int] = None) -> None:
         super().__init__(layers=[])
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len={max_cache_len!r} is invalid: None (a growing cache) or an integer >= 1")
+        self.max_cache_len = max_cache_len
         self.loop = LoopCache()
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether the loop cache is static (its buffers never move between steps)."""
+        return isinstance(self.loop, StaticLoopCache)
+
+    def after_forward(self) -> None:
+        """Called by the model after each forward: with ``max_cache_len``, the first one (the
+        prefill) moves the loop cache into its static buffers."""
+        if self.max_cache_len is None or self.loop.valid is None or isinstance(self.loop, StaticLoopCache):
+            return
+        try:
+            self.loop = self.loop.static(self.max_cache_len)
+        except NotStatic as reason:
+            logger.warning("LoopLMCache(max_cache_len=%d) stays a growing cache: %s", self.max_cache_len, reason)
+            self.max_cache_len = None
 
     def __repr__(self) -> str:
         return f"LoopLMCache(seq_length={self.get_seq_length()}, entries={len(self.loop.states)})"
@@ -35,7 +65,11 @@ class LoopLMCache(Cache):
         return self.loop.get_seq_length()
 
     def get_max_length(self, layer_idx=None) -> int:
-        return -1  # grows without a bound (the model's max_seq_len is checked by the model)
+        """The static capacity, or -1: a growing cache (the model checks its max_seq_len)."""
+        return self.max_cache_len if self.max_cache_len is not None else -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.get_max_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -65,7 +99,7 @@ class LoopLMCache(Cache):
         self.loop.crop(max(length, 0))
 
     def reset(self) -> None:
-        self.loop = LoopCache()
+        self.loop = LoopCache()  # a static capacity applies again after the next prefill
 
     def _device(self, index: torch.Tensor) -> torch.device:
         return index.device if self.loop.valid is None else self.loop.valid.device

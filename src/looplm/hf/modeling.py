@@ -112,6 +112,8 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if labels is not None else None
         out = self.model(input_ids, targets, attention_mask=mask, cache=cache.loop if cache is not None else None,
                          iterations=self.config.iterations if iterations is None else iterations)
+        if cache is not None:
+            cache.after_forward()
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep > 0 else out.logits
         output = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{_CACHE_FIELD: cache if use_cache else None})
         return output.to_tuple() if return_dict is False else output

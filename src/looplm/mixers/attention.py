@@ -14,7 +14,7 @@ from torch import nn
 
 from looplm.mixers.base import MixerContext
 from looplm.mixers.reserve import Reserve, extend
-from looplm.modules.rotary import apply_rotary
+from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last
 
 
 @dataclasses.dataclass
@@ -46,6 +46,42 @@ class KVState:
 
     def select(self, index: torch.Tensor) -> "KVState":
         return KVState(self.keys[index], self.values[index], self.start)
+
+    def static(self, capacity: int) -> "StaticKVState":
+        """The same keys and values in buffers preallocated for ``capacity`` positions, at
+        their absolute rows (a window's dropped rows stay unwritten and are masked)."""
+        B, Hkv, _, D = self.keys.shape
+        keys, values = (self.keys.new_zeros(B, Hkv, capacity, D), self.values.new_zeros(B, Hkv, capacity, D))
+        keys[:, :, self.start:self.end] = self.keys
+        values[:, :, self.start:self.end] = self.values
+        return StaticKVState(keys, values)
+
+
+@dataclasses.dataclass
+class StaticKVState:
+    """Keys and values [B, H_kv, C, D] preallocated for the C positions a generation can
+    reach; each step writes its rows in place (``index_copy_`` at the context's slots) and
+    attends over the whole buffer under :meth:`MixerContext.attention_mask`, so the tensors
+    a captured decoding step reads and writes never move (:mod:`looplm.cache`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys.index_copy_(2, slots, keys)
+        self.values.index_copy_(2, slots, values)
+
+    def crop(self, length: int) -> "StaticKVState":
+        return self  # rows past ``length`` are invalid in the cache's mask and rewritten later
+
+    def select(self, index: torch.Tensor) -> "StaticKVState":
+        """Reorder the rows in place (beam search keeps the batch size); a smaller batch
+        gets new buffers."""
+        if index.shape[0] != self.keys.shape[0]:
+            return StaticKVState(self.keys[index], self.values[index])
+        self.keys.copy_(self.keys[index])
+        self.values.copy_(self.values[index])
+        return self
 
 
 #: Smallest query block of :func:`blocked_window_attention`: tiny windows still get
@@ -130,9 +166,12 @@ class SoftmaxAttention(nn.Module):
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[KVState] = None
     ) -> tuple[torch.Tensor, KVState]:
         """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
+        B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        y, new_state = self.attend(q, k, v, ctx, state)
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
+        qk = apply_rotary_heads_last(qkv[:, :, : H + Hkv], *ctx.rope)  # queries and keys rotated in one pass
+        y, new_state = self.attend_rotated(qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2),
+                                           qkv[:, :, H + Hkv:].transpose(1, 2), ctx, state)
         if self.gate is not None:  # LT2 §4.4: head-specific elementwise output gate
             y = y * torch.sigmoid(self.gate(x))
         return self.o_proj(y), new_state
@@ -150,10 +189,9 @@ class SoftmaxAttention(nn.Module):
         B, T, _ = q.shape
         D = self.head_dim
         H, Hkv = q.shape[-1] // D, k.shape[-1] // D
-        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
-        return self.attend_rotated(apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope), v, ctx, state, kv_index)
+        q = apply_rotary(q.view(B, T, H, D).transpose(1, 2), *ctx.rope)  # [B, H, T, D]
+        k = apply_rotary(k.view(B, T, Hkv, D).transpose(1, 2), *ctx.rope)  # [B, H_kv, T, D]
+        return self.attend_rotated(q, k, v.view(B, T, Hkv, D).transpose(1, 2), ctx, state, kv_index)
 
     def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                        state: Optional[KVState] = None,
@@ -162,6 +200,8 @@ class SoftmaxAttention(nn.Module):
         passes rotate their queries and keys in one call (:mod:`looplm.head_loop.attention`)."""
         B, H, T, D = q.shape
         Hkv = k.shape[1]
+        if isinstance(state, StaticKVState):
+            return self._attend_static(q, k, v, ctx, state, kv_index), state
         start, spare = 0, (None, None)
         if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
             (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
@@ -187,3 +227,20 @@ class SoftmaxAttention(nn.Module):
             drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
             new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop, spare)
         return y.transpose(1, 2).reshape(B, T, H * D), new_state
+
+    def _attend_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
+                       state: StaticKVState, kv_index: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`attend_rotated` against a static cache: write the new rows in place, attend
+        over the whole buffer (grouped heads read through SDPA's ``enable_gqa``, no copy)."""
+        B, H, T, D = q.shape
+        state.write(ctx.slots, k, v)
+        keys, values = state.keys, state.values
+        if kv_index is not None:
+            keys, values = keys.index_select(1, kv_index), values.index_select(1, kv_index)
+        if ctx.attentions is not None:
+            y = self._explicit(q, keys.repeat_interleave(H // keys.shape[1], dim=1),
+                               values.repeat_interleave(H // keys.shape[1], dim=1), ctx.attention_mask(self.window), ctx)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.attention_bias(self.window, q.dtype),
+                                               enable_gqa=keys.shape[1] != H)
+        return y.transpose(1, 2).reshape(B, T, H * D)

@@ -33,7 +33,11 @@ class MixerContext:
 
     rope: (cos, sin) [B, T, R] for the new positions. valid: [B, S] bool, real (not
     padding) key positions, the cache's earlier ones first. past: cached positions
-    S - T. padded: whether any of the S positions is padding. losses: auxiliary training
+    S - T. padded: whether any of the S positions is padding. slots: with a static cache
+    (:class:`~looplm.cache.StaticLoopCache`), the [T] buffer rows the new positions are
+    written to; then ``valid`` is the whole buffer's [B, C] (rows not yet written are
+    False) and ``past`` is None: nothing on the host changes from one decoding step to the
+    next, so one captured step serves them all. losses: auxiliary training
     losses mixers add during this forward (e.g. DSA's indexer loss), summed per name over
     every block and iteration; the model adds them to its loss. attentions: when a dict,
     softmax mixers store their attention probabilities under ``location``, the
@@ -42,8 +46,9 @@ class MixerContext:
 
     rope: tuple[torch.Tensor, torch.Tensor]
     valid: torch.Tensor
-    past: int
+    past: Optional[int]
     padded: bool
+    slots: Optional[torch.Tensor] = None
     losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
     location: tuple[str, int] = ("", 0)
@@ -66,17 +71,23 @@ class MixerContext:
     @property
     def length(self) -> int:
         """T, the number of new positions."""
-        return self.valid.shape[1] - self.past
+        return self.slots.shape[0] if self.slots is not None else self.valid.shape[1] - self.past
 
     @property
     def new_valid(self) -> torch.Tensor:
         """[B, T] bool: which new positions are real tokens."""
+        if self.slots is not None:
+            return self.valid.index_select(1, self.slots)
         return self.valid[:, self.past :]
 
     def attention_mask(self, window: Optional[int] = None) -> Optional[torch.Tensor]:
         """Bool [B, 1, T, S] (True = may attend) for causal attention over the last
         ``window`` positions (all when None), or None when plain causal attention of the
-        new positions over all S keys is exact (no padding, and no past or one query)."""
+        new positions over all S keys is exact (no padding, and no past or one query).
+        With static slots: [B, 1, T, C] over the whole buffer, never None (rows not yet
+        written are masked out)."""
+        if self.slots is not None:
+            return self._static_mask(window)
         T, S = self.length, self.valid.shape[1]
         if not self.padded and (self.past == 0 or T == 1) and (window is None or S <= window):
             return None
@@ -90,4 +101,28 @@ class MixerContext:
             allowed = allowed[None] & self.valid[:, None, :]  # [B, T, S]
             allowed = allowed | (key == query)[None]  # a padding query still sees itself (no NaN rows)
             self._masks[window] = allowed[:, None]
+        return self._masks[window]
+
+    def attention_bias(self, window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`attention_mask` (static slots) as an additive bias of ``dtype`` (0 where
+        allowed, -inf elsewhere), made once per forward: SDPA would otherwise convert a
+        boolean mask in every layer."""
+        key = ("bias", window, dtype)
+        if key not in self._masks:
+            allowed = self.attention_mask(window)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._masks[key]
+
+    def _static_mask(self, window: Optional[int]) -> torch.Tensor:
+        """attention_mask over a static buffer: key row j is visible from the query in row
+        i iff j <= i, j is valid and (with a window) j > i - window; a query always sees
+        itself. The rows are the positions' columns, as in the growing cache."""
+        if window not in self._masks:
+            key = torch.arange(self.valid.shape[1], device=self.valid.device)[None, :]  # [1, C]
+            query = self.slots[:, None]  # [T, 1]
+            allowed = key <= query
+            if window is not None:
+                allowed = allowed & (key > query - window)
+            self._masks[window] = ((allowed[None] & self.valid[:, None, :]) | (key == query)[None])[:, None]
         return self._masks[window]

@@ -62,6 +62,11 @@ class DeltaRuleState:
         conv = None if self.conv is None else tuple(c[index] for c in self.conv)
         return DeltaRuleState(self.recurrent[index], conv, self.length)
 
+    def static(self, capacity: int) -> "DeltaRuleState":
+        """Already static: S and the conv windows keep their shapes at any length (a static
+        cache copies each step's values into these tensors, :mod:`looplm.cache`)."""
+        return self
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σ x² + eps) over the last dim (fla's ``l2norm``)."""

@@ -60,11 +60,17 @@ class DecayState:
     def select(self, index: torch.Tensor) -> "DecayState":
         return DecayState(self.recurrent[index], tuple(c[index] for c in self.conv), self.length)
 
+    def static(self, capacity: int) -> "DecayState":
+        """Already static: S and the conv windows keep their shapes at any length (a static
+        cache copies each step's values into these tensors, :mod:`looplm.cache`)."""
+        return self
+
 
 def positions(ctx: MixerContext) -> torch.Tensor:
     """Position ids [B, T] of the new tokens, counting real tokens only (left padding gets
     0), as the model computes them for its rotary tables."""
-    return (ctx.valid.long().cumsum(1) - 1).clamp(min=0)[:, ctx.past :]
+    every = (ctx.valid.long().cumsum(1) - 1).clamp(min=0)
+    return every.index_select(1, ctx.slots) if ctx.slots is not None else every[:, ctx.past :]
 
 
 class DecayMixer(ProjectedMixer):

@@ -11,7 +11,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * g, computed in float32 as LLaMA does, returned in the input dtype."""
+    """x / rms(x) * g, computed in float32 as LLaMA does, returned in the input dtype and
+    then scaled (LLaMA's order). ``F.rms_norm`` is one fused kernel on CUDA."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -19,9 +20,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:

@@ -11,7 +11,10 @@ from torch import nn
 
 
 class Rotary(nn.Module):
-    """Produces ``(cos, sin)`` of shape [B, T, rotary_dim] for position ids [B, T]."""
+    """Produces ``(cos, sin)`` of shape [B, T, rotary_dim] for position ids [B, T].
+
+    ``sin`` carries the rotation's sign, [-sin θ | sin θ], so that a rotation is
+    x·cos + swap_halves(x)·sin: three operators (:func:`apply_rotary`), not five."""
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
@@ -22,21 +25,30 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> angles: [B, T, rotary_dim / 2]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
-        emb = torch.cat([angles, angles], dim=-1)  # [B, T, rotary_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoFormer's rotation x·cos + rotate_half(x)·sin on the first R = cos.shape[-1]
+    channels of x, written x·cos + [x₂ | x₁]·sin with the sign in :class:`Rotary`'s sin
+    table; the tables already broadcast against x. Full rotary (R = D) skips the
+    pass-through concatenation: three operators for any number of heads."""
+    rot = cos.shape[-1]
+    if rot == 0:
+        return x
+    x_rot = x if rot == x.shape[-1] else x[..., :rot]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    out = torch.addcmul(x_rot * cos, torch.cat([x2, x1], dim=-1), sin)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of x [B, H, T, D]; cos/sin are [B, T, R]."""
-    rot = cos.shape[-1]
-    if rot == 0:
-        return x
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, R]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x_rot = x_rot * cos + _rotate_half(x_rot) * sin
-    return torch.cat([x_rot, x_pass], dim=-1)
+    return _rotate(x, cos[:, None], sin[:, None])
+
+
+def apply_rotary_heads_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation for x [B, T, N, D] (heads after time, as a projection lays them
+    out), so queries and keys projected together rotate in one pass; cos/sin: [B, T, R]."""
+    return _rotate(x, cos[:, :, None], sin[:, :, None])

@@ -30,12 +30,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from looplm.layout import Layout
 from looplm.mixers.base import MixerContext
 from looplm.resolution.config import ResolutionConfig
-from looplm.resolution.downscale import build_down
+from looplm.resolution.downscale import build_down, chunk_grid
 from looplm.resolution.schedule import IterationResolution, iteration_resolutions
 from looplm.resolution.state import ChunkState
 from looplm.resolution.upscale import build_up
@@ -88,7 +89,12 @@ class MultiResolution(nn.Module):
         self, t: int, h: torch.Tensor, ctx: MixerContext, rotary: "Rotary", cache: Optional["LoopCache"]
     ) -> Compressed:
         """S↓ of the chunks completed by the new positions. h: [B, T, d], h^(t) at the new
-        positions P = ctx.past .. P + T − 1."""
+        positions P = ctx.past .. P + T − 1.
+
+        The chunks are a reshape of the sequence (:func:`chunk_grid`): one pad when chunk 0
+        starts before position 0 (ω > 0), one concatenation only when the cache holds the
+        start of the current chunk. The core's rotary table is this forward's own (a slice)
+        whenever the chunk indices are among its positions, as in every full forward."""
         it = self.schedule[t]
         if ctx.padded:
             raise ValueError(
@@ -102,22 +108,23 @@ class MultiResolution(nn.Module):
             raise ValueError(f"the cache holds {P} positions but no chunk state for iteration {t}")
         g, done = it.chunk, it.complete_chunks(P)
         total = it.complete_chunks(P + T)
-        pending = previous.pending if previous is not None else h[:, :0]
-        tokens = torch.cat([pending, h], dim=1)  # positions tokens_start .. P + T − 1
-        tokens_start = it.chunk_start(done)
-        lead = tokens_start - (done * g - it.offset)  # empty slots before position 0 (chunk 0 with ω > 0)
         n = total - done
-        grid = torch.cat([tokens.new_zeros(B, lead, d), tokens], dim=1)[:, : n * g]
-        x = grid.reshape(B, n, g, d)  # [B, n, g, d]: chunk done + k in row k
-        mask = torch.ones(n, g, dtype=torch.bool, device=h.device)
-        if n and lead:
-            mask[0, :lead] = False
-        z = self.down_ops[str(t)](x, mask)  # Eq. (16) or (17-18): [B, n, d]
-        positions = torch.arange(done, total, device=h.device).expand(B, n)  # chunk index as position
+        pending = previous.pending if previous is not None else None
+        if pending is not None and pending.shape[1]:
+            tokens = torch.cat([pending, h], dim=1)  # the buffered start of the current chunk, then h
+        else:
+            tokens = h
+        tokens_start = it.chunk_start(done)  # position of tokens[:, 0]
+        lead = tokens_start - (done * g - it.offset)  # empty slots before position 0 (chunk 0 with ω > 0)
+        if n:
+            x = chunk_grid(tokens, lead, n, g)  # [B, n, g, d]: chunk done + k in row k
+            z = self.down_ops[str(t)](x, lead)  # Eq. (16) or (17-18): [B, n, d]
+        else:  # no chunk completes: the core does not run
+            z = h[:, :0]
         zctx = dataclasses.replace(
             ctx,
-            rope=rotary(positions, h.dtype),
-            valid=torch.ones(B, total, dtype=torch.bool, device=h.device),
+            rope=_chunk_rope(ctx, rotary, done, total, h.dtype),
+            valid=ctx.valid[:, :total],  # unpadded (refused above), so all True
             past=done,
             padded=False,
             _masks={},
@@ -126,30 +133,57 @@ class MultiResolution(nn.Module):
 
     def up(self, t: int, step: Compressed, z_hat: torch.Tensor, cache: Optional["LoopCache"]) -> torch.Tensor:
         """ũ = shift(S↑(ẑ), s_t) at the new positions: [B, T, d]. z_hat: [B, n, d], the core's
-        output for the chunks ``step`` down-scaled. Updates the cache's chunk state."""
+        output for the chunks ``step`` down-scaled. Updates the cache's chunk state.
+
+        Position i reads slot k = i − s + ω of the chunk grid (chunk π(i − s) = k // g, slot
+        ρ(i − s) = k mod g, Eq. 12 and 22), so S↑ of the chunks read, reshaped to a sequence
+        from the first slot read, is ũ up to one pad: zeros for i < s, the rest cropped."""
         it = self.schedule[t]
+        g, s = it.chunk, it.shift
         B, _, d = step.tokens.shape
-        T = step.tokens.shape[1] - (step.start - step.tokens_start)
-        old = step.previous.latents if step.previous is not None else z_hat[:, :0]
-        latents = torch.cat([old, z_hat], dim=1)  # [B, N, d]: ẑ of every completed chunk
-        source = torch.arange(step.start, step.start + T, device=z_hat.device) - it.shift  # i − s, Eq. (22)
-        if latents.shape[1] == 0:  # no chunk complete yet, so every i < s
+        P = step.start
+        T = step.tokens.shape[1] - (P - step.tokens_start)
+        old = step.previous.latents if step.previous is not None else None
+        if old is None or old.shape[1] == 0:
+            latents = z_hat
+        elif z_hat.shape[1] == 0:
+            latents = old
+        else:
+            latents = torch.cat([old, z_hat], dim=1)  # [B, N, d]: ẑ of every completed chunk
+        front = min(T, max(0, s - P))  # new positions i < s: ũ_i = 0, Eq. (22)
+        if front == T:  # no new position reads a latent yet
             u = z_hat.new_zeros(B, T, d)
         else:
-            # Positions i < s are zeroed below, so any valid chunk serves them: π and ρ are
-            # taken of i − s itself and only π is clamped (to chunk 0). Clamping i − s first
-            # gave the same values but an index expression (clamp, then floor division) that
-            # torch.compile's inductor cannot range-check (torch 2.13: "vr must not be None").
-            z_src = latents.index_select(1, it.chunk_index(source).clamp(min=0))  # ẑ_{π(i−s)}: [B, T, d]
-            u = self.up_ops[str(t)](z_src, it.in_chunk(source))  # Eq. (19-21) at i − s; ρ in [0, g)
-            u = u * (source >= 0)[None, :, None].to(u.dtype)  # Eq. (22): ũ_i = 0 for i < s
+            first = max(P, s) - s + it.offset  # grid slot of the first position that reads one
+            j0 = first // g  # the first chunk read; the last is π(P + T − 1 − s) < N (Prop. 1)
+            read = latents[:, j0:] if j0 else latents  # [B, m, d]: in decoding only the latest chunks
+            m = read.shape[1]
+            grid = self.up_ops[str(t)](read).reshape(B, m * g, d)  # Eq. (19-21): slot j0·g + k at row k
+            skip = first - j0 * g  # slots before ``first``: read by no new position (or empty, k < ω)
+            rows = grid[:, skip:] if skip else grid
+            right = T - front - (m * g - skip)  # <= 0: crop the slots after the last new position
+            u = F.pad(rows, (0, 0, front, right)) if front or right else rows  # Eq. (22)
         if cache is not None:
-            N, end = latents.shape[1], step.start + T
+            N, end = latents.shape[1], P + T
             keep = it.chunk_start(N) - step.tokens_start  # the current chunk's buffered positions
             triggers = list(step.previous.triggers) if step.previous is not None else []
             triggers += [it.trigger(j) for j in range(step.first, N)]
             cache.set_chunk(t, ChunkState(it, step.tokens[:, keep:], latents, end, triggers))
         return u
+
+
+def _chunk_rope(ctx: MixerContext, rotary: "Rotary", done: int, total: int, dtype: torch.dtype):
+    """(cos, sin) [B, n, R] for chunks done .. total − 1 at positions done .. total − 1 (the
+    chunk index). ctx.rope holds positions ctx.past .. ctx.past + T − 1 of an unpadded
+    sequence; when the chunk indices lie among them (every forward from position 0) the
+    table is a slice of it, the same values rotary() would compute."""
+    cos, sin = ctx.rope
+    P, T = ctx.past, cos.shape[1]
+    if (P <= done and total <= P + T and cos.dtype == dtype) or done == total:
+        a, b = (done - P, total - P) if done != total else (0, 0)
+        return cos[:, a:b], sin[:, a:b]
+    positions = torch.arange(done, total, device=cos.device).expand(cos.shape[0], total - done)
+    return rotary(positions, dtype)
 
 
 def build_resolution(cfg: ResolutionConfig, layout: Layout, d_model: int) -> Optional[MultiResolution]:

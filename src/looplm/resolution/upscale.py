@@ -1,8 +1,11 @@
 """Up-scaling operators S↑ (spiralformer.txt §2.3.3): u_i = λ_t β_{π(i),ρ(i)} ẑ_{π(i)}, Eq. (19).
 
-Both take, for each position, the latent of its chunk ẑ [B, T, d] and its in-chunk index
-ρ [T] (long), and return u [B, T, d]. λ_t = √g_t calibrates the update magnitude across
-chunk sizes.
+Both take the latents of m chunks ẑ [B, m, d] and return the update of every slot of those
+chunks, u [B, m, g, d] with u[:, j, ρ] = λ_t β_{j,ρ} ẑ_j: slot ρ of chunk j is the position
+with π(i) = j and ρ(i) = ρ (Eq. 12), so the caller lays the chunks out as a sequence by a
+reshape and places it with the causal shift (``looplm.resolution.recursion``). β_j depends
+on ẑ_j alone (Eq. 20-21), so it is computed once per chunk, not once per position.
+λ_t = √g_t calibrates the update magnitude across chunk sizes.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from torch import nn
 
 
 class UniformBroadcast(nn.Module):
-    """β_{j,ρ} = 1/g: u_i = (λ_t / g_t) ẑ_{π(i)}, Eq. (20)."""
+    """β_{j,ρ} = 1/g: u_i = (λ_t / g_t) ẑ_{π(i)}, Eq. (20). Returns an expanded view over the
+    g slots; at g = 1 (a shift-only iteration) λ/g = 1 and ẑ passes unchanged."""
 
     def __init__(self, chunk: int):
         super().__init__()
@@ -22,8 +26,10 @@ class UniformBroadcast(nn.Module):
     def extra_repr(self) -> str:
         return f"chunk={self.chunk}, gain={self.gain:g}"
 
-    def forward(self, z: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-        return z * (self.gain / self.chunk)  # Eq. (20)
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        B, m, d = z.shape
+        u = z if self.chunk == 1 else z * (self.gain / self.chunk)  # Eq. (20)
+        return u[:, :, None].expand(B, m, self.chunk, d)
 
 
 class AllocationRouter(nn.Module):
@@ -35,10 +41,10 @@ class AllocationRouter(nn.Module):
         self.gain = chunk**0.5  # λ_t = √g_t (§2.3.3)
         self.router = nn.Linear(dim, chunk)
 
-    def forward(self, z: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-        beta = torch.softmax(self.router(z).float(), dim=-1).to(z.dtype)  # Eq. (21): [B, T, g]
-        weight = beta.gather(-1, rho[None, :, None].expand(z.shape[0], -1, 1))  # β_{π(i), ρ(i)}
-        return self.gain * weight * z  # Eq. (19)
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        beta = torch.softmax(self.router(z).float(), dim=-1).to(z.dtype)  # Eq. (21): [B, m, g], one per chunk
+        # Eq. (19), an elementwise product (not a matmul: autocast would round it to bf16)
+        return (self.gain * beta)[..., None] * z[:, :, None, :]  # [B, m, g, d]
 
 
 def build_up(kind: str, dim: int, chunk: int) -> nn.Module:

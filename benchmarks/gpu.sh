@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# One GPU run of looplm's device checks and benchmarks (issue 30), under 8 minutes on one
+# H100 or H200, each part under its own deadline:
+#
+#   1. the GPU tests (tests/gpu, CUDA cases only, -v so that a cut run still names what passed;
+#      in parallel processes when pytest-xdist is there, since Triton compiling dominates);
+#   2. benchmarks/generate.py: batch 1 and 8 greedy generation, looplm vs transformers' LLaMA;
+#   3. benchmarks/long_context.py: the tiny shape (d_model 1024, 16 heads) and the paper's
+#      lt2-0.6b shape at contexts 2048 and 8192, batch 8, eager and with --compile, decode
+#      timed through model.generate in both so the two files compare like for like;
+#   4. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling all eight
+#      variants does not fit the deadline), with a profile of dense and gdn.
+#
+# Each part writes benchmarks/results/*-cuda.md (long_context and generate rewrite theirs
+# after every cell, so a part stopped at its deadline keeps what it measured), and this
+# script writes benchmarks/results/gpu-cuda.md: the card, each part's command, status and
+# time. A failed or timed-out part does not stop the later ones; the exit status is 1 if
+# any part failed, else 0. Nothing is installed from the network: wheels found in .whl/
+# (flash-linear-attention and fla-core, carried to the machine; see
+# benchmarks/results/gpu-check.md) are installed offline into a temporary folder.
+#
+#   bash benchmarks/gpu.sh             # from anywhere; runs in the repository root
+#   bash benchmarks/gpu.sh --dry-run   # print each part's deadline and command, run nothing
+#
+# PYTHON (default python3) picks the interpreter; GPU_SH_BUDGET (default 470 s) the whole
+# run's deadline, which caps every part's own.
+set -u
+
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+PY=${PYTHON:-python3}
+BUDGET=${GPU_SH_BUDGET:-470}
+RESULTS=benchmarks/results
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: bash benchmarks/gpu.sh [--dry-run]" >&2; exit 2 ;;
+esac
+
+START=$SECONDS
+FAILED=0
+ROWS=()
+
+elapsed() { echo "+$((SECONDS - START))s"; }
+
+# part NAME SECONDS COMMAND...: run COMMAND under min(SECONDS, what is left of BUDGET);
+# LABEL, when set, is how the command is shown.
+part() {
+  local name=$1 limit=$2
+  shift 2
+  local shown=${LABEL:-$*}
+  local left=$((BUDGET - (SECONDS - START)))
+  ((limit > left)) && limit=$left
+  if ((DRY)); then
+    echo "PART $name ${limit}s: $shown"
+    return 0
+  fi
+  if ((limit < 10)); then
+    echo "[gpu.sh $(elapsed)] $name: skipped, the run's ${BUDGET}s are spent"
+    ROWS+=("| $name | skipped: no time left | - | \`$shown\` |")
+    FAILED=1
+    return 0
+  fi
+  echo "[gpu.sh $(elapsed)] $name: start, deadline ${limit}s: $shown"
+  local t0=$SECONDS status rc
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  case $rc in
+    0) status="passed" ;;
+    124 | 137) status="timed out at ${limit}s"; FAILED=1 ;;
+    *) status="failed (exit $rc)"; FAILED=1 ;;
+  esac
+  echo "[gpu.sh $(elapsed)] $name: $status after $((SECONDS - t0))s"
+  ROWS+=("| $name | $status | $((SECONDS - t0)) | \`$shown\` |")
+}
+
+if ((!DRY)); then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    SITE=$(mktemp -d /tmp/looplm-site.XXXX)
+    echo "[gpu.sh $(elapsed)] installing $(ls .whl/*.whl | wc -l) carried wheels offline into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+      && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" \
+      || echo "[gpu.sh] wheel install failed: the linear mixers run looplm's PyTorch ops"
+  fi
+  export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONUNBUFFERED=1
+  mkdir -p "$RESULTS"
+  CARD=$("$PY" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" 2>&1 | tail -1)
+  VERSIONS=$("$PY" -c "
+import importlib.metadata as m, torch
+def v(name):
+    try: return m.version(name)
+    except m.PackageNotFoundError: return 'absent'
+print(f'torch {torch.__version__}, triton {v(\"triton\")}, transformers {v(\"transformers\")}, '
+      f'flash-linear-attention {v(\"flash-linear-attention\")}')" 2>&1 | tail -1)
+  echo "[gpu.sh $(elapsed)] card: $CARD; $VERSIONS"
+  if [[ $CARD == "no CUDA device" ]]; then
+    echo "[gpu.sh] no CUDA device here: nothing to run (--dry-run lists the parts)" >&2
+    exit 1
+  fi
+fi
+
+# 1. GPU tests: CUDA cases only (the CPU ones run in CI), a deadline per test where
+# pytest-timeout is installed, several processes where pytest-xdist is.
+TEST_ARGS=(-v -p no:cacheprovider -k "not cpu")
+if ((!DRY)); then
+  "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_ARGS+=(--timeout 100)
+  "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 12)
+fi
+TEST_LOG=$RESULTS/.gpu-tests.log
+LABEL="$PY -m pytest tests/gpu ${TEST_ARGS[*]}" part "GPU tests" 120 bash -c 'set -o pipefail; "$0" -m pytest tests/gpu "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_ARGS[@]}"
+if ((!DRY)) && [[ -f $TEST_LOG ]]; then
+  {
+    echo "# GPU tests (tests/gpu, CUDA cases)"
+    echo
+    echo "Card: $CARD; $VERSIONS.  "
+    echo "Command: \`$PY -m pytest tests/gpu ${TEST_ARGS[*]}\` (run by benchmarks/gpu.sh, deadline 120 s)."
+    echo
+    echo '```'
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|Timeout|^(E  |FAILED|ERROR)|passed|failed" "$TEST_LOG" | tail -150
+    echo '```'
+  } >"$RESULTS/gpu-tests-cuda.md"
+  rm -f "$TEST_LOG"
+fi
+
+# 2. Generation against transformers' LLaMA (batch 1 and 8, four systems).
+part "generate" 80 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \
+  --out "$RESULTS/generate-cuda.md"
+
+# 3. Long context: two shapes, eager and compiled.
+LONG=(benchmarks/long_context.py --device cuda --contexts 2048 8192 --batch 8 --new 16 --decode-via generate)
+part "long context, tiny" 40 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --heads 16 \
+  --out "$RESULTS/long-context-cuda.md"
+part "long context, tiny, compiled" 50 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --heads 16 --compile \
+  --out "$RESULTS/long-context-compiled-cuda.md"
+part "long context, lt2-0.6b" 80 "$PY" "${LONG[@]}" --shape lt2-0.6b \
+  --out "$RESULTS/long-context-lt2-0.6b-cuda.md"
+part "long context, lt2-0.6b, compiled" 60 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile \
+  --out "$RESULTS/long-context-lt2-0.6b-compiled-cuda.md"
+
+# 4. Training throughput, bf16 autocast.
+part "train throughput" 40 "$PY" benchmarks/train_throughput.py --device cuda --dtype bf16 --width 512 --seq 1024 \
+  --batch 8 --steps 2 --repeats 3 --warmup 2 --no-compile --profile dense gdn \
+  --out "$RESULTS/train-throughput-cuda.md"
+
+if ((DRY)); then
+  exit 0
+fi
+{
+  echo "# GPU run: benchmarks/gpu.sh"
+  echo
+  echo "Card: $CARD; $VERSIONS; finished $(date -u '+%Y-%m-%d %H:%M UTC') after $((SECONDS - START)) s"
+  echo "(budget ${BUDGET} s). Each part's results are in the file its command names."
+  echo
+  echo "| part | status | seconds | command |"
+  echo "| --- | --- | ---: | --- |"
+  printf '%s\n' "${ROWS[@]}"
+} >"$RESULTS/gpu-cuda.md"
+echo "[gpu.sh $(elapsed)] done; $([[ $FAILED == 0 ]] && echo "every part passed" || echo "some part failed"): $RESULTS/gpu-cuda.md"
+exit $FAILED
