@@ -167,3 +167,18 @@ def test_config_checks():
         ModelConfig(layout="4", head_loop={"exclude": [4]})
     with pytest.raises(ConfigError, match="model.head_loop"):
         ModelConfig(mixer={"kind": "retnet"}, head_loop={})
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3},
+                                   {"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8}])
+def test_sparse_softmax_mixers_build_grown_blocks_that_never_loop(mixer):
+    """NSA and DSA count as softmax attention (entropy) but have no SoftmaxAttention layer to
+    slice: their grown blocks build, and run the plain block whatever the structure says."""
+    torch.manual_seed(0)
+    model = LoopLM(ModelConfig(vocab_size=40, d_model=32, n_heads=4, layout="3", mixer=mixer, head_loop={}))
+    block = model.blocks()[1]
+    block.head_loop.set(2, [1.0, 1.0, 0.0, 0.0])
+    assert block.extra_passes() == 0 and block.softmax_layers() == []
+    assert not block.arrange_heads([1, 3]) and block.head_loop.order == (0, 1, 2, 3)
+    model(torch.randint(0, 40, (2, 9)))
+

@@ -33,8 +33,7 @@ class GrownBlock(Block):
 
     def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
         super().__init__(cfg, mixers)
-        softmax = self.softmax_layers()
-        self.head_loop = GrownLoop(cfg.n_heads, softmax[0].n_kv_heads, softmax[0].head_dim)
+        self.head_loop = GrownLoop(cfg.n_heads, cfg.kv_heads, cfg.head_dim)
         self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
 
     def softmax_layers(self) -> list[SoftmaxAttention]:
@@ -121,8 +120,8 @@ class HeadLoopBlock(GrownBlock):
         loop = self.head_loop
         chosen, g = set(first), loop.n_heads // loop.n_kv_heads
         slots = [p for p, h in enumerate(loop.order) if h in chosen]
-        if _consecutive(slots) and _consecutive(sorted({p // g for p in slots})):
-            return False  # already narrow: nothing to move
+        if not self.softmax_layers() or (_consecutive(slots) and _consecutive(sorted({p // g for p in slots}))):
+            return False  # nothing to slice (NSA, DSA), or already narrow
         order = _grouped_order(chosen, loop.n_heads, loop.n_kv_heads)
         if order == loop.order:
             return False
