@@ -88,8 +88,8 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
 
 def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [N, d] through k stacked projections weight [k, r, d] (+ bias [k, r]) in one batched
-    product: [k, N, r]."""
-    rows = x.expand(weight.shape[0], *x.shape)
+    product: [k, N, r]. x is cast to the weights' dtype (autocast's) before it is repeated."""
+    rows = x.to(weight.dtype).expand(weight.shape[0], *x.shape)
     if bias is None:
         return torch.bmm(rows, weight.transpose(1, 2))
     return torch.baddbmm(bias[:, None], rows, weight.transpose(1, 2))
