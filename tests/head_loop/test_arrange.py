@@ -179,3 +179,14 @@ def test_arranged_passes_gather_nothing_and_sync_nothing():
     assert counts["arranged"].syncs == 0 and not used, f"{used}; {counts['arranged'].by_op}"
     assert counts["plain"].by_op["aten.index_select"] > 0
     assert counts["arranged"].ops < counts["plain"].ops
+
+
+def test_setting_the_structure_writes_only_what_changed():
+    """The trainer writes the structure after every step: unchanged, no device write; a
+    fading head's new weight rewrites its scale only."""
+    loop = _model("mha").blocks()[1].head_loop
+    loop.set(2, [1.0, 0.5, 0.5, 1.0])
+    unchanged, _ = count_dispatch(lambda: loop.set(2, [1.0, 0.5, 0.5, 1.0]))
+    faded, _ = count_dispatch(lambda: loop.set(2, [1.0, 0.25, 0.25, 1.0]))
+    assert unchanged.ops == 0 and faded.by_op["aten.copy_"] == 1, (unchanged.by_op, faded.by_op)
+    assert loop.pass_scale[: 4 * 8].tolist() == [1.0] * 8 + [0.25] * 16 + [1.0] * 8

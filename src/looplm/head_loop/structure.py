@@ -124,21 +124,28 @@ class GrownLoop(nn.Module):
 
     @torch.no_grad()
     def _refresh(self) -> None:
-        """Write the extra passes' device indices (once per structure change, in place)."""
+        """Write the extra passes' device indices that changed, in place (the trainer sets
+        the structure after every step: unchanged, nothing is copied; while heads fade only
+        ``pass_scale`` is, without waiting for the device)."""
         D = self.head_dim
-        dims = torch.arange(D)
+        written = self.__dict__.setdefault("_written", {})  # buffer name -> values last written
 
-        def put(buffer: torch.Tensor, values) -> None:
-            values = torch.as_tensor(values, dtype=buffer.dtype).flatten()
-            buffer[: values.numel()].copy_(values)
+        def put(name: str, values: list) -> None:
+            buffer = getattr(self, name)
+            key = (tuple(values), buffer.device, buffer.data_ptr())
+            if written.get(name) == key:
+                return
+            host = torch.tensor(values, dtype=buffer.dtype, device="cpu")  # also under a meta device context
+            buffer[: len(values)].copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
+            written[name] = key
 
-        def rows(heads: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(list(heads), dtype=torch.long)[:, None] * D + dims
+        def rows(heads: Sequence[int]) -> list[int]:
+            return [p * D + i for p in heads for i in range(D)]
 
-        put(self.pass_scale, torch.tensor(self.head_weights or [1.0] * len(self.slots)).repeat_interleave(D))
-        put(self.pass_kv, self._kv_index())
-        put(self.pass_q_rows, rows(self.slots))
-        put(self.pass_kv_rows, rows(self.kv_slots))
+        put("pass_scale", [w for w in self.head_weights or [1.0] * len(self.slots) for _ in range(D)])
+        put("pass_kv", self._kv_index())
+        put("pass_q_rows", rows(self.slots))
+        put("pass_kv_rows", rows(self.kv_slots))
 
     def describe(self) -> dict:
         return {"depth": self.depth, "heads": list(self.heads), "weights": list(self.weights)}
@@ -150,6 +157,7 @@ class GrownLoop(nn.Module):
         return torch.tensor([float(self.depth), *self.weights, *map(float, self.order)], dtype=torch.float32)
 
     def set_extra_state(self, state: torch.Tensor) -> None:
+        self.__dict__.pop("_written", None)  # loaded buffers: write all of them again
         values = state.detach().float().cpu().tolist()
         H = self.n_heads
         self.set(int(round(values[0])), values[1: 1 + H])
