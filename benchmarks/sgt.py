@@ -6,7 +6,9 @@ with the same weights; the grown structure is written into its blocks as growth 
 after freezing: SGT K_max = 1..3 on L = 3 layers (the deepest eligible ones) with h = 2
 heads at depth K_max; Block Loop the same 3 layers re-applied once. Each variant times
 forward + backward + AdamW step (median of ``--steps`` after ``--warmup``), and reports
-its training FLOPs (``default`` convention, causal attention) relative to vanilla.
+its training FLOPs (``default`` convention, causal attention) relative to vanilla and the
+operators one forward + backward dispatches (``looplm.accounting.dispatch``: what a
+launch-bound GPU step pays per kernel).
 
     python benchmarks/sgt.py --threads 4
 """
@@ -23,6 +25,7 @@ import torch
 
 from looplm import LoopLM
 from looplm.accounting import count_flops
+from looplm.accounting.dispatch import count_dispatch
 from looplm.model_config import ModelConfig
 
 
@@ -64,6 +67,15 @@ def time_steps(model: LoopLM, args) -> float:
     return statistics.median(times)
 
 
+def dispatched_ops(model: LoopLM, args) -> int:
+    """Operators of one training forward + backward (gradients zeroed to None first)."""
+    x = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    counts, _ = count_dispatch(lambda: model(x[:, :-1], x[:, 1:]).loss.backward())
+    model.zero_grad(set_to_none=True)
+    return counts.ops
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=256)
@@ -84,8 +96,8 @@ def main(argv=None) -> None:
     for name, head_loop, depth in variants(args.max_depth):
         model = build(args, head_loop, depth)
         flops = count_flops(model, args.seq_len, batch=args.batch, convention="default").training
-        rows.append((name, time_steps(model, args), flops))
-    base_t, base_f = rows[0][1], rows[0][2]
+        rows.append((name, time_steps(model, args), flops, dispatched_ops(model, args)))
+    base_t, base_f, base_ops = rows[0][1], rows[0][2], rows[0][3]
     lines = [
         "# SGT vs Block Loop vs vanilla: training step time and FLOP overhead (CPU)",
         "",
@@ -96,13 +108,15 @@ def main(argv=None) -> None:
         f"median of {args.steps} steps (fwd+bwd+AdamW) after {args.warmup} warm-up. Grown structure: "
         "the 3 deepest layers, SGT h = 2 heads at depth K, Block Loop whole blocks once.",
         "",
-        "| variant | step time (ms) | time overhead | training FLOPs (counter, `default`) | FLOP overhead | time/FLOP overhead ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | step time (ms) | time overhead | training FLOPs (counter, `default`) | FLOP overhead "
+        "| time/FLOP overhead ratio | dispatched ops (fwd+bwd) | vs vanilla |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, t, f in rows:
+    for name, t, f, ops in rows:
         dt, df = t / base_t - 1, f / base_f - 1
         ratio = f"{dt / df:.2f}" if df > 0 else "–"
-        lines.append(f"| {name} | {1e3 * t:.1f} | {100 * dt:+.2f} % | {f:.4e} | {100 * df:+.2f} % | {ratio} |")
+        lines.append(f"| {name} | {1e3 * t:.1f} | {100 * dt:+.2f} % | {f:.4e} | {100 * df:+.2f} % | {ratio} "
+                     f"| {ops} | {ops / base_ops:.2f} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     if args.out:

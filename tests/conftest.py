@@ -107,10 +107,14 @@ GROWN = {
 
 
 def grow(name: str, model) -> None:
-    """Set the grown SGT structure of ``all_configs`` entry ``name`` (no-op for others)."""
+    """Set the grown SGT structure of ``all_configs`` entry ``name`` (no-op for others), with
+    the looping heads arranged in consecutive slots as growth leaves them (narrow passes;
+    tests/head_loop covers the gathering passes of unarranged heads)."""
     blocks = model.blocks()
     for layer, (depth, weights) in GROWN.get(name, {}).items():
         blocks[layer].head_loop.set(depth, weights)
+        if weights is not None and hasattr(blocks[layer], "arrange_heads"):
+            blocks[layer].arrange_heads([h for h, w in enumerate(weights) if w > 0])
 
 
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:

@@ -41,6 +41,8 @@ def test_sliced_heads_equal_masked_all_heads(variant):
     x = torch.randn(2, 7, 32)
     ctx, _ = model._context(torch.zeros(2, 7, dtype=torch.long), None, None, x.dtype)
     heads, weights = (0, 2, 3), (1.0, 0.25, 1.0)
+    loop = model.blocks()[1].head_loop
+    loop.set(1, [1.0, 0.0, 0.25, 1.0])
     captured = {}
     hook = attn.o_proj.register_forward_pre_hook(lambda m, a: captured.update(y=a[0]))
     attn(x, ctx)
@@ -48,7 +50,7 @@ def test_sliced_heads_equal_masked_all_heads(variant):
     scale = torch.zeros(4)
     scale[list(heads)] = torch.tensor(weights)
     masked = F.linear(captured["y"] * scale.repeat_interleave(8), attn.o_proj.weight)  # Σ_i w_i y_i W_O^(i)
-    sliced, state = head_subset_attention(attn, x, ctx, heads, weights)
+    sliced, state = head_subset_attention(attn, x, ctx, loop)
     torch.testing.assert_close(sliced, masked, atol=1e-6, rtol=1e-5)
     assert state.keys.shape[1] == (3 if attn.n_kv_heads == 4 else 2)  # only the kv heads S reads
 
@@ -165,3 +167,18 @@ def test_config_checks():
         ModelConfig(layout="4", head_loop={"exclude": [4]})
     with pytest.raises(ConfigError, match="model.head_loop"):
         ModelConfig(mixer={"kind": "retnet"}, head_loop={})
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3},
+                                   {"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8}])
+def test_sparse_softmax_mixers_build_grown_blocks_that_never_loop(mixer):
+    """NSA and DSA count as softmax attention (entropy) but have no SoftmaxAttention layer to
+    slice: their grown blocks build, and run the plain block whatever the structure says."""
+    torch.manual_seed(0)
+    model = LoopLM(ModelConfig(vocab_size=40, d_model=32, n_heads=4, layout="3", mixer=mixer, head_loop={}))
+    block = model.blocks()[1]
+    block.head_loop.set(2, [1.0, 1.0, 0.0, 0.0])
+    assert block.extra_passes() == 0 and block.softmax_layers() == []
+    assert not block.arrange_heads([1, 3]) and block.head_loop.order == (0, 1, 2, 3)
+    model(torch.randint(0, 40, (2, 9)))
+

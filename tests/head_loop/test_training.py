@@ -44,6 +44,11 @@ def test_growth_resumed_mid_growth_continues_exactly(tmp_path):
     assert _events(tmp_path / "split", "growth") == growth
     assert_same_weights(checkpoint_weights(tmp_path / "whole", 8), checkpoint_weights(tmp_path / "split", 8))
     assert resumed.growth.state_dict() == whole.growth.state_dict()
+    # activated layers store S in consecutive slots (S not consecutive was moved), saved and resumed alike
+    orders = [b.head_loop.order for b in whole.model.blocks()]
+    assert [b.head_loop.order for b in resumed.model.blocks()] == orders
+    assert all(b.head_loop.narrow for b in whole.model.blocks() if b.head_loop.depth > 0)
+    assert any(order != tuple(sorted(order)) for order in orders)
 
     info = describe_source(str(tmp_path / "whole"))
     assert set(info["grown"]) == {a[2] for a in acts if a[1] == "activate"}

@@ -3,52 +3,162 @@
 sparse-growing-transformer.txt Eq. (6), heads as in Eq. (2): an extra pass computes only
 the looping query heads S and the key/value heads they read, through their rows of the
 layer's ``qkv`` (and ``gate``) and their columns of ``o_proj``, so its cost scales with
-|S|. Slices of the same weights: gradients reach only these heads' rows and columns.
+|S|. Those rows and columns are views of the layer's own weights (gradients reach only
+them), taken once per block forward (:func:`pass_weights`) and shared by its K_l passes.
+
+Once the block's heads are arranged (:func:`permute_heads`, at growth events) S occupies
+the first slots and every view is narrow: no gathers, no host-built indices; under MHA
+q, k and v come from one batched product and q, k are rotated in one call. Unarranged
+heads (a structure written by hand, or S spread over more than two shared GQA groups)
+are gathered with the device indices of :class:`~looplm.head_loop.structure.GrownLoop`:
+the same numbers, more work.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
+from looplm.modules.rotary import apply_rotary_heads_last
 
 
-def head_slices(attn: SoftmaxAttention, heads: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """For query heads ``heads`` (ascending): the rows of ``qkv`` [|S|·D + 2·n_kv·D] that
-    project them and the n_kv kv heads they read (q, then k, then v), their rows of
-    ``gate`` / columns of ``o_proj`` [|S|·D], and each query head's index among the kept
-    kv heads [|S|] (None when query head n reads kept kv head n, as under MHA)."""
+@dataclasses.dataclass
+class PassWeights:
+    """What the extra passes of one forward read: the weights of S's heads, ``qkv``
+    [3, n·D, d] (MHA: q, k and v of the n heads at once) or ``q`` [n·D, d] and ``kv``
+    [2, m·D, d] (grouped-query attention: the m kv heads S reads); ``gate`` [n·D, d] or
+    None; ``out`` [d, n·D], S's columns of W_O; ``*_bias`` alike (None without biases)."""
+
+    qkv: Optional[torch.Tensor]
+    qkv_bias: Optional[torch.Tensor]
+    q: Optional[torch.Tensor]
+    q_bias: Optional[torch.Tensor]
+    kv: Optional[torch.Tensor]
+    kv_bias: Optional[torch.Tensor]
+    gate: Optional[torch.Tensor]
+    gate_bias: Optional[torch.Tensor]
+    out: torch.Tensor
+
+
+def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
+    """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when its heads
+    (and the kv heads they read) lie in consecutive slots, else gathered by the loop's
+    device indices; under autocast cast once here for all K_l passes (not again by every
+    pass's products)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    group = H // Hkv
-    kv = sorted({i // group for i in heads})
-    dims = torch.arange(D)
-    cols = torch.cat([i * D + dims for i in heads])
-    rows = torch.cat([cols] + [H * D + j * D + dims for j in kv] + [(H + Hkv) * D + j * D + dims for j in kv])
-    kv_index = [kv.index(i // group) for i in heads]
-    same = kv_index == list(range(len(heads)))
-    return rows.to(device), cols.to(device), None if same else torch.tensor(kv_index, device=device)
+    n, m = len(loop.slots), len(loop.kv_slots)
+    narrow = loop.narrow
+    q0, kv0 = loop.slots[0] * D, loop.kv_slots[0] * D  # first rows of S, of its kv heads (when narrow)
+    W, b = attn.qkv.weight, attn.qkv.bias
+    d = W.shape[1]
+
+    def q_part(t: Optional[torch.Tensor], dim: int = 0) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return t.narrow(dim, q0, n * D) if narrow else t.index_select(dim, loop.pass_q_rows[: n * D])
+
+    def kv_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # t: [2, H_kv·D, ...]
+        if t is None:
+            return None
+        return t.narrow(1, kv0, m * D) if narrow else t.index_select(1, loop.pass_kv_rows[: m * D])
+
+    gate_w, gate_b = (None, None) if attn.gate is None else (attn.gate.weight, attn.gate.bias)
+    if narrow and H == Hkv:  # one [3, n·D, d] view of q, k, v (their blocks have the same stride)
+        rows = slice(q0, q0 + n * D)
+        parts = dict(qkv=W.view(3, H * D, d)[:, rows], qkv_bias=None if b is None else b.view(3, H * D)[:, rows],
+                     q=None, q_bias=None, kv=None, kv_bias=None)
+    else:
+        parts = dict(qkv=None, qkv_bias=None, q=q_part(W[: H * D]), q_bias=q_part(None if b is None else b[: H * D]),
+                     kv=kv_part(W[H * D:].view(2, Hkv * D, d)),
+                     kv_bias=kv_part(None if b is None else b[H * D:].view(2, Hkv * D)))
+    weights = PassWeights(**parts, gate=q_part(gate_w), gate_bias=q_part(gate_b), out=q_part(attn.o_proj.weight, 1))
+    device_type = W.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        weights = PassWeights(**{f.name: None if getattr(weights, f.name) is None else getattr(weights, f.name).to(dtype)
+                                 for f in dataclasses.fields(PassWeights)})
+    return weights
+
+
+def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [N, d] through k stacked projections weight [k, r, d] (+ bias [k, r]) in one batched
+    product: [k, N, r]. x is cast to the weights' dtype (autocast's) before it is repeated."""
+    rows = x.to(weight.dtype).expand(weight.shape[0], *x.shape)
+    if bias is None:
+        return torch.bmm(rows, weight.transpose(1, 2))
+    return torch.baddbmm(bias[:, None], rows, weight.transpose(1, 2))
 
 
 def head_subset_attention(
-    attn: SoftmaxAttention, x: torch.Tensor, ctx: MixerContext, heads: tuple[int, ...],
-    weights: Optional[tuple[float, ...]] = None, state: Optional[KVState] = None,
+    attn: SoftmaxAttention, x: torch.Tensor, ctx: MixerContext, loop: GrownLoop,
+    weights: Optional[PassWeights] = None, state: Optional[KVState] = None,
 ) -> tuple[torch.Tensor, KVState]:
-    """Σ_{i∈S} w_i · Attn^(i)(x) over the query heads S = ``heads`` (ascending) of ``attn``
-    (Eq. 6). No output bias (Eq. 2 has none per head). weights: [|S|] output scales (a
-    fading head), None for ones. x: [B, T, d] -> ([B, T, d], state holding the used
-    key/value heads only)."""
-    rows, cols, kv_index = head_slices(attn, heads, x.device)
-    kv = (len(rows) - len(cols)) // 2  # n_kv·D rows each for k and v
-    bias = None if attn.qkv.bias is None else attn.qkv.bias[rows]
-    q, k, v = F.linear(x, attn.qkv.weight[rows], bias).split([len(cols), kv, kv], dim=-1)
-    y, new_state = attn.attend(q, k, v, ctx, state, kv_index)  # [B, T, |S|·D]
-    if attn.gate is not None:  # LT2 §4.4's output gate, these heads' rows
-        bias = None if attn.gate.bias is None else attn.gate.bias[cols]
-        y = y * torch.sigmoid(F.linear(x, attn.gate.weight[cols], bias))
-    if weights is not None:  # fading heads: scale each head's output before W_O
-        y = y * torch.tensor(weights, dtype=y.dtype, device=y.device).repeat_interleave(attn.head_dim)
-    return F.linear(y, attn.o_proj.weight[:, cols]), new_state
+    """Σ_{i∈S} w_i · Attn^(i)(x) over the looping query heads S of ``attn`` (``loop.slots``)
+    (Eq. 6), w_i the loop weights (a fading head). No output bias (Eq. 2 has none per
+    head). weights: :func:`pass_weights` (taken here when None). x: [B, T, d] -> ([B, T, d],
+    state holding the used key/value heads only)."""
+    weights = pass_weights(attn, loop) if weights is None else weights
+    B, T, d = x.shape
+    D, n = attn.head_dim, len(loop.slots)
+    rows = x.reshape(B * T, d)
+
+    if weights.qkv is not None:  # MHA: [3, B, T, n, D]; q and k rotated together, before the head transpose
+        qk, v = _batched_linear(rows, weights.qkv, weights.qkv_bias).view(3, B, T, n, D).split([2, 1])
+        q, k = (t.transpose(1, 2) for t in apply_rotary_heads_last(qk, *ctx.rope).unbind(0))
+        v = v.squeeze(0).transpose(1, 2)
+    else:
+        m = weights.kv.shape[1] // D
+        q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
+        k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
+        q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
+                                                 apply_rotary_heads_last(k, *ctx.rope), v))
+    kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
+    y, new_state = attn.attend_rotated(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
+    if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows
+        y = y * torch.sigmoid(F.linear(x, weights.gate, weights.gate_bias))
+    if loop.scaled:  # fading heads: scale each head's output before W_O
+        y = y * loop.pass_scale[: n * D].to(y.dtype)
+    return F.linear(y, weights.out), new_state
+
+
+@torch.no_grad()
+def permute_heads(attn: SoftmaxAttention, source: Sequence[int], optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """Re-parameterise ``attn`` so that head slot p holds what slot ``source[p]`` held: its
+    rows of ``qkv`` (q; k and v with the kv head its group reads) and ``gate``, its columns
+    of ``o_proj``; the parameters' gradients and the optimiser's per-element state (AdamW's
+    exp_avg, exp_avg_sq) move alike, in place, so training continues as before. Softmax
+    attention sums over heads: the layer computes the same function (to float rounding of
+    that sum). ``source`` keeps each kv head's query group together (GrownLoop.set_order).
+    FSDP2-sharded tensors are gathered whole on every rank, permuted and re-sharded (a
+    growth event, not a step, pays this)."""
+    H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    g = H // Hkv
+    dims = torch.arange(D)
+    q = (torch.tensor(list(source))[:, None] * D + dims).flatten()
+    kv = (torch.tensor([source[p * g] // g for p in range(Hkv)])[:, None] * D + dims).flatten()
+    qkv = torch.cat([q, H * D + kv, (H + Hkv) * D + kv])
+    moves = [(attn.qkv.weight, 0, qkv), (attn.qkv.bias, 0, qkv), (attn.o_proj.weight, 1, q)]
+    if attn.gate is not None:
+        moves += [(attn.gate.weight, 0, q), (attn.gate.bias, 0, q)]
+    for param, dim, index in moves:
+        if param is None:
+            continue
+        index = index.to(param.device)
+        state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        tensors = [param, param.grad] + [t for t in state.values() if torch.is_tensor(t) and t.shape == param.shape]
+        for t in tensors:
+            if t is None:
+                continue
+            if hasattr(t, "full_tensor"):  # FSDP2 shard (DTensor): every rank permutes the whole tensor, keeps its shard
+                from torch.distributed.tensor import distribute_tensor
+
+                moved = distribute_tensor(t.full_tensor().index_select(dim, index), t.device_mesh, t.placements)
+                t.to_local().copy_(moved.to_local())
+            else:
+                t.copy_(t.index_select(dim, index))

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from looplm.head_loop.attention import head_subset_attention
+from looplm.head_loop.attention import head_subset_attention, pass_weights, permute_heads
 from looplm.head_loop.structure import GrownLoop, LoopedState
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.mixers.attention import SoftmaxAttention
@@ -33,8 +33,12 @@ class GrownBlock(Block):
 
     def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
         super().__init__(cfg, mixers)
-        self.head_loop = GrownLoop(cfg.n_heads)
+        self.head_loop = GrownLoop(cfg.n_heads, cfg.kv_heads, cfg.head_dim)
         self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
+
+    def softmax_layers(self) -> list[SoftmaxAttention]:
+        """The block's softmax attention layers (parameter owners): the ones its passes slice."""
+        return [layer for layer in self.mixer_layers() if isinstance(layer, SoftmaxAttention)]
 
     def extra_passes(self, iteration: int = 0) -> int:
         """K_l at loop iteration ``iteration``: 0 where that iteration's mixer does not loop."""
@@ -52,9 +56,10 @@ class GrownBlock(Block):
         main, passes = (None, (None,) * depth) if state is None else (state.main, state.passes)
         x, main = self._first_pass(x, ctx, mixer, main)
         location, new_passes = ctx.location, []
+        weights = self._pass_weights(mixer)
         for k, pass_state in enumerate(passes):
             ctx.location = (f"{location[0]}.loop{k + 1}", location[1])  # probes: one entry per pass
-            x, pass_state = self._extra_pass(x, ctx, mixer, pass_state)
+            x, pass_state = self._extra_pass(x, ctx, mixer, pass_state, weights)
             new_passes.append(pass_state)
         ctx.location = location
         return self._last(x), LoopedState(main, tuple(new_passes))
@@ -62,7 +67,11 @@ class GrownBlock(Block):
     def _first_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
         raise NotImplementedError
 
-    def _extra_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
+    def _pass_weights(self, mixer: SoftmaxAttention):
+        """What every extra pass of one forward reads (taken once, shared by the K_l passes)."""
+        return None
+
+    def _extra_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state, weights) -> tuple[torch.Tensor, MixerState]:
         raise NotImplementedError
 
     def _last(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,19 +88,89 @@ class GrownBlock(Block):
 
 class HeadLoopBlock(GrownBlock):
     """``kind: heads``: after the attention sub-layer, K_l pre-norm passes of the selected
-    heads S only (Eq. 6), then the FFN on H^(K_l)."""
+    heads S only (Eq. 6), then the FFN on H^(K_l).
+
+    Its heads may be stored permuted (:meth:`arrange_heads`, ``head_loop.order``): the
+    attention probabilities it records for probes are put back in the original head order."""
+
+    def forward(self, x, ctx, state=None, iteration=0):
+        out = super().forward(x, ctx, state, iteration)
+        loop = self.head_loop
+        if ctx.attentions is not None and loop.order != tuple(range(loop.n_heads)):  # probes: original order
+            location = ctx.location
+            looped = [loop.order[p] for p in loop.slots]  # the heads a pass computes, in slot order
+            by_pass = sorted(range(len(looped)), key=looped.__getitem__)
+            ascending = {location: loop.slot_of}  # [B, H, T, S] recorded in slot order
+            ascending.update({(f"{location[0]}.loop{k + 1}", location[1]): by_pass
+                              for k in range(self.extra_passes(iteration))})
+            for key, index in ascending.items():
+                if key in ctx.attentions:
+                    probs = ctx.attentions[key]
+                    ctx.attentions[key] = probs.index_select(1, torch.tensor(index, device=probs.device))
+        return out
+
+    def arrange_heads(self, first: Sequence[int], optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Permute the heads in storage so that the heads ``first`` (original numbering)
+        take consecutive slots (:func:`_grouped_order`) and the extra passes read narrow
+        views; nothing moves when they already do. A re-parameterisation: the parameters,
+        their gradients and ``optimizer``'s state move together
+        (:func:`~looplm.head_loop.attention.permute_heads`), so the block computes the same
+        function and trains on as before (FSDP2 shards included). Returns whether
+        anything moved."""
+        loop = self.head_loop
+        chosen, g = set(first), loop.n_heads // loop.n_kv_heads
+        slots = [p for p, h in enumerate(loop.order) if h in chosen]
+        if not self.softmax_layers() or (_consecutive(slots) and _consecutive(sorted({p // g for p in slots}))):
+            return False  # nothing to slice (NSA, DSA), or already narrow
+        order = _grouped_order(chosen, loop.n_heads, loop.n_kv_heads)
+        if order == loop.order:
+            return False
+        slot = {h: p for p, h in enumerate(loop.order)}
+        for layer in self.softmax_layers():
+            permute_heads(layer, [slot[h] for h in order], optimizer)
+        loop.set_order(order)
+        return True
 
     def _first_pass(self, x, ctx, mixer, state):
         mixed, state = mixer(self.attn_norm(x), ctx, state)
         return x + mixed, state  # H^(0) = H_post, Eq. (3)
 
-    def _extra_pass(self, x, ctx, mixer, state):
-        loop = self.head_loop
-        update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, loop.heads, loop.head_weights, state)
+    def _pass_weights(self, mixer):
+        return pass_weights(mixer, self.head_loop)
+
+    def _extra_pass(self, x, ctx, mixer, state, weights):
+        update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, self.head_loop, weights, state)
         return x + update, state  # Eq. (6): H^(k) = H^(k-1) + Σ_{i∈S} Attn^(i)(H^(k-1))
 
     def _last(self, x):
         return x + self.ffn(self.ffn_norm(x))  # the FFN reads H^(K_l) (Alg. 1 line 13)
+
+
+def _consecutive(values: Sequence[int]) -> bool:
+    return list(values) == list(range(values[0], values[0] + len(values))) if values else False
+
+
+def _grouped_order(first: set[int], n_heads: int, n_kv_heads: int) -> tuple[int, ...]:
+    """A head order (slot -> original head) that keeps each kv head's group of g = H / H_kv
+    query heads in consecutive slots and puts the heads ``first`` in consecutive slots
+    (ascending): under MHA first; under GQA the groups they fill, with at most two groups
+    they share with other heads at either end (ending with / starting with theirs). With
+    more shared groups ``first`` cannot be consecutive: its groups come first, each
+    starting with its heads (the passes then gather the query rows)."""
+    g = n_heads // n_kv_heads
+
+    def members(j: int, leading: bool) -> list[int]:  # group j's heads, those of ``first`` leading or trailing
+        return sorted(range(j * g, j * g + g), key=lambda h: ((h in first) != leading, h))
+
+    touched = [j for j in range(n_kv_heads) if first & set(range(j * g, j * g + g))]
+    full = [j for j in touched if set(range(j * g, j * g + g)) <= first]
+    shared = [j for j in touched if j not in full]
+    rest = [j for j in range(n_kv_heads) if j not in touched]
+    if len(shared) == 2:
+        groups = [members(shared[0], False)] + [members(j, True) for j in full] + [members(shared[1], True)]
+    else:
+        groups = [members(j, True) for j in full + shared]
+    return tuple(h for group in groups + [members(j, True) for j in rest] for h in group)
 
 
 class BlockLoopBlock(GrownBlock):
@@ -100,7 +179,8 @@ class BlockLoopBlock(GrownBlock):
     def _first_pass(self, x, ctx, mixer, state):
         return self._layer(x, ctx, state, mixer)
 
-    _extra_pass = _first_pass
+    def _extra_pass(self, x, ctx, mixer, state, weights):
+        return self._layer(x, ctx, state, mixer)
 
 
 #: ``model.head_loop.kind`` -> the grown block it builds

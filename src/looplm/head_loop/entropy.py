@@ -75,10 +75,12 @@ class EntropyMeter:
     state, under ``no_grad``, reusing the attention's own keys, and not again when activation
     checkpointing recomputes the forward in the backward. A looped core block is
     measured at every iteration. :meth:`read` returns the step's mean per layer, averaged
-    over data-parallel ranks (one all-reduce), and starts the next step."""
+    over data-parallel ranks (one all-reduce), and starts the next step; per head in the
+    original numbering when a grown block stores its heads permuted (``head_loop.order``)."""
 
     def __init__(self, blocks: Sequence[nn.Module], layers: Sequence[int], n_heads: int, device: torch.device):
         self.layers = list(layers)
+        self.loops = [getattr(blocks[layer], "head_loop", None) for layer in self.layers]
         self.sums = torch.zeros(len(self.layers), n_heads, device=device)
         self.counts = torch.zeros(len(self.layers), device=device)
         self._handles = []
@@ -110,7 +112,12 @@ class EntropyMeter:
         values = totals.tolist()
         self.sums.zero_()
         self.counts.zero_()
-        return {layer: [s / row[-1] for s in row[:-1]] for layer, row in zip(self.layers, values) if row[-1] > 0}
+        out = {}
+        for layer, loop, row in zip(self.layers, self.loops, values):
+            if row[-1] > 0:
+                by_slot = [s / row[-1] for s in row[:-1]]
+                out[layer] = by_slot if loop is None else [by_slot[p] for p in loop.slot_of]
+        return out
 
     def detach(self) -> None:
         """Remove the hooks (growth is frozen: nothing more to measure)."""

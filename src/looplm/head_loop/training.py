@@ -4,7 +4,9 @@ After every optimiser step t the trainer calls :meth:`Growth.after_step`: the st
 last-query entropies (all micro-batches, all data-parallel ranks, so every rank decides
 alike) update the EMA; at a decision step the growth operator updates Θ_t; the grown
 structure for the next forwards (loop depths, fading head weights) is written into the
-blocks. Nothing here touches a parameter, so the optimiser state stays valid.
+blocks. When a layer is activated its heads are arranged so that the selected ones lie in
+consecutive slots (:meth:`HeadLoopBlock.arrange_heads`, a re-parameterisation that moves
+the optimiser's state with the weights), so its extra passes read narrow weight views.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 
 from looplm.head_loop.entropy import EntropyMeter
 from looplm.head_loop.schedule import GrowthSchedule
-from looplm.head_loop.block import block_names, grown_blocks
+from looplm.head_loop.block import HeadLoopBlock, block_names, grown_blocks
 
 
 class Growth:
@@ -29,6 +31,7 @@ class Growth:
         eligible = [l for l in self.grown if l not in cfg.exclude]
         self.schedule = GrowthSchedule(cfg, model.cfg.n_heads, eligible)
         self.meter: Optional[EntropyMeter] = EntropyMeter(model.blocks(), eligible, model.cfg.n_heads, device)
+        self.optimizer: Optional[torch.optim.Optimizer] = None  # its state follows arranged heads (set by the trainer)
 
     def after_step(self, step: int, distributed: bool = False) -> list[dict]:
         """Account step ``step`` (already completed) and return its growth events, each with
@@ -48,11 +51,15 @@ class Growth:
         return events
 
     def apply(self, step: int) -> None:
-        """Write Θ after step ``step`` into the grown blocks."""
+        """Write Θ after step ``step`` into the grown blocks; arrange the heads of a newly
+        activated layer (S_l in consecutive slots: a no-op once arranged, and after
+        resuming, whose checkpoint holds the arranged weights and their order)."""
         structure = self.schedule.structure(step)
         for layer, block in self.grown.items():
             depth, weights = structure.get(layer, (0, None))
             block.head_loop.set(depth, weights)
+            if isinstance(block, HeadLoopBlock) and layer in self.schedule.heads:
+                block.arrange_heads(self.schedule.heads[layer], self.optimizer)
 
     def state_dict(self) -> dict:
         return self.schedule.state_dict()

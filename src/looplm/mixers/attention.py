@@ -213,7 +213,8 @@ class SoftmaxAttention(nn.Module):
     def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                        state: Optional[KVState] = None,
                        kv_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KVState]:
-        """:meth:`attend` on rotated heads: q [B, H, T, D], k, v [B, H_kv, T, D]."""
+        """:meth:`attend` on rotated heads: q [B, H, T, D], k, v [B, H_kv, T, D]. SGT's head
+        passes rotate their queries and keys in one call (:mod:`looplm.head_loop.attention`)."""
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         if isinstance(state, StaticKVState):

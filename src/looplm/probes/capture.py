@@ -86,13 +86,16 @@ def _hooks(model: LoopLM, capture: dict, *, blocks: bool, values: bool) -> Itera
     def before_norm(module: nn.Module, args) -> None:
         capture["h_out"] = args[0].detach()
 
-    def after_qkv(layer: SoftmaxAttention):
+    def after_qkv(layer: SoftmaxAttention, block: nn.Module):
         def hook(module: nn.Module, args, output) -> None:
             B, T, _ = output.shape
             H, Hkv, D = layer.n_heads, layer.n_kv_heads, layer.head_dim
             v = output[..., (H + Hkv) * D :].reshape(B, T, Hkv, D).transpose(1, 2)  # [B, H_kv, T, D]
             if Hkv != H:
                 v = v.repeat_interleave(H // Hkv, dim=1)
+            loop = getattr(block, "head_loop", None)
+            if loop is not None and loop.order != tuple(range(H)):  # SGT-arranged heads: the original order
+                v = v.index_select(1, torch.tensor(loop.slot_of, device=v.device))
             capture["values"][current["location"]] = v.detach()
 
         return hook
@@ -108,7 +111,7 @@ def _hooks(model: LoopLM, capture: dict, *, blocks: bool, values: bool) -> Itera
                 for layer in block.mixer_layers():
                     if isinstance(layer, SoftmaxAttention):
                         handles.append(layer.register_forward_pre_hook(before_attention))
-                        handles.append(layer.qkv.register_forward_hook(after_qkv(layer)))
+                        handles.append(layer.qkv.register_forward_hook(after_qkv(layer, block)))
         yield
     finally:
         for handle in handles:

@@ -155,6 +155,8 @@ class Trainer:
         self.parallel = _parallel_mode(tc.parallel, self.distributed, run_cfg.data.source)
         self.train_model = self._wrap(self.model)  # FSDP shards in place: before the optimiser
         self.optimizer = build_optimizer(self.model, tc)
+        if self.growth is not None:  # SGT's head arrangement moves the optimiser state with the weights
+            self.growth.optimizer = self.optimizer
         self.stream = train_stream(run_cfg.data, self.tokenizer, tc.batch_size, self.rank, self.world_size)
         # Task sources (data.source=task:NAME): task metrics at each evaluation, curriculum included.
         self.task_eval = task_evaluator(run_cfg, self.stream, self.rank, self.world_size)
