@@ -236,3 +236,18 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly_on_the_static_cache(capl
         fallback = model.generate(prompts, max_new_tokens=6, temperature=0, compile={"backend": refusing_backend})
     assert torch.equal(fallback.sequences, eager.sequences)
     assert "could not capture the decoding step" in caplog.text and "compiles nothing" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["sgt-heads-grown", "sgt-block-grown"])
+def test_grown_head_loops_compile(name):
+    """SGT's grown blocks keep one static key/value buffer per extra pass."""
+    from tests.conftest import all_configs, grow
+
+    model = LoopLM(dict(all_configs())[name]).eval()
+    grow(name, model)
+    prompts = _prompts(model.cfg.vocab_size)
+    eager = model.generate(prompts, max_new_tokens=30, temperature=0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(prompts, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -209,7 +209,10 @@ class StaticLoopCache(LoopCache):
             convert = getattr(state, "static", None)
             if convert is None:
                 raise NotStatic(f"block {key[0]} (pass {key[1]}) holds a {type(state).__name__}, which has no static form")
-            static.states[key] = convert(capacity)
+            try:
+                static.states[key] = convert(capacity)
+            except TypeError as reason:  # a composite state with a part that has none
+                raise NotStatic(f"block {key[0]} (pass {key[1]}): {reason}") from None
         B, device = cache.valid.shape[0], cache.valid.device
         static.valid = torch.zeros(B, capacity, dtype=torch.bool, device=device)
         static.valid[:, :length] = cache.valid
@@ -223,24 +226,16 @@ class StaticLoopCache(LoopCache):
         CUDA graphs)."""
         found = [self.valid, self.next_position, self.position]
         for state in self.states.values():
-            for field in dataclasses.fields(state):
-                value = getattr(state, field.name)
-                found.extend(v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, torch.Tensor))
+            _leaves(state, found)
         return found
 
     def set(self, block: str, iteration: int, state: MixerState) -> None:
         """Keep the state's tensors where they are: copy a new state's values into them."""
         old = self.states.get((block, iteration))
-        if old is None or old is state:
+        if old is None:
             self.states[(block, iteration)] = state
-            return
-        for field in dataclasses.fields(old):
-            dest, value = getattr(old, field.name), getattr(state, field.name)
-            if isinstance(dest, torch.Tensor):
-                dest.copy_(value)
-            elif isinstance(dest, tuple):
-                for d, v in zip(dest, value):
-                    d.copy_(v)
+        else:
+            _copy_into(old, state)
 
     def extend(self, new_valid: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         raise NotStatic("a static cache is extended by extend_static (LoopLM._context)")
@@ -285,12 +280,13 @@ class StaticLoopCache(LoopCache):
         if length >= self.length:
             return
         for (block, t), state in self.states.items():
-            if not hasattr(state, "write"):  # not a key/value buffer: S summarises every position
+            rewind = getattr(state, "rewind", 0)  # positions it may lose: None any, 0 none (S summarises all)
+            if rewind == 0:
                 raise ValueError(f"cannot crop the static cache to {length} positions: block {block} (pass {t}) "
                                  f"holds a {type(state).__name__}, which cannot be rewound")
-            if state.rewind is not None and self.length - length > state.rewind:
+            if rewind is not None and self.length - length > rewind:
                 raise ValueError(f"cannot crop the static cache by {self.length - length} positions: block {block} "
-                                 f"(pass {t}) keeps a sliding window's ring that can rewind {state.rewind}")
+                                 f"(pass {t}) keeps a sliding window's ring that can rewind {rewind}")
         self.valid[:, length:] = False
         self.next_position.copy_(self.valid.long().sum(dim=1))
         self.position.fill_(length)
@@ -300,10 +296,8 @@ class StaticLoopCache(LoopCache):
         """Reorder rows in place when ``index`` keeps the batch size (beam search)."""
         same = index.shape[0] == self.valid.shape[0]
         for key, state in self.states.items():
-            if hasattr(state, "write"):
-                self.states[key] = state.select(index)
-            elif same:
-                self.set(*key, state.select(index))
+            if same:
+                self.set(*key, state.select(index))  # buffers reorder in place; new values are copied in
             else:
                 self.states[key] = state.select(index)
         for name in ("valid", "next_position"):
@@ -313,3 +307,28 @@ class StaticLoopCache(LoopCache):
             else:
                 setattr(self, name, value[index])
         self.padded = not bool(self.valid[:, : self.length].all())
+
+
+def _leaves(state, found: list) -> None:
+    """The tensors of a (possibly nested) state dataclass, appended to ``found``."""
+    if isinstance(state, torch.Tensor):
+        found.append(state)
+    elif isinstance(state, (tuple, list)):
+        for part in state:
+            _leaves(part, found)
+    elif dataclasses.is_dataclass(state):
+        for field in dataclasses.fields(state):
+            _leaves(getattr(state, field.name), found)
+
+
+def _copy_into(dest, value) -> None:
+    """Copy ``value``'s tensors into ``dest``'s (same structure), in place; anything else
+    (ints, the same object) is left as it is."""
+    if isinstance(dest, torch.Tensor):
+        dest.copy_(value)
+    elif isinstance(dest, (tuple, list)):
+        for d, v in zip(dest, value):
+            _copy_into(d, v)
+    elif dataclasses.is_dataclass(dest) and dest is not value:  # a state written in place is its own update
+        for field in dataclasses.fields(dest):
+            _copy_into(getattr(dest, field.name), getattr(value, field.name))

@@ -376,16 +376,18 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, compile: Union[b
     runs, first = [compiled], static.get_seq_length()
 
     def step(model, token, cache, iterations):
+        before = cache.get_seq_length()
         try:
             out = runs[-1](model, token, cache, iterations)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
-            if len(runs) > 1 or cache.get_seq_length() != first:  # only a first capture may fail over
+            if len(runs) > 1 or before != first:  # only a first capture may fail over
                 raise
             logger.warning("generate(compile=True) could not capture the decoding step (%s: %s); decoding "
                            "eagerly on the static cache", type(error).__name__, " ".join(str(error).split())[:300])
             runs.append(_decode_step)
             out = _decode_step(model, token, cache, iterations)
-        cache.advance(1)  # the host count the captured step leaves to its caller
+        if cache.get_seq_length() == before:
+            cache.advance(1)  # the host count a captured step leaves to its caller
         return out
 
     return step, static

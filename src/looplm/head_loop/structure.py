@@ -178,3 +178,17 @@ class LoopedState:
 
     def select(self, index: torch.Tensor) -> "LoopedState":
         return LoopedState(self.main.select(index), tuple(s.select(index) for s in self.passes))
+
+    def static(self, capacity: int) -> "LoopedState":
+        """The same states, each in its static form (:meth:`looplm.cache.LoopCache.static`)."""
+        for part in (self.main, *self.passes):
+            if not hasattr(part, "static"):
+                raise TypeError(f"a {type(part).__name__} inside a head-looped block has no static form")
+        return LoopedState(self.main.static(capacity), tuple(s.static(capacity) for s in self.passes))
+
+    @property
+    def rewind(self) -> Optional[int]:
+        """How many positions a static cache holding it may be cropped by (the least of its
+        parts'; None: any)."""
+        limits = [getattr(part, "rewind", 0) for part in (self.main, *self.passes)]
+        return 0 if 0 in limits else min((r for r in limits if r is not None), default=None)
