@@ -280,3 +280,13 @@ def test_train_throughput_core_reports_consistent_numbers(tmp_path):
     verdicts = [line for line in text.splitlines() if line.endswith(("| PASS |", "| FAIL |"))]
     assert len(verdicts) == 4, text  # base, mesh, SpiralFormer, SGT
     assert "1.000e+11 FLOP/s (given (--peak-flops))" in text
+
+
+def test_launch_counts_table_names_every_target(tmp_path):
+    out = tmp_path / "launches.md"
+    run("launches.py", "--out", str(out))
+    text = out.read_text()
+    for row in ("looped transformer", "GDN+DSA hybrid", "mesh / base", "spiral / spiral-full", "sgt / dense"):
+        assert row in text, row
+    syncs = re.findall(r"\| (\d+(?:\.\d+)?) \|\n", text.split("## Training")[0])
+    assert syncs and all(float(s) == 0 for s in syncs)  # no host sync per decoded token
