@@ -371,7 +371,7 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, compile: Union[b
     if device.type == "cuda":
         options.setdefault("mode", "reduce-overhead")  # CUDA graphs: one replay per token
         for tensor in static.tensors():
-            torch._dynamo.mark_static_address(tensor)
+            torch._dynamo.mark_static_address(tensor, guard=False)  # a new cache re-records, never recompiles
     compiled = torch.compile(_decode_step, fullgraph=True, dynamic=False, **options)
     runs, first = [compiled], static.get_seq_length()
 
