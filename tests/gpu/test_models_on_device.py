@@ -104,15 +104,18 @@ def test_compiled_looped_model_matches_eager():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
-@pytest.mark.parametrize("kind", ["attention", "gated_deltanet", "dsa"])
-def test_compiled_generation_replays_cuda_graphs_and_equals_eager(kind):
+@pytest.mark.parametrize("mixers", ["attention", "gated_deltanet+dsa"])
+def test_compiled_generation_replays_cuda_graphs_and_equals_eager(mixers):
     """generate(compile=True) on CUDA: inductor + CUDA graphs (reduce-overhead) over the
-    static cache, in bf16; the eager tokens, and one graph for every step."""
+    static cache, in bf16; the eager tokens, and one graph for every step. The second
+    model is LT2's GDN+DSA hybrid shape (fla's fused step, DSA's static top-k)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = tiny_config("mesh", layout="1+1R3+1", d_model=128, n_heads=4, mixer={"kind": kind, **OPTIONS.get(kind, {})})
+    kinds = mixers.split("+")
+    hybrid = {"mixer": {"kind": kinds[1], **OPTIONS.get(kinds[1], {})}, "ratio": "1:1"} if len(kinds) > 1 else None
+    cfg = tiny_config("mesh", layout="1+2R2+1", d_model=128, n_heads=4, mixer={"kind": kinds[0]}, hybrid=hybrid)
     model = LoopLM(cfg).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), device="cuda")
     eager = model.generate(ids, max_new_tokens=32, temperature=0)
