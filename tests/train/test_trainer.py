@@ -241,3 +241,27 @@ def test_fields_added_since_a_checkpoint_take_their_defaults_when_comparing():
     assert config_differences(with_defaults(saved, ModelConfig, "model"), current.to_dict(), "model") == [
         "model.d_model: checkpoint 64, this run 32"]
     assert with_defaults({"d_model": "wide"}, ModelConfig, "model") == {"d_model": "wide"}  # unparsable: as saved
+
+
+def test_a_training_step_reads_nothing_back(tmp_path):
+    """The fused AdamW kernel skips a non-finite step on the device: a step has no host
+    sync; fit reads the steps back at log, evaluation and checkpoint steps only."""
+    from looplm.accounting.dispatch import count_dispatch
+
+    trainer = Trainer(run_config(tmp_path / "run", max_steps=4), progress=False)
+    trainer._train_step(1e-3)  # first step: the optimiser's state is created
+    counts, (values, names) = count_dispatch(lambda: trainer._train_step(1e-3))
+    assert counts.syncs == 0, counts.by_op
+    assert values.shape == (2 + len(names),) and torch.isfinite(values).all()
+
+
+def test_a_non_finite_step_between_reads_applies_no_update(tmp_path, monkeypatch):
+    nan_loss_at(monkeypatch, {2})
+    trainer = Trainer(run_config(tmp_path / "run", max_steps=4, log_every=4), progress=False)
+    summary = trainer.fit()
+    skipped = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "skipped"]
+    assert [(e["step"], e["bad_steps"]) for e in skipped] == [(2, 1)]  # read back at step 4
+    assert summary["skipped_steps"] == 1
+    steps = {int(s["step"]) for group in trainer.optimizer.param_groups for s in
+             (trainer.optimizer.state[p] for p in group["params"]) if s}
+    assert steps == {3}  # four steps, one of them skipped on the device

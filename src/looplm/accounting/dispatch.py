@@ -29,7 +29,8 @@ SYNC_OPS = frozenset({
     "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique_consecutive",
     "aten._unique2", "aten.unique_dim", "aten.repeat_interleave.Tensor", "aten.item",
 })
-#: metadata-only operators that are not views by schema but launch nothing
+#: metadata-only operators that are not views by schema but launch nothing (and the
+#: profiler's record-function markers, ``profiler.*``)
 FREE_OPS = frozenset({"aten.detach", "aten.alias", "aten.lift_fresh", "aten._unsafe_view", "aten.empty_like",
                       "aten.promote_types", "aten.result_type", "aten.is_same_size", "aten.sym_size", "aten.sym_stride",
                       "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
@@ -64,7 +65,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = _name(func)
-        if not getattr(func, "is_view", False) and name not in FREE_OPS:
+        if not getattr(func, "is_view", False) and name not in FREE_OPS and not name.startswith("profiler."):
             self.count.ops += 1
             self.count.by_op[name] += 1
             if name in SYNC_OPS:

@@ -36,8 +36,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     ``no_decay`` (0, or weight_decay too when ``decay_norms_and_biases``).
 
     The learning rate is a placeholder: the trainer sets every group's ``lr`` from
-    :func:`looplm.train.schedule.lr_at` before each step. The fused kernel is used when
-    every parameter is on CUDA.
+    :func:`looplm.train.schedule.lr_at` before each step. The fused kernel (one launch for
+    every parameter) is used when every parameter is a plain tensor on CUDA or the CPU; it
+    also skips a step on the device (``found_inf``, :meth:`Trainer._train_step`). Sharded
+    (DTensor) parameters keep the foreach kernels.
     """
     decay, no_decay = split_decay(model)
     params = [*decay.values(), *no_decay.values()]
@@ -51,5 +53,5 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
             "weight_decay": cfg.weight_decay if cfg.decay_norms_and_biases else 0.0,
         },
     ]
-    fused = all(p.is_cuda for p in params) or None
+    fused = all(not hasattr(p, "placements") and p.device.type in ("cuda", "cpu") for p in params) or None  # no DTensor
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)

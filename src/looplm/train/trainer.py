@@ -39,8 +39,11 @@ micro-batches whose losses are scaled by ``1 / grad_accum``; the learning rate i
 ``lr_at(step)``; gradients are clipped to ``train.grad_clip`` (0: measured, not clipped). A
 step whose mean loss or gradient norm is not finite is skipped (gradients dropped, no
 update; it still counts as a step and consumes its batch) and logged; ``train.max_bad_steps``
-consecutive skipped steps stop the run with :class:`~looplm.errors.TrainingDiverged`. Reading the loss and norm
-back costs one host-device synchronisation per step.
+consecutive skipped steps stop the run with :class:`~looplm.errors.TrainingDiverged`. A step
+reads nothing back: the fused AdamW kernel skips a non-finite step on the device
+(``found_inf``), and ``fit`` reads the steps' losses and norms in one host sync at each log,
+evaluation and checkpoint step (sharded DTensor parameters, whose foreach kernels cannot
+skip on the device, read once per step).
 """
 
 from __future__ import annotations
@@ -318,35 +321,44 @@ class Trainer:
         bar = _progress_bar(total=tc.max_steps, initial=self.step, enabled=self.progress and self.rank == 0)
         try:
             with _redirect_logging(bar):
+                pending: list[torch.Tensor] = []  # the values of the steps not read back yet
                 while self.step < end:
                     lr = lr_at(self.step, tc)
                     t0 = time.perf_counter()
-                    loss, grad_norm = self._train_step(lr)
-                    elapsed = time.perf_counter() - t0
+                    values, names = self._train_step(lr)
+                    pending.append(values)
                     self.step += 1
                     self.tokens_seen += self.tokens_per_step
-                    self.train_time_s += elapsed
-                    session_tokens, session_time = session_tokens + self.tokens_per_step, session_time + elapsed
-                    window_tokens, window_time = window_tokens + self.tokens_per_step, window_time + elapsed
                     bar.update(1)
                     if self.growth is not None:
                         self._grow()
-                    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                        self._on_bad_step(loss, grad_norm)
-                    else:
-                        self.bad_steps, self.last_train_loss = 0, loss
-                        if self.step % tc.log_every == 0 or self.step == end:
-                            tps = window_tokens / window_time if window_time > 0 else 0.0
-                            mfu = self._model_flops(tps)["mfu"]  # None where the peak is unknown (CPU)
-                            self.metrics.log("train", self.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                                             tokens=self.tokens_seen, tokens_per_s=tps,
-                                             **({} if mfu is None else {"mfu": mfu}),
-                                             **{f"aux_{k}": v for k, v in self.last_aux.items()})
-                            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
-                            window_tokens, window_time = 0, 0.0
-                    if tc.eval_every and self.step % tc.eval_every == 0:
+                    logged = self.step % tc.log_every == 0 or self.step == end
+                    evaluated = bool(tc.eval_every) and self.step % tc.eval_every == 0
+                    saved = bool(tc.save_every) and self.step % tc.save_every == 0
+                    read = None
+                    if logged or evaluated or saved:  # the steps since the last read, in one host sync
+                        read = self._read_back(pending)
+                        pending.clear()
+                    elapsed = time.perf_counter() - t0  # with a read: the device's time, waited for
+                    self.train_time_s += elapsed
+                    session_tokens, session_time = session_tokens + self.tokens_per_step, session_time + elapsed
+                    window_tokens, window_time = window_tokens + self.tokens_per_step, window_time + elapsed
+                    if read is None:
+                        continue
+                    loss, grad_norm, *aux = read
+                    self.last_aux = dict(zip(names, aux))
+                    if logged and math.isfinite(loss) and math.isfinite(grad_norm):
+                        tps = window_tokens / window_time if window_time > 0 else 0.0
+                        mfu = self._model_flops(tps)["mfu"]  # None where the peak is unknown (CPU)
+                        self.metrics.log("train", self.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                                         tokens=self.tokens_seen, tokens_per_s=tps,
+                                         **({} if mfu is None else {"mfu": mfu}),
+                                         **{f"aux_{k}": v for k, v in self.last_aux.items()})
+                        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
+                        window_tokens, window_time = 0, 0.0
+                    if evaluated:
                         self.evaluate()
-                    if tc.save_every and self.step % tc.save_every == 0:
+                    if saved:
                         self.save()
                 if self.last_eval_step != self.step:
                     self.evaluate()
@@ -382,10 +394,17 @@ class Trainer:
         :meth:`fit`'s bookkeeping (the step counter, logging, SGT growth, evaluation and
         checkpoints stay as they are): the step benchmarks/train_throughput.py times.
         Returns (mean loss, gradient norm)."""
-        return self._train_step(lr_at(self.step, self.cfg.train))
+        values, names = self._train_step(lr_at(self.step, self.cfg.train))
+        loss, grad_norm, *aux = values.tolist()  # reads the step back: synchronises the device
+        self.last_aux = dict(zip(names, aux))
+        return loss, grad_norm
 
-    def _train_step(self, lr: float) -> tuple[float, float]:
-        """One optimiser step at learning rate ``lr``; returns (mean loss, gradient norm)."""
+    def _train_step(self, lr: float) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """One optimiser step at learning rate ``lr``. Returns, still on the device, the
+        values [loss, gradient norm, auxiliary losses...] (means over micro-batches and
+        ranks) and the auxiliary losses' names: nothing is read back here. A step whose loss
+        or gradient norm is not finite applies no update: on the device with the fused AdamW
+        kernel (``found_inf``), else after one host read."""
         tc = self.cfg.train
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -417,12 +436,15 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if self.parallel == "fsdp":  # a DTensor over the sharded gradients
             grad_norm = grad_norm.full_tensor()
-        *mean_values, norm_value = torch.cat([means, grad_norm.float().view(1)]).tolist()  # one sync
-        loss_value, self.last_aux = mean_values[0], dict(zip(aux_sum, mean_values[1:]))
-        if math.isfinite(loss_value) and math.isfinite(norm_value):
+        values = torch.cat([means[:1].float(), grad_norm.float().view(1), means[1:].float()])
+        if all(group.get("fused") for group in self.optimizer.param_groups):  # skipped on the device: no host sync
+            self.optimizer.found_inf = (~torch.isfinite(values[:2]).all()).float()
+            self.optimizer.step()
+        elif all(math.isfinite(v) for v in values[:2].tolist()):  # one host read (sharded parameters)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value
+        return values, tuple(aux_sum)
+
 
     def _grow(self) -> None:
         """SGT: this step's entropies into the EMA, a decision when due, every event logged."""
@@ -433,14 +455,31 @@ class Trainer:
                 logger.info("growth at step %d: %s %s (depth %s, heads %s)", self.step, event["action"],
                             event["block"], event["depth"], event["heads"])
 
-    def _on_bad_step(self, loss: float, grad_norm: float) -> None:
+    def _read_back(self, pending: list[torch.Tensor]) -> list[float]:
+        """Read the values of the steps ``pending`` (ending at ``self.step``) in one host
+        sync: a non-finite one is reported as skipped (:meth:`_on_bad_step`), a finite one
+        resets the count. Returns the last step's values [loss, grad_norm, aux...]."""
+        flat = torch.cat([*(v[:2] for v in pending), pending[-1]]).tolist()
+        first, n = self.step - len(pending) + 1, len(pending)
+        for i in range(n):
+            loss, grad_norm = flat[2 * i], flat[2 * i + 1]
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                self.bad_steps, self.last_train_loss = 0, loss
+            else:
+                self._on_bad_step(first + i, loss, grad_norm)
+        return flat[2 * n:]
+
+    def _on_bad_step(self, step: int, loss: float, grad_norm: float) -> None:
+        """Step ``step`` applied no update (non-finite loss or gradient norm); read back at
+        the next log, evaluation or checkpoint, so the run stops at most train.log_every
+        steps after the limit is reached (those steps too apply no update while non-finite)."""
         self.bad_steps += 1
         self.skipped_steps += 1
         limit = self.cfg.train.max_bad_steps
-        self.metrics.log("skipped", self.step, loss=loss, grad_norm=grad_norm, bad_steps=self.bad_steps)
+        self.metrics.log("skipped", step, loss=loss, grad_norm=grad_norm, bad_steps=self.bad_steps)
         logger.warning(
             "step %d skipped: non-finite loss=%s or grad_norm=%s (%d consecutive, limit train.max_bad_steps=%d)",
-            self.step, loss, grad_norm, self.bad_steps, limit,
+            step, loss, grad_norm, self.bad_steps, limit,
         )
         if self.bad_steps >= limit:
             last = "no checkpoint was saved"
@@ -448,7 +487,7 @@ class Trainer:
                 last = f"the last checkpoint is {self.last_checkpoint}"
             raise TrainingDiverged(
                 f"training stopped at step {self.step}: {self.bad_steps} consecutive steps "
-                f"({self.step - self.bad_steps + 1}..{self.step}) had a non-finite loss or gradient norm "
+                f"({step - self.bad_steps + 1}..{step}) had a non-finite loss or gradient norm "
                 f"(last: loss={loss}, grad_norm={grad_norm}), so no update was applied; {last}. The run is "
                 f"diverging: try a lower train.lr (now {self.cfg.train.lr:g}), a smaller train.grad_clip "
                 f"(now {self.cfg.train.grad_clip:g}), a longer warmup or train.precision=fp32, and resume "
