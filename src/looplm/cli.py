@@ -309,7 +309,7 @@ def _is_number(text: str) -> bool:
 def cmd_ladder(args: argparse.Namespace) -> int:
     import shlex
 
-    from looplm.ladder import run_ladder
+    from looplm.study import run_ladder
     from looplm.study import results_table
 
     out = args.out or f"runs/ladder-{args.task}-C{args.budget}{'-quick' if args.quick else ''}"

@@ -11,7 +11,8 @@ import pytest
 
 from looplm.cli import main
 from looplm.config_base import ConfigError
-from looplm.ladder import RUNGS, ladder_configs, run_ladder
+from looplm.ladder import RUNGS, ladder_configs
+from looplm.study import run_ladder
 from looplm.study import ladder_study
 from looplm.study import runs as runs_module
 from looplm.train import Trainer, read_metrics, train_losses

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import shlex
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -35,7 +34,6 @@ from looplm.config import RunConfig, parse_overrides, read_config_source
 from looplm.config_base import ConfigError, set_dotted
 from looplm.halting.config import HaltingConfig
 from looplm.ladder.rungs import MECHANISMS, RUNGS, rung_model
-from looplm.study.results import StudyResult
 from looplm.tasks.config import CHARACTER_TASKS
 
 logger = logging.getLogger("looplm")
@@ -130,39 +128,3 @@ def _refuse_rung_owned(key: str, value: Any) -> None:
                           "model.halting." + ", model.halting.".join(HALTING_TUNABLES) + " may be set)")
     if key == "train.out_dir":
         raise ConfigError(key, value, "not overridden in a ladder: each rung trains in OUT/<rung> (use --out)")
-
-
-# ---------------------------------------------------------------------- running
-def run_ladder(
-    task: str, budget: int, out_dir: PathLike, *, rungs: Sequence[str] = RUNGS, quick: bool = False,
-    steps: Optional[int] = None, seed: int = 0, outer: int = 1, inner: int = 2, overrides: Sequence[str] = (),
-    command: Optional[str] = None, progress: bool = False, threads: Optional[int] = None,
-) -> StudyResult:
-    """Train every rung of the ladder at one seed (or reuse its finished run) and write the
-    results: the ladder as a one-seed study (:func:`looplm.study.ladder_study`), each rung in
-    ``out_dir/<rung>/seed-<seed>/``.
-
-    See the module docstring for what is written and how an interrupted ladder resumes.
-    command: the command line recorded in results.md (default: the equivalent ``looplm
-    ladder`` call). progress: the Trainer's progress bar for each rung.
-    """
-    from looplm.study import ladder_study, run_study
-
-    study = ladder_study(task, budget, rungs=rungs, outer=outer, inner=inner)
-    layered = [] if steps is None else [f"train.max_steps={steps}"]
-    if command is None:
-        command = _equivalent_command(task, budget, out_dir, list(rungs), quick, steps, seed, outer, inner, overrides)
-    return run_study(study, out_dir, size="quick" if quick else "default", seeds=[seed],
-                     overrides=[*layered, *overrides], threads=threads, command=command, progress=progress)
-
-
-def _equivalent_command(task, budget, out_dir, rungs, quick, steps, seed, outer, inner, overrides) -> str:
-    args = ["looplm", "ladder", "--task", task, "--budget", str(budget), "--out", str(out_dir)]
-    if quick:
-        args.append("--quick")
-    if list(rungs) != list(RUNGS):
-        args += ["--rungs", *rungs]
-    if steps is not None:
-        args += ["--steps", str(steps)]
-    args += ["--seed", str(seed), "--outer", str(outer), "--inner", str(inner), *overrides]
-    return shlex.join(args)

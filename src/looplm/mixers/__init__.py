@@ -23,6 +23,7 @@ with a plain recurrence (``naive.py``), a chunkwise-parallel form for training
 (``chunk.py``) and a step form for decoding (``recurrent.py``).
 """
 
+from looplm.mixers import registry  # noqa: F401  (fills MixerConfig's kind table)
 from looplm.mixers.base import MixerContext, MixerState
 from looplm.mixers.config import AttentionConfig, MixerConfig, SlidingWindowConfig
 

@@ -30,6 +30,12 @@ def _placed(err: ConfigError, field: str) -> ConfigError:
     return err
 
 
+#: kind -> config class, filled by :mod:`looplm.mixers.registry` (which the package imports,
+#: so it is complete once ``looplm.mixers`` is): the kinds live beside their layers and
+#: import this base, so the base holds the table and the registry writes it
+KINDS: dict[str, type["MixerConfig"]] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class MixerConfig(KindConfig):
     """Base of every mixer config; ``kind`` selects the subclass (``looplm.mixers.registry``)."""
@@ -40,11 +46,7 @@ class MixerConfig(KindConfig):
 
     @classmethod
     def kinds(cls) -> dict[str, type[KindConfig]]:
-        # Imported here: the registry imports every kind's module, and each of those imports
-        # this base class, so the base can reach its kinds only once they are all defined.
-        from looplm.mixers.registry import MIXER_CONFIGS
-
-        return MIXER_CONFIGS
+        return KINDS
 
     @classmethod
     def from_dict(cls, data: Optional[dict[str, Any]], prefix: str = _CANONICAL) -> "MixerConfig":

@@ -1,8 +1,9 @@
-"""The mixer kinds: ``kind`` -> config class (which builds the layer). One line per kind."""
+"""The mixer kinds: ``kind`` -> config class (which builds the layer). One line per kind;
+written into :data:`looplm.mixers.config.KINDS`, the table ``MixerConfig`` dispatches on."""
 
 from __future__ import annotations
 
-from looplm.mixers.config import AttentionConfig, MixerConfig, SlidingWindowConfig
+from looplm.mixers.config import KINDS, AttentionConfig, MixerConfig, SlidingWindowConfig
 from looplm.mixers.deltanet import DeltaNetConfig
 from looplm.mixers.dsa import DSAConfig
 from looplm.mixers.gated_deltanet import GatedDeltaNetConfig
@@ -28,3 +29,4 @@ MIXER_CONFIGS: dict[str, type[MixerConfig]] = {
     "nsa": NSAConfig,
     "dsa": DSAConfig,
 }
+KINDS.update(MIXER_CONFIGS)

@@ -11,7 +11,7 @@ mean ± standard deviation over seeds and the papers' numbers beside them (``loo
 
 from looplm.study.definition import Bars, Curve, Metric, PaperColumn, RunSpec, Size, Study
 from looplm.study.results import StudyResult, results_table
-from looplm.study.runner import resolve_seeds, run_study
+from looplm.study.runner import resolve_seeds, run_ladder, run_study
 from looplm.study.runs import Run
 from looplm.study.studies import STUDIES, get_study, ladder_study, study_names
 
@@ -30,6 +30,7 @@ __all__ = [
     "ladder_study",
     "resolve_seeds",
     "results_table",
+    "run_ladder",
     "run_study",
     "study_names",
 ]

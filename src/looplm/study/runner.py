@@ -32,6 +32,8 @@ import torch
 
 from looplm.artifacts import write_text
 from looplm.config_base import ConfigError
+from looplm.ladder.rungs import RUNGS
+from looplm.ladder.runner import PathLike
 from looplm.study.definition import Measures, Study, variant_of
 from looplm.study.plots import write_plots
 from looplm.study.results import (
@@ -43,6 +45,7 @@ from looplm.study.results import (
     summary_rows,
 )
 from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse
+from looplm.study.studies import get_study, ladder_study
 
 if TYPE_CHECKING:
     from looplm.config import RunConfig
@@ -99,8 +102,6 @@ def run_study(
     overrides: ``key=value`` fields shared by every run (not the fields the variants set).
     threads: torch threads. command: recorded in results.md (default: the equivalent
     ``looplm study`` call). variants: train and tabulate only these (default: all)."""
-    from looplm.study.studies import get_study
-
     study = get_study(study, size) if isinstance(study, str) else study
     spec = study.size(size)
     seeds = resolve_seeds(spec.seeds if seeds is None else seeds)
@@ -191,3 +192,37 @@ def write_results(result: StudyResult, figures: bool = True) -> list[Path]:
     per_run = result.out_dir / "runs.csv"
     write_text(per_run, csv_text(*run_rows(result)), atomic=True)
     return [md, summary, per_run, *(write_plots(result) if figures else [])]
+
+
+# ---------------------------------------------------------------------- the ladder
+def run_ladder(
+    task: str, budget: int, out_dir: PathLike, *, rungs: Sequence[str] = RUNGS, quick: bool = False,
+    steps: Optional[int] = None, seed: int = 0, outer: int = 1, inner: int = 2, overrides: Sequence[str] = (),
+    command: Optional[str] = None, progress: bool = False, threads: Optional[int] = None,
+) -> StudyResult:
+    """Train every rung of the ladder at one seed (or reuse its finished run) and write the
+    results: the ladder as a one-seed study (:func:`looplm.study.ladder_study`), each rung in
+    ``out_dir/<rung>/seed-<seed>/``.
+
+    See the module docstring for what is written and how an interrupted ladder resumes.
+    command: the command line recorded in results.md (default: the equivalent ``looplm
+    ladder`` call). progress: the Trainer's progress bar for each rung.
+    """
+    study = ladder_study(task, budget, rungs=rungs, outer=outer, inner=inner)
+    layered = [] if steps is None else [f"train.max_steps={steps}"]
+    if command is None:
+        command = _equivalent_command(task, budget, out_dir, list(rungs), quick, steps, seed, outer, inner, overrides)
+    return run_study(study, out_dir, size="quick" if quick else "default", seeds=[seed],
+                     overrides=[*layered, *overrides], threads=threads, command=command, progress=progress)
+
+
+def _equivalent_command(task, budget, out_dir, rungs, quick, steps, seed, outer, inner, overrides) -> str:
+    args = ["looplm", "ladder", "--task", task, "--budget", str(budget), "--out", str(out_dir)]
+    if quick:
+        args.append("--quick")
+    if list(rungs) != list(RUNGS):
+        args += ["--rungs", *rungs]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    args += ["--seed", str(seed), "--outer", str(outer), "--inner", str(inner), *overrides]
+    return shlex.join(args)

@@ -20,6 +20,8 @@ from typing import Sequence
 
 from looplm.config import RunConfig
 from looplm.config_base import ConfigError
+from looplm.ladder.rungs import MECHANISMS, RUNGS
+from looplm.ladder.runner import QUICK_OVERRIDES, ladder_configs
 from looplm.study import measures
 from looplm.study.definition import (
     Bars,
@@ -310,9 +312,6 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
     """The compute-placement ladder (autoregressive-trm.txt Table 1, App. B) on ``task`` at
     ``budget`` = C block passes as a study: one run per rung; sizes carry the shared
     overrides (``quick``: the ladder's QUICK_OVERRIDES)."""
-    from looplm.ladder.rungs import MECHANISMS, RUNGS
-    from looplm.ladder.runner import QUICK_OVERRIDES, ladder_configs
-
     rungs = tuple(RUNGS if rungs is None else rungs)
     ladder_configs(task, budget, Path("."), rungs=rungs, outer=outer, inner=inner)  # refuses bad arguments now
     if sizes is None:
@@ -397,8 +396,6 @@ _LADDER_PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length
 
 
 def _ladder_sizes() -> dict[str, Size]:
-    from looplm.ladder.rungs import RUNGS
-
     runs = {r: RunSpec("task-addition") for r in RUNGS}
     return {
         "quick": Size(runs, _LADDER_QUICK, seeds=2),
