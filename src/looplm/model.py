@@ -116,7 +116,7 @@ class LoopLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        #: The activation-checkpointing seam, set from outside (looplm.train.checkpointing):
+        #: The activation-checkpointing seam, set from outside (looplm.train.activation_checkpointing):
         #: ``recompute(part, fn, x)`` returns ``fn(x)`` for each region of a forward without a
         #: cache, part naming it: "prelude", "core" or "coda" (one block) or "pass" (one core
         #: pass, the core stack once, whose blocks are "core" regions inside it); it may

@@ -1,6 +1,6 @@
 """Whether the running code is an activation-checkpointing recomputation.
 
-Activation checkpointing (:mod:`looplm.train.checkpointing`) runs parts of a training
+Activation checkpointing (:mod:`looplm.train.activation_checkpointing`) runs parts of a training
 forward a second time, inside the backward, to rebuild the tensors autograd needs. What a
 forward does besides computing tensors must happen once per forward, not once more per
 recomputation: the auxiliary losses a mixer adds (:meth:`MixerContext.add_loss`, e.g. the

@@ -22,7 +22,7 @@ from looplm.head_loop.entropy import EntropyMeter
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 from looplm.train import Trainer, TrainConfig
-from looplm.train.checkpointing import apply_activation_checkpointing
+from looplm.train.activation_checkpointing import apply_activation_checkpointing
 from looplm.train.metrics import read_metrics, train_losses
 from tests.train.helpers import checkpoint_weights, run_config
 

@@ -15,7 +15,7 @@ class TrainConfig(Config):
     1% warmup and a 10% floor). ``batch_size`` is sequences per optimiser step per
     data-parallel rank, split into ``grad_accum`` micro-batches. ``activation_checkpointing``
     (none, block, iteration) recomputes activations in the backward instead of keeping them
-    (:mod:`looplm.train.checkpointing`); it does not change what is computed. ``parallel``
+    (:mod:`looplm.train.activation_checkpointing`); it does not change what is computed. ``parallel``
     picks the data-parallel wrapper under torchrun: ``auto`` (DDP when the world size is
     above 1), ``ddp`` (full replicas) or ``fsdp`` (FSDP2, parameters, gradients and
     optimiser state sharded across ranks, :mod:`looplm.train.fsdp`); ``fsdp_precision`` is

@@ -8,7 +8,7 @@ code stays single-device; everything distributed or compiled is applied from out
 2. build the tokenizer and check it fits ``model.vocab_size``; build ``LoopLM`` (and load
    ``train.init_from``);
 3. wrap for execution (:meth:`Trainer._wrap`): activation checkpointing as
-   ``train.activation_checkpointing`` says (:mod:`looplm.train.checkpointing`, in place
+   ``train.activation_checkpointing`` says (:mod:`looplm.train.activation_checkpointing`, in place
    through the model's ``recompute`` seam, inert in ``no_grad`` forwards), then the
    data-parallel wrapper of ``train.parallel`` when a process group is initialised
    (``DistributedDataParallel``, or FSDP2's ``fully_shard`` in place,
@@ -81,7 +81,7 @@ from looplm.train.checkpoint import (
     set_rng_state,
     with_defaults,
 )
-from looplm.train.checkpointing import apply_activation_checkpointing
+from looplm.train.activation_checkpointing import apply_activation_checkpointing
 from looplm.train.config import TrainConfig
 from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perplexity
 from looplm.train.optim import build_optimizer
