@@ -251,3 +251,11 @@ def test_grown_head_loops_compile(name):
         compiled = model.generate(prompts, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compile_argument_is_checked_before_any_work():
+    from looplm.config_base import ConfigError
+
+    model = _model("tiny-dense")
+    with pytest.raises(ConfigError, match="compile='yes' is invalid: True, False or a dict"):
+        model.generate([[1, 2]], max_new_tokens=2, compile="yes")

@@ -267,6 +267,9 @@ def generate(
     _check_options(max_new_tokens, temperature, top_k, top_p, pad_token_id, cfg.vocab_size)
     if do_sample is not None and not isinstance(do_sample, bool):
         raise _invalid("do_sample", do_sample, "None, True or False")
+    if compile is not None and not isinstance(compile, (bool, dict)):
+        raise _invalid("compile", compile, "True, False or a dict of torch.compile options")
+    capture = compile is not None and compile is not False  # {} too: torch.compile's defaults
     stops = _stop_ids(stop_tokens, cfg.vocab_size)
     device = next(model.parameters()).device
     ids, mask = _prepare_inputs(input_ids, attention_mask, pad_token_id, cfg.vocab_size, device)
@@ -292,12 +295,13 @@ def generate(
     try:
         with torch.no_grad():
             if max_new_tokens > 0:
-                cache = LoopCache(full_loop=compile is not False and compile is not None)  # static needs the full loop
+                cache = LoopCache(full_loop=capture)  # a static cache needs every step's entries
                 # Left padding puts every row's last real token in the last column.
                 out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations, logits_to_keep=1)
                 logits = out.logits[:, -1]
                 spent, seen = _passes_spent(out, mask), int(mask.sum())
-                step_fn, cache = _decoder(model, cache, ids.shape[1] + max_new_tokens, compile)
+                step_fn, cache = _decoder(model, cache, ids.shape[1] + max_new_tokens,
+                                          (compile if isinstance(compile, dict) else {}) if capture else None)
                 ones = torch.ones(B, 1, dtype=torch.long, device=device)
                 for step in range(max_new_tokens):
                     token = next_token(
@@ -351,43 +355,42 @@ class _Passes:
     catch_up_passes: Optional[torch.Tensor]
 
 
-def _decoder(model: nn.Module, cache: LoopCache, capacity: int, compile: Union[bool, dict]):
-    """The decoding step and the cache it runs on: eager on the growing cache, or (with
-    ``compile``) captured on a static copy of it (:meth:`LoopCache.static`) sized for
-    ``capacity`` positions, rounded up to a multiple of ``STATIC_ROUND`` so prompts of
-    similar lengths share one compiled graph. A cache with no static form decodes eagerly,
-    with the reason logged."""
-    if compile is False or compile is None:
+def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optional[dict]):
+    """The decoding step and the cache it runs on: eager on the growing cache (``options``
+    None), or captured with ``torch.compile(**options)`` on a static copy of it
+    (:meth:`LoopCache.static`) sized for ``capacity`` positions, rounded up to a multiple of
+    ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. A cache with no
+    static form, or a step that cannot be captured, decodes eagerly, with the reason logged."""
+    if options is None:
         return _decode_step, cache
-    if not isinstance(compile, (bool, dict)):
-        raise _invalid("compile", compile, "True, False or a dict of torch.compile options")
     try:
         static = cache.static(-(-capacity // STATIC_ROUND) * STATIC_ROUND)
     except NotStatic as reason:
         logger.warning("generate(compile=True) decodes eagerly: %s", reason)
         return _decode_step, cache
-    options = dict(compile) if isinstance(compile, dict) else {}
-    device = static.valid.device
-    if device.type == "cuda":
+    options = dict(options)
+    if static.valid.device.type == "cuda":
         options.setdefault("mode", "reduce-overhead")  # CUDA graphs: one replay per token
         for tensor in static.tensors():
             torch._dynamo.mark_static_address(tensor, guard=False)  # a new cache re-records, never recompiles
     compiled = torch.compile(_decode_step, fullgraph=True, dynamic=False, **options)
-    runs, first = [compiled], static.get_seq_length()
+    first = static.get_seq_length()
+    run = compiled
 
     def step(model, token, cache, iterations):
+        nonlocal run
         before = cache.get_seq_length()
         try:
-            out = runs[-1](model, token, cache, iterations)
+            out = run(model, token, cache, iterations)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
-            if len(runs) > 1 or before != first:  # only a first capture may fail over
+            if run is not compiled or before != first:  # only the first capture may fail over
                 raise
             logger.warning("generate(compile=True) could not capture the decoding step (%s: %s); decoding "
                            "eagerly on the static cache", type(error).__name__, " ".join(str(error).split())[:300])
-            runs.append(_decode_step)
-            out = _decode_step(model, token, cache, iterations)
+            run = _decode_step
+            out = run(model, token, cache, iterations)
         if cache.get_seq_length() == before:
-            cache.advance(1)  # the host count a captured step leaves to its caller
+            cache.advance(1)  # a captured step leaves the host count to its caller (an eager one counts)
         return out
 
     return step, static
