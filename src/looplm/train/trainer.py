@@ -326,6 +326,7 @@ class Trainer:
                     lr = lr_at(self.step, tc)
                     t0 = time.perf_counter()
                     values, names = self._train_step(lr)
+                    elapsed = time.perf_counter() - t0
                     pending.append(values)
                     self.step += 1
                     self.tokens_seen += self.tokens_per_step
@@ -337,9 +338,10 @@ class Trainer:
                     saved = bool(tc.save_every) and self.step % tc.save_every == 0
                     read = None
                     if logged or evaluated or saved:  # the steps since the last read, in one host sync
+                        t1 = time.perf_counter()
                         read = self._read_back(pending)
                         pending.clear()
-                    elapsed = time.perf_counter() - t0  # with a read: the device's time, waited for
+                        elapsed += time.perf_counter() - t1  # the device's time, waited for here
                     self.train_time_s += elapsed
                     session_tokens, session_time = session_tokens + self.tokens_per_step, session_time + elapsed
                     window_tokens, window_time = window_tokens + self.tokens_per_step, window_time + elapsed
