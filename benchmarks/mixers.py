@@ -46,7 +46,7 @@ DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 BENCH_OPTIONS = {"sliding_window": {"window": 512}, "dsa": {"index_head_dim": 64, "top_k": 512}}
 
 
-#: mixers with a flash-linear-attention kernel (looplm.mixers.backend.use_fla)
+#: mixers with a flash-linear-attention kernel (looplm.ops.backend.use_fla)
 FLA_KINDS = ("linear_attention", "retnet", "gla", "hgrn2", "mamba2", "deltanet", "gated_deltanet", "kda")
 #: those whose op has a decay gate (fla's gated kernels)
 GATED_KINDS = ("retnet", "gla", "hgrn2", "mamba2", "gated_deltanet", "kda")
@@ -55,7 +55,7 @@ GATED_KINDS = ("retnet", "gla", "hgrn2", "mamba2", "gated_deltanet", "kda")
 @contextlib.contextmanager
 def _backend(name: str):
     """``torch``: the PyTorch path even where fla's kernels would run; ``auto``: the default."""
-    import looplm.mixers.backend as backend
+    import looplm.ops.backend as backend
 
     original = backend.fla_installed
     if name == "torch":
@@ -216,8 +216,8 @@ def _device_name(device: str) -> str:
 
 def _backend_notes(device: str) -> list[str]:
     """What the unmarked rows ran on: fla's kernels or PyTorch, and where the gated kinds
-    had to train on PyTorch (looplm.mixers.backend.use_fla)."""
-    from looplm.mixers.backend import fla_gated_backward_ok, fla_installed
+    had to train on PyTorch (looplm.ops.backend.use_fla)."""
+    from looplm.ops.backend import fla_gated_backward_ok, fla_installed
 
     if not (device.startswith("cuda") and fla_installed()):
         return ["", "Backend: looplm's PyTorch ops for every row (no CUDA device or no flash-linear-attention)."]

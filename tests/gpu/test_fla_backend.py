@@ -19,7 +19,7 @@ from tests.invariants import error_ratio, prefill_then_tokens
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytest.importorskip("fla", reason="flash-linear-attention not installed")
 
-#: the mixers that dispatch to fla's kernels (looplm.mixers.backend.use_fla)
+#: the mixers that dispatch to fla's kernels (looplm.ops.backend.use_fla)
 FLA_KINDS = ["linear_attention", "retnet", "gla", "hgrn2", "mamba2", "deltanet", "gated_deltanet", "kda"]
 #: the kinds whose op has a decay gate (fla's gated kernels)
 GATED_KINDS = {"retnet", "gla", "hgrn2", "mamba2", "gated_deltanet", "kda"}
@@ -32,7 +32,7 @@ def torch_backend(monkeypatch):
     """A context in which the mixers take the PyTorch path on CUDA too."""
     import contextlib
 
-    from looplm.mixers import backend
+    from looplm.ops import backend
 
     @contextlib.contextmanager
     def use():
@@ -96,7 +96,7 @@ def test_chunked_forward_matches_pytorch(kind, dtype, torch_backend):
 @DTYPES
 @pytest.mark.parametrize("kind", FLA_KINDS)
 def test_training_forward_and_backward_match_pytorch(kind, dtype, torch_backend):
-    from looplm.mixers.backend import fla_gated_backward_ok
+    from looplm.ops.backend import fla_gated_backward_ok
 
     if kind in GATED_KINDS and not fla_gated_backward_ok(torch.device("cuda")):
         pytest.skip("fla refuses the gated backward on this GPU / Triton (fla #640): looplm trains these on PyTorch")

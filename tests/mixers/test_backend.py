@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from looplm.mixers.backend import gated_backward_supported, use_fla
+from looplm.ops.backend import gated_backward_supported, use_fla
 
 
 @pytest.mark.parametrize(

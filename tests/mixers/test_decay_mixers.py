@@ -16,7 +16,7 @@ from torch import nn
 from looplm import LoopCache, LoopLM
 from looplm.config_base import ConfigError
 from looplm.mixers import MixerConfig, MixerContext
-from looplm.mixers.backend import log_backend
+from looplm.ops.backend import log_backend
 from looplm.mixers.gla import GatedLinearAttention
 from looplm.mixers.hgrn2 import HGRN2Attention
 from looplm.mixers.linear_attention import DecayState, LinearAttention

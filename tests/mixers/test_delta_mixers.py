@@ -12,7 +12,7 @@ import torch
 from looplm import LoopCache, LoopLM
 from looplm.config_base import ConfigError
 from looplm.mixers import MixerConfig, MixerContext
-from looplm.mixers.backend import log_backend
+from looplm.ops.backend import log_backend
 from looplm.mixers.deltanet import DeltaNet, DeltaRuleState
 from looplm.mixers.gated_deltanet import GatedDeltaNet
 from looplm.mixers.kda import KimiDeltaAttention

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config_base import check
-from looplm.mixers.backend import log_backend, use_fla
+from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import (
     LinearMixerConfig,
@@ -33,7 +33,7 @@ from looplm.mixers.linear import (
     is_whole,
     whole,
 )
-from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, host_scalar, rms_scaled
+from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, l2_scaled, rms_scaled
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import causal_conv1d
 from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, recurrent_delta_rule
@@ -275,8 +275,7 @@ class DeltaRuleMixer(ProjectedMixer):
                 alpha = torch.where(valid.view(B, *([1] * (alpha.dim() - 1))), alpha, 1.0)
         # fla's l2norm, x / sqrt(Σ x² + eps), for q and k in one division; q and k stay views
         # with one stride over (B, H), as the batched products take them
-        norm = torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), host_scalar(L2_EPS**0.5))
-        qk = qk / norm
+        qk = l2_scaled(qk, L2_EPS)
         q, k = qk[:, :, 0], qk[:, :, 1]
         if use_fla(x, gated=alpha is not None):
             log_backend(self.kind, "fla")
@@ -296,7 +295,6 @@ class DeltaRuleMixer(ProjectedMixer):
         inputs (qk [B, H, 2, K], v [B, H, V], the gate rows): (o [B, H, V], S_t), or None
         where this kind has no such kernel (then :meth:`_step_rule` prepares them)."""
         return None
-
 
     def output_gate(self, gate: torch.Tensor) -> torch.Tensor:
         """The output norm's gate input [B, value_dim] from its fused row (KDA: up-projected)."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from looplm.config_base import ConfigError, check
-from looplm.mixers.backend import log_backend
+from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
@@ -106,7 +106,6 @@ class DSAState:
 
     def select(self, index: torch.Tensor) -> "DSAState":
         return DSAState(self.keys[index], self.values[index], self.index_keys[index], positions=self.positions)
-
 
     def static(self, capacity: int) -> "StaticDSAState":
         """The keys, values and index keys in buffers preallocated for ``capacity`` positions
@@ -228,30 +227,29 @@ class DeepSeekSparseAttention(nn.Module):
         q_index, k_index, w_index = self.indexer.project(x.detach())  # detached: trained by its own loss
         q, k, q_index, k_index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], q_index, k_index], *ctx.rope)
         q_index, k_index, v = q_index.transpose(1, 2), k_index[:, 0], qkv[:, H + Hkv:]  # [B, T, H^I, d^I], [B, T, d^I]
+        q = q.reshape(B, Hkv, H // Hkv, T, D)
         if isinstance(state, StaticDSAState):
-            o = self._attend_static(q.reshape(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx, state)
-            y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-            if self.gate is not None:
-                y = y * torch.sigmoid(self.gate(x))
-            return self.o_proj(y), state
-        spare, positions = (None, None, None), None
-        if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
-            (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
-                                          extend(state.values, v, 2, state.spare[1]))
-            k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
-            spare = (k_spare, v_spare, i_spare)
-            positions = _positions(state, k.shape[2], x.device)
-        o, index_loss = dsa_attention(
-            q.view(B, Hkv, H // Hkv, T, D), k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
-            top_k=self.top_k, scale=D**-0.5, index_loss=self.training, positions=positions,
-            kernel=self.kernel,
-        )  # o: [B, H_kv, G, T, D]
-        if index_loss is not None:
-            ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)
+            o, new_state = self._attend_static(q, k, v, q_index, k_index, w_index, ctx, state), state
+        else:
+            spare, positions = (None, None, None), None
+            if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
+                (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, state.spare[0]),
+                                              extend(state.values, v, 2, state.spare[1]))
+                k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
+                spare = (k_spare, v_spare, i_spare)
+                positions = _positions(state, k.shape[2], x.device)
+            o, index_loss = dsa_attention(
+                q, k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
+                top_k=self.top_k, scale=D**-0.5, index_loss=self.training, positions=positions,
+                kernel=self.kernel,
+            )  # o: [B, H_kv, G, T, D]
+            if index_loss is not None:
+                ctx.add_loss("dsa_index", self.index_loss_weight * index_loss)
+            new_state = DSAState(k, v, k_index, spare, positions)
         y = o.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
-        return self.o_proj(y), DSAState(k, v, k_index, spare, positions)
+        return self.o_proj(y), new_state
 
     def _attend_static(self, q, k, v, q_index, k_index, w_index, ctx: MixerContext,
                        state: StaticDSAState) -> torch.Tensor:

@@ -76,7 +76,6 @@ class ProjectedMixer(nn.Module):
         out = [self.get_submodule(f"{name}_conv1d")(s, c, valid) for name, s, c in zip(self.streams, streams, previous)]
         return [y for y, _ in out], tuple(state for _, state in out)
 
-
     def derived(self, build: Callable[[], dict[str, Any]], tag: Any = None) -> dict[str, Any]:
         """Tensors ``build`` derives from this layer's parameters (fused projections, folded
         constants), rebuilt only when a parameter changes: a new storage, dtype or device, or

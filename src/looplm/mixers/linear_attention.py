@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.config_base import check
-from looplm.mixers.backend import log_backend, use_fla
+from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import LinearMixerConfig, ProjectedMixer, check_conv, check_expands_positive, whole
 from looplm.modules.norm import GatedRMSNorm, RMSNorm

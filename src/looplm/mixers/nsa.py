@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from looplm.config_base import check
-from looplm.mixers.backend import log_backend
+from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import Reserve, extend

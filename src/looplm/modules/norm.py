@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.mixers.backend import use_fla
+from looplm.ops.backend import use_fla
 
 
 class RMSNorm(nn.Module):
@@ -78,12 +78,17 @@ def host_scalar(value: float) -> torch.Tensor:
     return torch.tensor(value)
 
 
+def l2_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim (fla's ``l2norm``) in three operators:
+    sqrt(Σ x² + eps) = hypot(‖x‖, √eps)."""
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), host_scalar(eps**0.5))
+
+
 def rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / (√n · rms(x)) over the last dim (n wide), rms(x) = sqrt(mean x² + eps), in three
-    operators: √n · rms(x) = hypot(‖x‖, sqrt(n·eps)). The caller multiplies √n back in with
-    its weight (one operator fewer than the mean of squares, eps added, rsqrt)."""
-    n = x.shape[-1]
-    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), host_scalar((n * eps) ** 0.5))
+    """x / (√n · rms(x)) over the last dim (n wide), rms(x) = sqrt(mean x² + eps): the L2
+    normalisation with n·eps (:func:`l2_scaled`), one operator fewer than the mean of
+    squares, eps added, rsqrt. The caller multiplies √n back in with its weight."""
+    return l2_scaled(x, x.shape[-1] * eps)
 
 
 def gate_activation(g: torch.Tensor, activation: str) -> torch.Tensor:
