@@ -15,7 +15,7 @@ SwiGLU, rotary, no loop, untied head; random weights from a fixed seed) four way
 
 The weights are drawn by transformers' own init (``LlamaForCausalLM(config)`` after
 ``torch.manual_seed(--seed)``) and mapped into looplm by its importer,
-``looplm.interop.hf.state_dict_from_hf`` (the mapping ``looplm import`` uses). Before any
+``looplm.hf.import_model.state_dict_from_hf`` (the mapping ``looplm import`` uses). Before any
 timing the two models' logits on the prompt are compared in fp32 on the device (the run
 stops if they differ beyond float rounding) and the largest difference is printed, then in
 the run's dtype (reported, not checked: bf16 rounding differs between the two graphs).
@@ -57,7 +57,7 @@ def llama_pair(args: argparse.Namespace, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from looplm import LoopLM
-    from looplm.interop.hf import config_from_hf, state_dict_from_hf
+    from looplm.hf.import_model import config_from_hf, state_dict_from_hf
 
     hf_config = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.mlp_hidden,

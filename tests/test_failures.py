@@ -25,7 +25,8 @@ from looplm.cli import main
 from looplm.config_base import ConfigError
 from looplm.data.sources import TXT_PASSAGE_CHARS, split_passages
 from looplm.errors import TrainingDiverged
-from looplm.evaluation import evaluate_run, load_run
+from looplm.eval.load import load_run
+from looplm.eval.validation import evaluate_run
 from looplm.train import Trainer
 from looplm.train.config import TrainConfig
 from tests.conftest import tiny_config

@@ -7,6 +7,9 @@ Read from the source with ``ast`` (nothing is imported), so the checks see impor
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import looplm
@@ -17,6 +20,12 @@ ROOT = Path(looplm.__file__).parent
 #: iteration counts) and never reach up to the model or its config.
 LOWER = ("ops", "modules", "mixers", "topology", "halting", "streams", "resolution", "head_loop")
 UPWARD = ("looplm.model_config", "looplm.model")
+#: The model's side: the axes, the model and what it decodes and is measured with, its data.
+#: Evaluation (``looplm.eval``) and the Hugging Face import and export (``looplm.hf``) read
+#: a model from above.
+MODEL_SIDE = (*LOWER, "model_config", "model", "cache", "generation", "init", "accounting", "data", "tasks")
+#: Modules that need an extra, each refusing to import without it (``MissingExtra``).
+NEEDS_EXTRA = ("looplm.hf.export", "looplm.eval.lm_eval")
 
 
 def _module_name(path: Path) -> str:
@@ -97,6 +106,39 @@ def test_lower_layers_never_import_the_model_or_its_config():
         if target in UPWARD
     )
     assert offenders == []
+
+
+def test_the_model_side_never_imports_evaluation_or_hf():
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if name.split(".")[1:2] and name.split(".")[1] in MODEL_SIDE
+        for target in _imports(name, path, in_functions=True)
+        if target.split(".")[1:2] in (["eval"], ["hf"])
+    )
+    assert offenders == []
+
+
+def test_a_core_install_imports_every_module_but_the_extras():
+    """With transformers and lm-eval unimportable (a ``pip install looplm``), every module
+    imports (the Hugging Face checkpoint import included) except those under
+    :data:`NEEDS_EXTRA`, which name their extra."""
+    names = sorted(n for n in MODULES if n != "looplm.__main__")
+    script = (
+        "import importlib, sys\n"
+        "sys.modules['transformers'] = sys.modules['lm_eval'] = None\n"
+        "from looplm.errors import MissingExtra\n"
+        f"for name in {names!r}:\n"
+        "    try:\n        importlib.import_module(name)\n"
+        "    except MissingExtra as err:\n        print('extra', name, err)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("extra ")}
+    expected = {n for n in names if n.startswith(NEEDS_EXTRA)}
+    assert refused == expected, result.stdout
+    assert all("pip install" in line for line in result.stdout.splitlines() if line.startswith("extra ")), result.stdout
 
 
 def test_no_import_cycles():

@@ -9,7 +9,8 @@
 from looplm.cache import LoopCache
 from looplm.config import RunConfig, load_config
 from looplm.config_base import ConfigError
-from looplm.evaluation import evaluate_run, load_run
+from looplm.eval.load import load_run
+from looplm.eval.validation import evaluate_run
 from looplm.layout import Layout, parse_layout
 from looplm.model import LoopLM, ModelOutput
 from looplm.model_config import ModelConfig, TopologyConfig

@@ -78,7 +78,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from looplm.evaluation import evaluate_run
+    from looplm.eval.validation import evaluate_run
 
     if args.corpus:
         return _eval_corpora(args)
@@ -101,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_corpora(args: argparse.Namespace) -> int:
-    from looplm.perplexity import evaluate_corpora, parse_corpus
+    from looplm.eval.perplexity import evaluate_corpora, parse_corpus
 
     if args.batches is not None:
         raise LoopLMError("--batches applies to the held-out split; --corpus scores every document of each corpus")
@@ -132,7 +132,7 @@ def _eval_corpora(args: argparse.Namespace) -> int:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    from looplm.interop.lm_eval import evaluate_tasks, results_table, write_results
+    from looplm.eval.lm_eval import evaluate_tasks, results_table, write_results
 
     if args.suite is not None:
         return _lm_eval_suite(args)
@@ -152,8 +152,8 @@ def cmd_niah(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from looplm.data import data_tokenizer
-    from looplm.evaluation import load_run, set_step_embeddings
-    from looplm.niah import evaluate_niah, markdown_table, write_results
+    from looplm.eval.load import load_run, set_step_embeddings
+    from looplm.eval.niah import evaluate_niah, markdown_table, write_results
 
     run = load_run(args.run, verify=not args.no_verify)
     set_step_embeddings(run.model, not args.no_step_embeddings)
@@ -171,8 +171,8 @@ def cmd_niah(args: argparse.Namespace) -> int:
 def _lm_eval_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from looplm.eval_suites import SUITES, markdown, write_table
-    from looplm.interop.lm_eval import evaluate_suite
+    from looplm.eval.suites import SUITES, markdown, write_table
+    from looplm.eval.lm_eval import evaluate_suite
 
     if args.num_fewshot is not None:
         raise LoopLMError(f"--num-fewshot does not apply to --suite {args.suite}: the suite runs the paper's shots "
@@ -189,7 +189,7 @@ def _lm_eval_suite(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from looplm.evaluation import generate_text
+    from looplm.eval.text_generation import generate_text
 
     text = generate_text(
         args.run,
@@ -209,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from looplm.hf import export
+    from looplm.hf.export import export
 
     out = export(args.run, args.out, iterations=args.iterations, tokenizer=args.tokenizer, verify=not args.no_verify)
     sys.stdout.write(f"exported {args.run} -> {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained)\n")
@@ -217,7 +217,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from looplm.interop.import_run import import_checkpoint
+    from looplm.hf.import_run import import_checkpoint
 
     step = import_checkpoint(args.hf_dir, args.out, tokenizer=args.tokenizer)
     sys.stdout.write(f"imported {args.hf_dir} -> {args.out} (checkpoint {step}); use it as a run: looplm eval / "
@@ -227,7 +227,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from looplm.config import parse_overrides
-    from looplm.interop.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint
+    from looplm.hf.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint
 
     mapping = convert_checkpoint(args.hf_dir, args.out, args.layout, args.init, parse_overrides(args.overrides))
     sys.stdout.write(f"converted {args.hf_dir} -> {args.out} ({mapping.init}, {mapping.layout}); layer map in "
@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "task YAML files in --include-path) and print lm-eval's results table; or run a paper's "
                        "downstream suite (--suite) and write its table in the paper's layout.")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT")
-    from looplm.eval_suites import SUITES
+    from looplm.eval.suites import SUITES
 
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--tasks", nargs="+", metavar="TASK", help="task or group names")
@@ -478,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_lm_eval)
 
-    from looplm.niah import DEFAULT_DEPTHS, DEFAULT_LENGTHS, TASKS as NIAH_TASKS
+    from looplm.eval.niah import DEFAULT_DEPTHS, DEFAULT_LENGTHS, TASKS as NIAH_TASKS
 
     p = sub.add_parser("niah", help="RULER needle-in-a-haystack (single 1/2/3) at several lengths and depths",
                        description="Generate RULER's NIAH-single-1/2/3 examples locally (LT2's long-context "
@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("convert", help="a looped model from a dense GPT-NeoX / LLaMA checkpoint (Relaxed Recursive "
-                       "Transformers init; see looplm.interop.convert for the layer maps)")
+                       "Transformers init; see looplm.hf.convert for the layer maps)")
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--layout", required=True, metavar="P+CRT+Q", help="looped layout, e.g. 4+8R2+4")

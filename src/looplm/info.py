@@ -64,7 +64,7 @@ def describe_source(source: Optional[str], overrides: Sequence[str] = (), verify
     directory (verified against its manifest unless ``verify=False``), of its saved model
     config plus ``grown`` (block -> depth, heads) and ``step``."""
     if source is not None and Path(source).is_dir():
-        from looplm.evaluation import load_run
+        from looplm.eval.load import load_run
         from looplm.head_loop.block import grown_structure
 
         run = load_run(source, verify=verify)

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from looplm.hf import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
+from looplm.hf.export import LoopLMCache, LoopLMConfig, LoopLMForCausalLM  # noqa: E402
 from tests.conftest import random_ids, tiny_config  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def test_static_cache_generates_what_the_growing_one_does(model, request, caplog
     """LoopLMCache(max_cache_len=N): after the prefill the loop cache sits in buffers for N
     positions, written in place (or stays growing, with the reason logged)."""
     from looplm.cache import StaticLoopCache
-    from looplm.hf.modeling import _CACHE_FIELD
+    from looplm.hf.export.modeling import _CACHE_FIELD
 
     ids = random_ids(2, 5)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))

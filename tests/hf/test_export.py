@@ -19,10 +19,10 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import looplm.hf  # noqa: E402,F401  (registers the Auto* classes)
+import looplm.hf.export  # noqa: E402,F401  (registers the Auto* classes)
 from looplm.config_base import ConfigError  # noqa: E402
 from looplm.generation import left_pad  # noqa: E402
-from looplm.hf import LoopLMCache, LoopLMForCausalLM, export  # noqa: E402
+from looplm.hf.export import LoopLMCache, LoopLMForCausalLM, export  # noqa: E402
 from looplm.model import LoopLM  # noqa: E402
 from tests.conftest import all_configs, grow, random_ids, tiny_config  # noqa: E402
 
@@ -285,9 +285,24 @@ def test_cli_export(tmp_path, caplog):
 
 
 def test_missing_transformers_names_the_extra():
+    """Without transformers the import side of looplm.hf still loads; the export, and the
+    export's classes reached through looplm.hf (old exported directories), name the extra."""
     script = ("import sys; sys.modules['transformers'] = None\n"
-              "import looplm, looplm.model\n"
-              "try:\n    import looplm.hf\nexcept looplm.errors.MissingExtra as err:\n    print(err)\n")
+              "import looplm, looplm.hf\n"
+              "print(looplm.hf.load_hf_checkpoint.__name__)\n"
+              "for attempt in ('import looplm.hf.export', 'from looplm.hf import LoopLMConfig'):\n"
+              "    try:\n        exec(attempt)\n    except looplm.errors.MissingExtra as err:\n        print(err)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(looplm.__file__).parents[1])}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
-    assert "pip install 'looplm[hf]'" in result.stdout, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "load_hf_checkpoint", result.stderr[-2000:]
+    assert len(lines) == 3 and all("pip install 'looplm[hf]'" in line for line in lines[1:]), result.stdout
+
+
+def test_directories_exported_before_the_subpackage_still_resolve_their_classes():
+    """Their modeling_looplm.py imports the classes from looplm.hf, not looplm.hf.export."""
+    from looplm.hf import LoopLMCache as cache, LoopLMConfig as config, LoopLMForCausalLM as model
+
+    assert (config, model, cache) == (looplm.hf.export.LoopLMConfig, LoopLMForCausalLM, LoopLMCache)
+    with pytest.raises(AttributeError, match="no attribute 'LoopLMModel'"):
+        looplm.hf.LoopLMModel

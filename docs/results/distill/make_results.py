@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.data import data_tokenizer, validation_batches
-from looplm.evaluation import load_run
+from looplm.eval.load import load_run
 from looplm.train import read_metrics
 
 RUNS = {  # name in the table -> run directory under OUT

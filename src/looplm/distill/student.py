@@ -139,7 +139,7 @@ def load_teacher(path: Union[str, Path], device: Union[str, torch.device] = "cpu
     path = Path(path)
     config = path / "config.json"
     if config.is_file() and "model_type" in json.loads(config.read_text(encoding="utf-8")):
-        from looplm.interop.hf import load_hf_checkpoint
+        from looplm.hf.import_model import load_hf_checkpoint
 
         model = load_hf_checkpoint(path)
     else:

@@ -1,34 +1,34 @@
-"""looplm inside Hugging Face ``transformers``: config, model, cache, tokenizer, export.
+"""looplm and Hugging Face, both directions.
 
-Importing this package registers :class:`LoopLMConfig` (``model_type: "looplm"``) and
-:class:`LoopLMForCausalLM` with ``AutoConfig`` / ``AutoModelForCausalLM``, so an exported
-directory (:func:`export`) loads with ``AutoModelForCausalLM.from_pretrained(OUT)``; without
-this import, ``trust_remote_code=True`` loads it through the ``modeling_looplm.py`` it ships.
-Needs the ``hf`` extra with transformers >= 5.
+- Import (core install: ``json`` and ``safetensors``, transformers never imported):
+  :mod:`~looplm.hf.import_model` reads a GPT-NeoX / LLaMA / Ouro checkpoint as a
+  :class:`~looplm.model.LoopLM`; :mod:`~looplm.hf.import_run` writes one as a run directory
+  (``looplm import``); :mod:`~looplm.hf.convert` turns a dense one into a loop
+  (``looplm convert``).
+- Export (the ``hf`` extra, transformers >= 5): :mod:`looplm.hf.export`, a run as a
+  directory ``AutoModelForCausalLM`` loads (``looplm export``); importing it registers the
+  Auto classes.
+
+``looplm.hf.LoopLMConfig`` / ``LoopLMForCausalLM`` / ``LoopLMCache`` / ``byte_tokenizer``
+resolve to the export's on first use: the ``modeling_looplm.py`` of directories exported
+before the export had its own subpackage imports them from here.
 """
 
 from __future__ import annotations
 
-from looplm.errors import MissingExtra
+from typing import Any
 
-try:
-    import transformers
-except ImportError as err:  # the core stays importable without transformers
-    raise MissingExtra(f"looplm.hf needs transformers: pip install 'looplm[hf]' ({err})") from err
+from looplm.hf.import_model import config_from_hf, load_hf_checkpoint, read_safetensors, state_dict_from_hf
 
-if int(transformers.__version__.split(".")[0]) < 5:  # dataclass configs, Cache(layers=...), tested on 5.23
-    raise MissingExtra(f"looplm.hf needs transformers >= 5 (installed: {transformers.__version__}): "
-                       "pip install 'looplm[hf]' 'transformers>=5'")
+_EXPORT_NAMES = ("LoopLMCache", "LoopLMConfig", "LoopLMForCausalLM", "byte_tokenizer")
 
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from looplm.hf.cache import LoopLMCache
-from looplm.hf.configuration import MODEL_TYPE, LoopLMConfig
-from looplm.hf.export import export
-from looplm.hf.modeling import LoopLMForCausalLM
-from looplm.hf.tokenizer import byte_tokenizer
+def __getattr__(name: str) -> Any:
+    if name in _EXPORT_NAMES:
+        from looplm.hf import export
 
-AutoConfig.register(MODEL_TYPE, LoopLMConfig, exist_ok=True)
-AutoModelForCausalLM.register(LoopLMConfig, LoopLMForCausalLM, exist_ok=True)
+        return getattr(export, name)
+    raise AttributeError(f"module 'looplm.hf' has no attribute {name!r}")
 
-__all__ = ["LoopLMCache", "LoopLMConfig", "LoopLMForCausalLM", "byte_tokenizer", "export"]
+
+__all__ = ["config_from_hf", "load_hf_checkpoint", "read_safetensors", "state_dict_from_hf"]

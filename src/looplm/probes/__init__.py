@@ -59,7 +59,7 @@ def load_probe_input(
     """A run's model (verified against its manifest unless ``verify=False``) and
     ``samples`` held-out sequences (the first ones, always the same)."""
     from looplm.data import data_tokenizer, validation_batches
-    from looplm.evaluation import load_run
+    from looplm.eval.load import load_run
 
     if samples < 1:
         raise ProbeError(f"samples={samples}; expected an integer >= 1")

@@ -2,17 +2,17 @@
 
 - ``task:copy``, ``task:reverse``, ``task:addition``: the character-level tasks of
   autoregressive-TRM (App. B), 14-token vocabulary, loss on the answer only, evaluated
-  out of distribution at α·L_train by greedy decoding (:func:`evaluate_task`);
+  out of distribution at α·L_train by greedy decoding (:func:`looplm.eval.tasks.evaluate_task`);
 - ``task:state_tracking``: LT2's state-based recall (§4.6) with its n = m curriculum.
 
 Parameters are the nested ``data.task`` config (:class:`TaskConfig`). The Trainer builds
-the stream with :func:`looplm.data.train_stream` and calls :class:`TaskEvaluator` at each
-evaluation (metrics go to ``metrics.jsonl`` as ``task_eval`` events).
+the stream with :func:`looplm.data.train_stream` and calls
+:class:`looplm.eval.tasks.TaskEvaluator` at each evaluation (metrics go to
+``metrics.jsonl`` as ``task_eval`` events).
 """
 
 from looplm.tasks.character import Problem, answer_length, example_tokens, make_problem
 from looplm.tasks.config import TASK_NAMES, TaskConfig, is_task_source, task_name
-from looplm.tasks.evaluate import TaskEvaluator, evaluate_task, task_evaluator
 from looplm.tasks.metrics import CharacterScores, quartile_bounds, score
 from looplm.tasks.state_tracking import Curriculum, make_program, program_tokens
 from looplm.tasks.stream import GeneratedTask, TaskStream, pack_rows, task_validation_batches
@@ -27,10 +27,8 @@ __all__ = [
     "Problem",
     "ProgramTokenizer",
     "TaskConfig",
-    "TaskEvaluator",
     "TaskStream",
     "answer_length",
-    "evaluate_task",
     "example_tokens",
     "is_task_source",
     "make_problem",
@@ -39,7 +37,6 @@ __all__ = [
     "program_tokens",
     "quartile_bounds",
     "score",
-    "task_evaluator",
     "task_name",
     "task_validation_batches",
 ]

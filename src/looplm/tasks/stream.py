@@ -118,7 +118,7 @@ class TaskStream:
     of a generated task (see the module docstring for order, sharding and resume).
 
     For the state-tracking task ``curriculum`` holds the stage being trained; the
-    Trainer's evaluation advances it (:class:`~looplm.tasks.evaluate.TaskEvaluator`).
+    Trainer's evaluation advances it (:class:`~looplm.eval.tasks.TaskEvaluator`).
     """
 
     def __init__(self, cfg: "DataConfig", batch_size: int, rank: int = 0, world_size: int = 1):

@@ -42,7 +42,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from looplm.config_base import ConfigError, set_dotted
-from looplm.interop.hf import DENSE_MODEL_TYPES, config_from_hf, load_hf_checkpoint
+from looplm.hf.import_model import DENSE_MODEL_TYPES, config_from_hf, load_hf_checkpoint
 from looplm.layout import Layout, parse_layout
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig

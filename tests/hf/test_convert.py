@@ -1,4 +1,4 @@
-"""Dense checkpoints into loops (looplm.interop.convert): the documented layer maps, the
+"""Dense checkpoints into loops (looplm.hf.convert): the documented layer maps, the
 converted weights, exact dense reproduction, refusals, the CLI, and up-training from the
 converted start (train.init_from)."""
 
@@ -12,8 +12,8 @@ import torch
 from looplm.cli import main
 from looplm.config import load_config
 from looplm.config_base import ConfigError
-from looplm.interop.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint, convert_dense, layer_map
-from looplm.interop.hf import load_hf_checkpoint
+from looplm.hf.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint, convert_dense, layer_map
+from looplm.hf.import_model import load_hf_checkpoint
 from looplm.model import LoopLM
 from tests.conftest import randomize_weights
 

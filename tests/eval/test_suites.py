@@ -1,4 +1,4 @@
-"""The papers' lm-eval suites (looplm.eval_suites): the definitions match the papers, the
+"""The papers' lm-eval suites (looplm.eval.suites): the definitions match the papers, the
 table reproduces the papers' own rows and averages, and a suite of local test tasks runs
 end to end from Python and the CLI (no network)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from looplm.eval_suites import SUITES, Column, Suite, markdown, suite_table
+from looplm.eval.suites import SUITES, Column, Suite, markdown, suite_table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -120,7 +120,7 @@ def local(tmp_path_factory):
 
     from looplm.model import LoopLM
     from tests.conftest import tiny_config
-    from tests.interop.test_lm_eval import write_run
+    from tests.eval.test_lm_eval import write_run
 
     root = tmp_path_factory.mktemp("suite")
     tasks = root / "tasks"
@@ -142,7 +142,7 @@ def local(tmp_path_factory):
 
 
 def test_a_local_suite_runs_end_to_end(local):
-    from looplm.interop.lm_eval import evaluate_suite, evaluate_tasks
+    from looplm.eval.lm_eval import evaluate_suite, evaluate_tasks
 
     table, results = evaluate_suite(local["run"], local["suite"], include_path=local["tasks"], batch_size=3)
     assert set(results) == {0, 1}
@@ -177,7 +177,7 @@ def test_the_cli_writes_the_suite_table(local, tmp_path, monkeypatch, capsys, ca
 
 def test_missing_data_names_the_dataset_and_how_to_provide_it(local, tmp_path, monkeypatch, caplog):
     from looplm.cli import main
-    from looplm.interop.lm_eval import MissingData, evaluate_suite
+    from looplm.eval.lm_eval import MissingData, evaluate_suite
 
     suite = Suite("gone", "test", (0,), (Column("G", ("suite_gone",), "acc", "someone/gone-dataset"),))
     with pytest.raises(MissingData, match=r"(?s)not available here: .*not-there.*HF_DATASETS_OFFLINE=1.*"

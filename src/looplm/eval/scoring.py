@@ -1,7 +1,7 @@
 """Log-probabilities of token windows: the one primitive behind perplexity and lm-eval.
 
-Both corpus perplexity (:mod:`looplm.perplexity`) and the lm-evaluation-harness model
-(:mod:`looplm.interop.lm_eval`) reduce to the same question: given a window of tokens,
+Both corpus perplexity (:mod:`looplm.eval.perplexity`) and the lm-evaluation-harness model
+(:mod:`looplm.eval.lm_eval`) reduce to the same question: given a window of tokens,
 what is the model's summed log-probability of its last few tokens, and would greedy
 decoding have produced them? Answering it in one place means batching, padding and the
 order of evaluation are decided once, and tested once.

@@ -1,4 +1,4 @@
-"""config.json mapping and the errors of looplm.interop.hf; no transformers needed."""
+"""config.json mapping and the errors of looplm.hf.import_model; no transformers needed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from looplm.config_base import ConfigError
-from looplm.interop.hf import config_from_hf, load_hf_checkpoint, state_dict_from_hf
+from looplm.hf.import_model import config_from_hf, load_hf_checkpoint, state_dict_from_hf
 
 NEOX_V4 = {  # a Pythia-style config.json as older transformers wrote it
     "model_type": "gpt_neox", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2,

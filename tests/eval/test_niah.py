@@ -1,4 +1,4 @@
-"""RULER needle-in-a-haystack (looplm.niah): examples of the requested length with the needle
+"""RULER needle-in-a-haystack (looplm.eval.niah): examples of the requested length with the needle
 at the requested depth, deterministic by seed; exact-match scoring; an oracle scores 100 %
 and a random model about 0; the CLI writes the table."""
 
@@ -19,7 +19,7 @@ from looplm.config_base import ConfigError
 from looplm.data import DataConfig
 from looplm.data.tokenizer import ByteTokenizer
 from looplm.model import LoopLM
-from looplm.niah import (
+from looplm.eval.niah import (
     MAX_SENTENCE_CHARS, NEEDLE, TASKS, evaluate_niah, exact_match, generated_value, haystack_sentences, make_example,
     markdown_table,
 )

@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint as a looplm run directory (``looplm import HF_DIR OUT``).
 
-Any checkpoint :func:`~looplm.interop.hf.load_hf_checkpoint` reads (Ouro, GPT-NeoX,
+Any checkpoint :func:`~looplm.hf.import_model.load_hf_checkpoint` reads (Ouro, GPT-NeoX,
 LLaMA) is written in the layout ``looplm train`` writes (:mod:`looplm.train.checkpoint`)::
 
     OUT/checkpoints/latest
@@ -35,7 +35,7 @@ def import_checkpoint(hf_dir: Union[str, Path], out: Union[str, Path], tokenizer
     files (None: those, which must exist). OUT must not hold a run already."""
     from looplm.config import RunConfig
     from looplm.data import DataConfig, build_tokenizer
-    from looplm.interop.hf import load_hf_checkpoint
+    from looplm.hf.import_model import load_hf_checkpoint
     from looplm.train.checkpoint import has_checkpoints, save_checkpoint
 
     hf_dir, out = Path(hf_dir), Path(out)

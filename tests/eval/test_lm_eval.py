@@ -20,7 +20,7 @@ from looplm.artifacts import CONFIG_FILE, MODEL_FILE, write_manifest  # noqa: E4
 from looplm.cli import main  # noqa: E402
 from looplm.config import RunConfig  # noqa: E402
 from looplm.data import DataConfig, build_tokenizer  # noqa: E402
-from looplm.interop.lm_eval import LoopLMEval, evaluate_tasks  # noqa: E402
+from looplm.eval.lm_eval import LoopLMEval, evaluate_tasks  # noqa: E402
 from looplm.model import LoopLM  # noqa: E402
 from tests.conftest import ladder_config, tiny_config  # noqa: E402
 
@@ -318,7 +318,7 @@ def test_registered_by_name_for_lm_evals_own_entry_points(byte_runs, tasks):
     from lm_eval.api.registry import get_model
 
     assert get_model("looplm") is LoopLMEval
-    from looplm.interop.lm_eval import task_manager
+    from looplm.eval.lm_eval import task_manager
 
     result = simple_evaluate(model="looplm", model_args=f"run={byte_runs['run']},batch_size=2,max_length=24",
                              tasks=["looplm_docs"], task_manager=task_manager(["looplm_docs"], tasks))
@@ -343,7 +343,7 @@ def test_cli_writes_the_table_and_json(byte_runs, tasks, tmp_path, capsys):
 def test_bad_input_is_one_error_line(byte_runs, tasks, tmp_path, caplog, monkeypatch):
     import functools
 
-    import looplm.interop.lm_eval as adapter
+    import looplm.eval.lm_eval as adapter
 
     # an unknown name is looked up in lm-eval's built-in tasks too; indexing those takes
     # many seconds, and what is tested here is the error, so the index is the local one
@@ -377,14 +377,14 @@ def test_bad_input_is_one_error_line(byte_runs, tasks, tmp_path, caplog, monkeyp
 
 
 def test_lm_evals_own_command_line_through_python_m(byte_runs, tasks, tmp_path, monkeypatch, capsys):
-    """`python -m looplm.interop.lm_eval ARGS` is lm-eval's CLI with `looplm` registered
+    """`python -m looplm.eval.lm_eval ARGS` is lm-eval's CLI with `looplm` registered
     (in-process here; lm-eval's default --device cuda:0 falls back to the CPU)."""
     import functools
     import sys
 
     import lm_eval.tasks
 
-    from looplm.interop.lm_eval import main as lm_eval_main
+    from looplm.eval.lm_eval import main as lm_eval_main
 
     # lm-eval's CLI indexes its ~15k built-in tasks (many seconds); the local tasks suffice here
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(lm_eval.tasks.TaskManager,

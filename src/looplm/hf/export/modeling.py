@@ -5,7 +5,7 @@ The looplm model is held whole (``.model``, a :class:`~looplm.model.LoopLM`), so
 configuration runs unchanged and the weights keep looplm's names under ``model.``. The
 adapter translates transformers' calling convention: the 2-D attention mask covers past and
 new positions (looplm takes the new ones; the past's validity lives in the cache), labels
-are unshifted, and the cache is a :class:`~looplm.hf.cache.LoopLMCache` the model creates
+are unshifted, and the cache is a :class:`~looplm.hf.export.cache.LoopLMCache` the model creates
 itself (``generate()`` never builds a ``DynamicCache`` for it).
 """
 
@@ -20,8 +20,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from looplm.config_base import ConfigError
-from looplm.hf.cache import LoopLMCache
-from looplm.hf.configuration import LoopLMConfig
+from looplm.hf.export.cache import LoopLMCache
+from looplm.hf.export.configuration import LoopLMConfig
 from looplm.model import LoopLM
 from looplm.targets import IGNORE_INDEX
 

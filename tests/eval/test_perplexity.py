@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from looplm.cli import main
 from looplm.data import ByteTokenizer
 from looplm.model import LoopLM
-from looplm.perplexity import corpus_perplexity, strided_windows
-from looplm.scoring import Window, score_windows
+from looplm.eval.perplexity import corpus_perplexity, strided_windows
+from looplm.eval.scoring import Window, score_windows
 from tests.conftest import tiny_config
 
 TEXT = "The quick  brown fox\njumps over the lazy dog. " * 3  # 135 bytes, 27 words (runs of whitespace)

@@ -14,7 +14,8 @@ from looplm import LoopLM, ModelConfig
 from looplm.config import load_config
 from looplm.config_base import ConfigError
 from looplm.data import DataConfig
-from looplm.tasks import CharacterTokenizer, Curriculum, TaskEvaluator, TaskStream, evaluate_task, program_tokens
+from looplm.eval.tasks import TaskEvaluator, evaluate_task
+from looplm.tasks import CharacterTokenizer, Curriculum, TaskStream, program_tokens
 
 TOK = CharacterTokenizer()
 

@@ -13,11 +13,13 @@ transformers = pytest.importorskip("transformers")
 from looplm.cli import main  # noqa: E402
 from looplm.config_base import ConfigError  # noqa: E402
 from looplm.data import data_tokenizer, validation_batches  # noqa: E402
-from looplm.evaluation import eval_data_config, evaluate_run, generate_text, load_run  # noqa: E402
-from looplm.interop.import_run import import_checkpoint  # noqa: E402
+from looplm.eval.load import eval_data_config, load_run  # noqa: E402
+from looplm.eval.text_generation import generate_text  # noqa: E402
+from looplm.eval.validation import evaluate_run  # noqa: E402
+from looplm.hf.import_run import import_checkpoint  # noqa: E402
 from looplm.train.checkpoint import load_checkpoint  # noqa: E402
 from tests.conftest import randomize_weights  # noqa: E402
-from tests.interop.test_ouro import BASE as OURO, ouro_logits, ouro_weights, write_checkpoint  # noqa: E402
+from tests.hf.test_ouro import BASE as OURO, ouro_logits, ouro_weights, write_checkpoint  # noqa: E402
 
 WORDS = ["<|endoftext|>", "[UNK]", "the", "loop", "runs", "again", "and", "stops", "here", "a", "model", "reads"]
 ATOL = 1e-5

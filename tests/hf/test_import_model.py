@@ -1,4 +1,4 @@
-"""HF parity: tiny random GPT-NeoX and LLaMA checkpoints imported by looplm.interop.hf
+"""HF parity: tiny random GPT-NeoX and LLaMA checkpoints imported by looplm.hf.import_model
 give transformers' own logits, in one forward and in prefill + token-by-token decoding."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from looplm.cache import LoopCache  # noqa: E402
-from looplm.interop.hf import load_hf_checkpoint  # noqa: E402
+from looplm.hf.import_model import load_hf_checkpoint  # noqa: E402
 from tests.conftest import randomize_weights  # noqa: E402
 
 VOCAB = 97

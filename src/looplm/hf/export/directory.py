@@ -16,10 +16,10 @@ import torch
 
 from looplm.config_base import ConfigError
 from looplm.data import build_tokenizer, data_tokenizer
-from looplm.evaluation import load_run
-from looplm.hf.configuration import LoopLMConfig
-from looplm.hf.modeling import LoopLMForCausalLM
-from looplm.hf.tokenizer import transformers_tokenizer
+from looplm.eval.load import load_run
+from looplm.hf.export.configuration import LoopLMConfig
+from looplm.hf.export.modeling import LoopLMForCausalLM
+from looplm.hf.export.tokenizer import transformers_tokenizer
 
 REMOTE_MODULE = "modeling_looplm"
 AUTO_MAP = {
@@ -30,8 +30,8 @@ AUTO_MAP = {
 # copies their file on save_pretrained, which must be this file, not looplm's own.
 REMOTE_CODE = '''"""looplm for transformers' trust_remote_code: needs `pip install looplm[hf]`."""
 
-from looplm.hf import LoopLMConfig as _LoopLMConfig
-from looplm.hf import LoopLMForCausalLM as _LoopLMForCausalLM
+from looplm.hf.export import LoopLMConfig as _LoopLMConfig
+from looplm.hf.export import LoopLMForCausalLM as _LoopLMForCausalLM
 
 
 class LoopLMConfig(_LoopLMConfig):

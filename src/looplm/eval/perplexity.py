@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from looplm.config_base import ConfigError
 from looplm.data import DataConfig, Tokenizer, data_tokenizer, iter_documents
 from looplm.errors import LoopLMError
-from looplm.evaluation import eval_data_config, load_run, set_step_embeddings
-from looplm.scoring import Window, score_windows
+from looplm.eval.load import eval_data_config, load_run, set_step_embeddings
+from looplm.eval.scoring import Window, score_windows
 
 if TYPE_CHECKING:
     from looplm.model import LoopLM

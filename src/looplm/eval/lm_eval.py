@@ -6,15 +6,15 @@ model_args="run=RUN,iterations=T")`` works from Python. lm-eval 0.4 has no plugi
 through which its own ``lm_eval`` command could find an installed package's model, so the
 command line goes through this module instead, with lm-eval's arguments unchanged::
 
-    python -m looplm.interop.lm_eval --model looplm --model_args run=RUN,iterations=4 --tasks hellaswag
+    python -m looplm.eval.lm_eval --model looplm --model_args run=RUN,iterations=4 --tasks hellaswag
 
 or through ``looplm lm-eval RUN --tasks ...`` (:func:`evaluate_tasks`); ``--suite NAME``
-runs a paper's downstream table (:func:`evaluate_suite`, suites in :mod:`looplm.eval_suites`).
+runs a paper's downstream table (:func:`evaluate_suite`, suites in :mod:`looplm.eval.suites`).
 
 The three request types reduce to looplm's own operations:
 
 - ``loglikelihood``: context + continuation, truncated from the left to the model's
-  context, scored by :func:`looplm.scoring.score_windows` (batched, longest first).
+  context, scored by :func:`looplm.eval.scoring.score_windows` (batched, longest first).
 - ``loglikelihood_rolling``: the document cut into disjoint windows of the model's
   context, as lm-eval's Hugging Face model does (``get_rolling_token_windows`` with a
   context of 1, ``make_disjoint_window``), the first conditioned on the end-of-document
@@ -39,9 +39,9 @@ import torch
 from looplm.config_base import ConfigError
 from looplm.data import data_tokenizer
 from looplm.errors import LoopLMError, MissingExtra
-from looplm.eval_suites import Suite, suite_table
-from looplm.evaluation import LoadedRun, load_run, set_step_embeddings
-from looplm.scoring import Window, score_windows
+from looplm.eval.load import LoadedRun, load_run, set_step_embeddings
+from looplm.eval.scoring import Window, score_windows
+from looplm.eval.suites import Suite, suite_table
 
 try:
     import lm_eval.models  # noqa: F401  (registers lm-eval's own models first: its registry loads them only when empty)
@@ -51,7 +51,7 @@ try:
     from lm_eval.api.registry import model_registry
     from lm_eval.tasks import TaskManager
     from datasets.exceptions import DatasetNotFoundError
-except ImportError as err:  # a core install (tests/interop/test_lm_eval_extra.py)
+except ImportError as err:  # a core install (tests/eval/test_lm_eval_extra.py)
     raise MissingExtra(f"the lm-evaluation-harness adapter needs lm-eval ({err}): pip install 'looplm[eval]'") from err
 
 log = logging.getLogger("looplm")
@@ -266,8 +266,8 @@ class Generation:
     top_p: Optional[float]
 
 
-# By name, not by class: `python -m looplm.interop.lm_eval` runs this file as __main__ and
-# lm-eval then imports it again as looplm.interop.lm_eval; both register the same name.
+# By name, not by class: `python -m looplm.eval.lm_eval` runs this file as __main__ and
+# lm-eval then imports it again as looplm.eval.lm_eval; both register the same name.
 model_registry.register("looplm", target=f"{__spec__.name}:LoopLMEval")
 
 
@@ -351,8 +351,8 @@ def evaluate_suite(
     verify: bool = True,
     seed: int = 0,
 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """A paper's suite (:data:`looplm.eval_suites.SUITES`): lm-eval on its tasks once per
-    shot count, then its table in the paper's layout (:func:`looplm.eval_suites.suite_table`).
+    """A paper's suite (:data:`looplm.eval.suites.SUITES`): lm-eval on its tasks once per
+    shot count, then its table in the paper's layout (:func:`looplm.eval.suites.suite_table`).
     Returns the table and lm-eval's results per shot count."""
     if not isinstance(run, LoadedRun):  # loaded once for every shot count
         run = load_run(run, device=_device(None), verify=verify)

@@ -1,5 +1,5 @@
 """Ouro import: tiny random checkpoints in Ouro's layout (config.json + model.safetensors
-with its parameter names), imported by looplm.interop.hf, give the logits of an
+with its parameter names), imported by looplm.hf.import_model, give the logits of an
 independent plain-PyTorch forward of the Ouro architecture at every loop count and exit
 threshold, in one forward and in prefill + token-by-token decoding.
 
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from looplm.cache import LoopCache
 from looplm.config_base import ConfigError
-from looplm.interop.hf import config_from_hf, load_hf_checkpoint
+from looplm.hf.import_model import config_from_hf, load_hf_checkpoint
 from looplm.model import LoopLM
 
 ATOL = 1e-5
