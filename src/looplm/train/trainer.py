@@ -70,7 +70,7 @@ from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.head_loop.training import Growth
 from looplm.model import LoopLM
-from looplm.tasks import task_evaluator
+from looplm.eval.tasks import task_evaluator
 from looplm.tasks.config import is_task_source
 from looplm.train.checkpoint import (
     config_differences,
