@@ -1,5 +1,5 @@
-"""A run's continuation of a text prompt (``looplm generate``): load the run, encode with its
-tokenizer, decode through :meth:`LoopLM.generate`, decode back to text.
+"""A run's continuation of a text prompt (``looplm generate``): the run loaded, the prompt
+encoded with its tokenizer, sampled through :meth:`LoopLM.generate`, decoded back to text.
 
 Here rather than in :mod:`looplm.generation`: that module sits below the model (the model
 decodes through it), and this one loads a run directory and its tokenizer.
