@@ -6,7 +6,9 @@ A task is selected by the data source (``task:copy``, ``task:reverse``, ``task:a
 the length and evaluation fields, the state-tracking task the curriculum fields and
 ``eval_samples`` / ``eval_batch_size``).
 
-This module imports nothing from ``looplm.data`` (``looplm.data.config`` imports it).
+``looplm.data.config`` imports this module and hands it the parsed task name; the two
+helpers that take a ``data.source`` string read its kind from
+:mod:`looplm.data.source_kinds` (imported in the function: ``looplm.data`` imports this module).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from looplm.config_base import Config, ConfigError, check
 from looplm.tasks.character import example_tokens
 from looplm.tasks.state_tracking import program_tokens
 
-TASK_PREFIX = "task:"
 CHARACTER_TASKS = ("copy", "reverse", "addition")
 TASK_NAMES = (*CHARACTER_TASKS, "state_tracking")
 #: ``data.tokenizer`` values accepted with a task source: the default (unused) or ``task``.
@@ -77,11 +78,20 @@ class TaskConfig(Config):
 
 def task_name(source: str) -> Optional[str]:
     """``"addition"`` for ``data.source="task:addition"``; None for any other source."""
-    return source[len(TASK_PREFIX):] if source.startswith(TASK_PREFIX) else None
+    from looplm.data.source_kinds import TaskSource, parse_source
+
+    parsed = parse_source(source)
+    return parsed.name if isinstance(parsed, TaskSource) else None
 
 
 def is_task_source(source: str) -> bool:
-    return source.startswith(TASK_PREFIX)
+    return task_name(source) is not None
+
+
+def _task_sources() -> str:
+    from looplm.data.source_kinds import TaskSource
+
+    return ", ".join(TaskSource(n).spec() for n in TASK_NAMES)
 
 
 def longest_training_tokens(name: str, task: TaskConfig) -> int:
@@ -92,10 +102,11 @@ def longest_training_tokens(name: str, task: TaskConfig) -> int:
     return example_tokens(name, task.train_length)
 
 
-def validate_task_data(source: str, tokenizer: str, seq_len: int, task: Any) -> Optional[TaskConfig]:
-    """Check the task fields of a data config (``data.source``, ``data.tokenizer``,
-    ``data.seq_len``, ``data.task``); return its TaskConfig (defaults filled in for a task
-    source without ``data.task``), or None for other sources.
+def validate_task_data(name: Optional[str], tokenizer: str, seq_len: int, task: Any) -> Optional[TaskConfig]:
+    """Check the task fields of a data config (the task ``name`` of a ``data.source=task:NAME``,
+    None for other sources; ``data.tokenizer``, ``data.seq_len``, ``data.task``); return its
+    TaskConfig (defaults filled in for a task source without ``data.task``), or None for
+    other sources.
 
     Called from ``DataConfig.__post_init__``, so every error names a ``data.*`` field.
     """
@@ -104,14 +115,15 @@ def validate_task_data(source: str, tokenizer: str, seq_len: int, task: Any) -> 
     elif task is not None and not isinstance(task, TaskConfig):
         raise ConfigError("data.task", task, "null or a mapping with keys "
                           + ", ".join(f.name for f in dataclasses.fields(TaskConfig)))
-    name = task_name(source)
     if name is None:
         check(task is None, "data.task", task.to_dict() if isinstance(task, Config) else task,
-              "null unless data.source is task:NAME (" + ", ".join(TASK_PREFIX + n for n in TASK_NAMES) + ")")
+              f"null unless data.source is task:NAME ({_task_sources()})")
         return None
+    from looplm.data.source_kinds import TaskSource
+
+    source = TaskSource(name).spec()
     if name not in TASK_NAMES:
-        raise ConfigError("data.source", source, "one of " + ", ".join(TASK_PREFIX + n for n in TASK_NAMES)
-                          + " for a generated task")
+        raise ConfigError("data.source", source, f"one of {_task_sources()} for a generated task")
     task = task if task is not None else TaskConfig()
     check(
         tokenizer in TASK_TOKENIZER_SPECS, "data.tokenizer", tokenizer,
