@@ -22,7 +22,6 @@ manifest's settings).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -34,6 +33,7 @@ from looplm.data.config import DataConfig
 from looplm.data.shards import read_manifest
 from looplm.data.source_kinds import BuiltinCorpus, TokenShards
 from looplm.data.sources import iter_split_documents
+from looplm.data.split import texts_digest
 from looplm.data.stdlib import corpus_identity
 from looplm.data.tokenizer import BPE_HOLDOUT, HFTokenizer
 
@@ -70,15 +70,6 @@ def training_texts(cfg: DataConfig) -> list[str]:
     return [text for text, unit in iter_split_documents(cfg) if text and unit >= BPE_HOLDOUT]
 
 
-def texts_fingerprint(texts: list[str]) -> str:
-    """blake2b-128 of the documents (length-prefixed UTF-8), in order."""
-    h = hashlib.blake2b(digest_size=16)
-    for text in texts:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little") + data)
-    return h.hexdigest()
-
-
 def bpe_tokenizer(cfg: DataConfig, vocab_size: int) -> HFTokenizer:
     """The ``bpe:vocab_size`` tokenizer of ``cfg``'s corpus: loaded from the cache, else trained and cached."""
     corpus = corpus_of(cfg)
@@ -86,7 +77,7 @@ def bpe_tokenizer(cfg: DataConfig, vocab_size: int) -> HFTokenizer:
     if not texts:
         raise ConfigError("data.tokenizer", cfg.tokenizer, f"a corpus to train on: {corpus.source!r} has no document "
                           f"with split unit >= {BPE_HOLDOUT} (BPE_HOLDOUT)")
-    mark = texts_fingerprint(texts)
+    mark = texts_digest(texts)
     path = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{mark[:16]}" / "tokenizer.json"
     if not path.is_file():  # the tokenizer file, written last and atomically, marks a complete entry
         path.parent.mkdir(parents=True, exist_ok=True)

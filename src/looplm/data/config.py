@@ -17,14 +17,18 @@ from looplm.tasks.config import validate_task_data
 class DataConfig(Config):
     """Text source, tokenizer and packing.
 
-    ``source`` is ``"pydoc"`` (the built-in corpus: the English reference documentation
-    shipped with CPython in ``pydoc_data``), a local ``.txt`` / ``.jsonl`` / ``.parquet``
+    ``source`` is parsed once into its kind, ``parsed_source`` (:mod:`looplm.data.source_kinds`).
+    It is ``"pydoc"`` (the default built-in corpus: the English reference documentation
+    shipped with CPython in ``pydoc_data``), ``"python-stdlib"`` (the standard library's
+    Python sources, split by file path: :mod:`looplm.data.stdlib`), a local ``.txt`` / ``.jsonl`` / ``.parquet``
     file or a folder of them, or ``"hf:NAME"`` for a Hugging Face dataset by name or
     local path (``hf_config``, ``hf_split`` apply to it). ``streaming`` packs windows on
     the fly instead of tokenizing everything first (for any source), shuffling within a
     bounded buffer.
-    ``tokenizer`` is ``"byte"`` (built-in, no files) or a path to a ``tokenizers`` JSON
-    file or a ``transformers`` tokenizer directory.
+    ``tokenizer`` is ``"byte"`` (built-in, no files), ``"bpe:N"`` (a byte-level BPE of N ids
+    trained on the source's training split and cached, :mod:`looplm.data.bpe`; then
+    ``val_fraction`` is at most ``BPE_HOLDOUT``) or a path to a ``tokenizers`` JSON file or a
+    ``transformers`` tokenizer directory.
     ``source="shards:DIR"`` trains from token shards written by ``looplm tokenize``
     (:mod:`looplm.data.shards`): the same windows and split, read by memory map; ``tokenizer``
     must be the one the shards were made with, and ``streaming`` stays false. ``shard_check``

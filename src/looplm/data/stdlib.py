@@ -22,7 +22,6 @@ corpus differs.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import platform
 import sysconfig
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from looplm.config_base import ConfigError
-from looplm.data.split import document_unit
+from looplm.data.split import document_unit, texts_digest
 
 #: Environment variable naming another root for the corpus (tests, or a pinned copy).
 STDLIB_ROOT_ENV = "LOOPLM_STDLIB_ROOT"
@@ -97,13 +96,7 @@ def _mtimes(root: Path) -> tuple[tuple[str, int, int], ...]:
 
 @functools.lru_cache(maxsize=4)
 def _identity(root: str, stamps: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, Any], ...]:
-    h = hashlib.blake2b(digest_size=16)
-    files = chars = 0
-    for text, _, relative in stdlib_documents(Path(root)):
-        for part in (relative, text):
-            data = part.encode("utf-8")
-            h.update(len(data).to_bytes(8, "little") + data)
-        files += 1
-        chars += len(text)
-    return (("corpus", "python-stdlib"), ("python", platform.python_version()), ("files", files), ("chars", chars),
-            ("fingerprint", h.hexdigest()))
+    documents = [(relative, text) for text, _, relative in stdlib_documents(Path(root))]
+    fingerprint = texts_digest(part for pair in documents for part in pair)
+    return (("corpus", "python-stdlib"), ("python", platform.python_version()), ("files", len(documents)),
+            ("chars", sum(len(text) for _, text in documents)), ("fingerprint", fingerprint))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -38,6 +37,7 @@ from looplm.data.shards import (
 )
 from looplm.data.source_kinds import ALLOWED, BuiltinCorpus, HubDataset, parse_source
 from looplm.data.sources import iter_split_documents, local_files, splits_by_text
+from looplm.data.split import texts_digest
 from looplm.data.stdlib import corpus_identity
 from looplm.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_identity
 
@@ -172,13 +172,7 @@ def _complete_manifest(directory: Path) -> dict[str, Any] | None:
 def fingerprint(texts: list[str], units: list[float] | None = None) -> str:
     """blake2b-128 of a chunk's documents (length-prefixed UTF-8), and of their split units
     where they do not follow from the texts: a kept shard was made from these."""
-    h = hashlib.blake2b(digest_size=16)
-    for text in texts:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little") + data)
-    if units is not None:
-        h.update(np.asarray(units, dtype=np.float64).tobytes())
-    return h.hexdigest()
+    return texts_digest(texts, b"" if units is None else np.asarray(units, dtype=np.float64).tobytes())
 
 
 def chunks(documents: Iterable[tuple[str, float]], shard_chars: int) -> Iterator[tuple[list[str], list[float]]]:
