@@ -176,10 +176,27 @@ def test_shards_of_the_corpus_train_like_the_text(library, tmp_path) -> None:
     assert not tokenize_to_shards("python-stdlib", out, f"bpe:{VOCAB}", shard_chars=4000).up_to_date
 
 
-def test_cli_tokenize_writes_the_corpus_shards(library, tmp_path, capsys) -> None:
-    assert main(["tokenize", "python-stdlib", str(tmp_path / "s"), "--tokenizer", f"bpe:{VOCAB}",
-                 "--no-progress"]) == 0
+def test_cli_tokenize_then_train_from_shards_like_from_text(library, tmp_path, capsys) -> None:
+    out = tmp_path / "s"
+    assert main(["tokenize", "python-stdlib", str(out), "--tokenizer", f"bpe:{VOCAB}", "--no-progress"]) == 0
     assert f"data.tokenizer=bpe:{VOCAB}" in capsys.readouterr().out
+    common = ["tiny-mesh", "model.d_model=32", f"model.vocab_size={VOCAB}", "data.seq_len=16", f"data.tokenizer=bpe:{VOCAB}",
+              "train.batch_size=4",
+              "train.max_steps=2", "train.eval_every=2", "train.log_every=1", "train.save_every=0",
+              "train.sample_tokens=0"]
+    losses = {}
+    for name, source in (("text", "python-stdlib"), ("shards", f"shards:{out}")):
+        run = tmp_path / name
+        assert main(["train", *common, f"data.source={source}", f"train.out_dir={run}", "--no-progress"]) == 0
+        events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [(e.get("loss"), e.get("val_loss")) for e in events if "loss" in e or "val_loss" in e]
+    assert losses["shards"] == losses["text"] and len(losses["text"]) >= 3  # same batches, same vocabulary
+
+
+def test_a_missing_library_is_a_config_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(STDLIB_ROOT_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=f"data.source.*python-stdlib.*set {STDLIB_ROOT_ENV}"):
+        list(iter_split_documents(DataConfig(source="python-stdlib")))
 
 
 def test_the_real_standard_library_lists_and_splits(monkeypatch) -> None:
