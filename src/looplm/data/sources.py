@@ -5,9 +5,8 @@ same on every run and machine, so files are visited in sorted path order and dat
 rows in storage order. Every reader is lazy: streaming over a large source never holds
 more than one batch of rows.
 
-Sources (``DataConfig.source``):
-
-Each kind of source (:mod:`looplm.data.source_kinds`, ``DataConfig.parsed_source``) has its reader:
+Each kind of ``DataConfig.source`` (:mod:`looplm.data.source_kinds`, read as
+``DataConfig.parsed_source``) has its reader:
 
 - ``"pydoc"``: CPython's ``pydoc_data.topics.topics``, the English reference
   documentation behind ``help()``: one document per topic, in sorted key order
@@ -100,7 +99,7 @@ def _pydoc_documents() -> Iterator[str]:
 def local_files(source: str) -> list[Path]:
     """The files a local ``data.source`` path stands for, in reading order."""
     path = Path(source).expanduser()
-    allowed = f"{ALLOWED}; a path must be an existing {'/'.join(FILE_SUFFIXES)} file or folder of them"
+    allowed = ALLOWED
     if not path.exists():
         raise ConfigError("data.source", source, f"{allowed}; no such path exists")
     if path.is_file():

@@ -8,13 +8,14 @@ the length and evaluation fields, the state-tracking task the curriculum fields 
 
 ``looplm.data.config`` imports this module and hands it the parsed task name; the two
 helpers that take a ``data.source`` string read its kind from
-:mod:`looplm.data.source_kinds` (imported in the function: ``looplm.data`` imports this module).
+:mod:`looplm.data.source_kinds`, imported on use (``looplm.data`` imports this module).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from types import ModuleType
 from typing import Any, Optional
 
 from looplm.config_base import Config, ConfigError, check
@@ -76,12 +77,18 @@ class TaskConfig(Config):
         return max(1, math.floor(alpha * self.train_length + 0.5))
 
 
+def _source_kinds() -> ModuleType:
+    """:mod:`looplm.data.source_kinds`, imported on use: ``looplm.data`` imports this module."""
+    from looplm.data import source_kinds
+
+    return source_kinds
+
+
 def task_name(source: str) -> Optional[str]:
     """``"addition"`` for ``data.source="task:addition"``; None for any other source."""
-    from looplm.data.source_kinds import TaskSource, parse_source
-
-    parsed = parse_source(source)
-    return parsed.name if isinstance(parsed, TaskSource) else None
+    kinds = _source_kinds()
+    parsed = kinds.parse_source(source)
+    return parsed.name if isinstance(parsed, kinds.TaskSource) else None
 
 
 def is_task_source(source: str) -> bool:
@@ -89,9 +96,7 @@ def is_task_source(source: str) -> bool:
 
 
 def _task_sources() -> str:
-    from looplm.data.source_kinds import TaskSource
-
-    return ", ".join(TaskSource(n).spec() for n in TASK_NAMES)
+    return ", ".join(_source_kinds().TaskSource(n).spec() for n in TASK_NAMES)
 
 
 def longest_training_tokens(name: str, task: TaskConfig) -> int:
@@ -119,9 +124,7 @@ def validate_task_data(name: Optional[str], tokenizer: str, seq_len: int, task: 
         check(task is None, "data.task", task.to_dict() if isinstance(task, Config) else task,
               f"null unless data.source is task:NAME ({_task_sources()})")
         return None
-    from looplm.data.source_kinds import TaskSource
-
-    source = TaskSource(name).spec()
+    source = _source_kinds().TaskSource(name).spec()
     if name not in TASK_NAMES:
         raise ConfigError("data.source", source, f"one of {_task_sources()} for a generated task")
     task = task if task is not None else TaskConfig()
