@@ -7,6 +7,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import looplm
 from looplm.config_base import ConfigError
@@ -36,6 +38,18 @@ def test_every_kind_parses_and_round_trips(source, expected) -> None:
     assert parsed == expected and type(parsed) is type(expected)
     assert parsed.spec() == source
     assert parse_source(parsed.spec()) == parsed
+
+
+@given(st.sampled_from(["", "hf:", "shards:", "task:", "pydoc", "python-stdlib", "./"]), st.text(max_size=12))
+def test_any_source_round_trips_or_is_refused(head, tail) -> None:
+    source = head + tail
+    try:
+        parsed = parse_source(source)
+    except ConfigError:
+        assert source in ("", "hf:", "shards:", "task:")
+        return
+    assert parsed.spec() == source and parse_source(parsed.spec()) == parsed
+    assert isinstance(parsed, BuiltinCorpus) == (source in BUILTIN_CORPORA)
 
 
 def test_kinds_are_distinct_and_say_what_they_hold() -> None:

@@ -82,7 +82,8 @@ def test_split_is_by_path_hash_deterministic_and_disjoint(library, tmp_path, mon
     assert 0 < len(held) < len(relative)
     corpus = packed_corpus(cfg, build_tokenizer("byte"))
     assert corpus.val_documents == len(held) and corpus.train_documents == len(relative) - len(held)
-    for windows, side in ((corpus.val, [r for r in relative if r in held]), (corpus.train, [r for r in relative if r not in held])):
+    sides = ((corpus.val, [r for r in relative if r in held]), (corpus.train, [r for r in relative if r not in held]))
+    for windows, side in sides:
         stream = [t for rel in side for t in [*(library / rel).read_bytes(), 256]]
         flat = windows.flatten().tolist()
         assert 0 < len(flat) and flat == stream[:len(flat)]  # each side holds its own files' bytes, in order
@@ -151,13 +152,17 @@ def test_bpe_spec_errors(library) -> None:
         DataConfig(source="task:copy", tokenizer="bpe:8192")
 
 
-def test_shards_of_the_corpus_train_like_the_text(library, tmp_path) -> None:
+def test_shards_of_the_corpus_train_like_the_text(library, tmp_path, monkeypatch) -> None:
     out = tmp_path / "shards"
     result = tokenize_to_shards("python-stdlib", out, f"bpe:{VOCAB}", shard_chars=4000)
     assert result.shards > 1 and result.documents == 60
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["inputs"] == corpus_identity() and manifest["dtype"] == "uint16"
     assert tokenize_to_shards("python-stdlib", out, f"bpe:{VOCAB}", shard_chars=4000).up_to_date
+    monkeypatch.setenv(bpe.CACHE_ENV, str(tmp_path / "another-cache"))  # the same tokenizer, trained again elsewhere
+    assert tokenize_to_shards("python-stdlib", out, f"bpe:{VOCAB}", shard_chars=4000).up_to_date
+    with pytest.raises(ConfigError, match="OUT.*other settings.*tokenizer"):
+        tokenize_to_shards("python-stdlib", out, f"bpe:{VOCAB + 1}", shard_chars=4000)
 
     text_cfg = stdlib_cfg(tokenizer=f"bpe:{VOCAB}", val_fraction=0.1)
     shard_cfg = text_cfg.replace(source=f"shards:{out}")
@@ -180,8 +185,8 @@ def test_cli_tokenize_then_train_from_shards_like_from_text(library, tmp_path, c
     out = tmp_path / "s"
     assert main(["tokenize", "python-stdlib", str(out), "--tokenizer", f"bpe:{VOCAB}", "--no-progress"]) == 0
     assert f"data.tokenizer=bpe:{VOCAB}" in capsys.readouterr().out
-    common = ["tiny-mesh", "model.d_model=32", f"model.vocab_size={VOCAB}", "data.seq_len=16", f"data.tokenizer=bpe:{VOCAB}",
-              "train.batch_size=4",
+    common = ["tiny-mesh", "model.d_model=32", f"model.vocab_size={VOCAB}", "data.seq_len=16",
+              f"data.tokenizer=bpe:{VOCAB}", "train.batch_size=4",
               "train.max_steps=2", "train.eval_every=2", "train.log_every=1", "train.save_every=0",
               "train.sample_tokens=0"]
     losses = {}

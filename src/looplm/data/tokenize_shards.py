@@ -39,7 +39,7 @@ from looplm.data.source_kinds import ALLOWED, BuiltinCorpus, HubDataset, parse_s
 from looplm.data.sources import iter_split_documents, local_files, splits_by_text
 from looplm.data.split import texts_digest
 from looplm.data.stdlib import corpus_identity
-from looplm.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_identity
+from looplm.data.tokenizer import Tokenizer, build_tokenizer, same_tokenizer, tokenizer_identity
 
 log = logging.getLogger("looplm")
 
@@ -119,17 +119,22 @@ def tokenize_to_shards(
 
 def _claim(directory: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
     """Record the job in ``job.json``, or refuse a directory holding another job's shards. The
-    settings are pinned once a shard exists; before that (a run that failed at once, e.g. on a
-    wrong text field) a new job simply replaces the record."""
+    settings are pinned once a shard exists, and the tokenizer by content (a tokenizer file
+    found at another path, e.g. another ``bpe:N`` cache directory, is the same job); before
+    that (a run that failed at once, e.g. on a wrong text field) a new job simply replaces
+    the record."""
     job = {"tokenizer": identity, "settings": settings}
     path = directory / JOB_FILE
     has_shards = any(_SHARD_FILE.match(p.name) for p in directory.iterdir()) or (directory / MANIFEST).exists()
     if path.is_file() and has_shards:
         previous = read_json(path)
-        if previous != job:
+        made_with = previous.get("tokenizer")
+        same_tok = (isinstance(made_with, dict) and made_with.keys() == identity.keys()
+                    and same_tokenizer(made_with, identity))
+        if previous.get("settings") != settings or not same_tok:
             differs = [k for k in settings if previous.get("settings", {}).get(k) != settings[k]]
-            if previous.get("tokenizer") != identity:
-                differs.insert(0, f"tokenizer (there: {previous.get('tokenizer', {}).get('name')!r})")
+            if not same_tok:
+                differs.insert(0, f"tokenizer (there: {(made_with or {}).get('name')!r})")
             raise ConfigError("OUT", str(directory), "a new directory, or one holding shards of this same job: it "
                               f"holds shards made with other settings ({', '.join(differs)}); choose another "
                               "directory or delete it")
