@@ -417,13 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenize", help="tokenize a text source into memory-mapped token shards (data.source=shards:DIR)",
                        description="Tokenize SOURCE (anything data.source accepts: a .txt/.jsonl/.parquet file or "
-                       "folder, pydoc, hf:NAME) into token shards in OUT, across --num-proc processes. An interrupted "
+                       "folder, pydoc, python-stdlib, hf:NAME) into token shards in OUT, across --num-proc processes. An interrupted "
                        "run resumes (complete shards are verified and kept); re-running a finished job is a no-op. "
                        "The held-out split is chosen at training time (data.val_fraction): shards keep every document.")
     p.add_argument("source", metavar="SOURCE")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--tokenizer", default="byte", metavar="SPEC",
-                   help="byte, a tokenizer.json file or a transformers directory (default byte)")
+                   help="byte, bpe:N (a BPE trained on SOURCE's training split, cached), a tokenizer.json file or a "
+                   "transformers directory (default byte)")
     p.add_argument("--num-proc", type=_POSITIVE, default=1, metavar="N", help="tokenizing processes (default 1)")
     p.add_argument("--text-field", default="text", metavar="F", help="text column of jsonl/parquet/datasets")
     p.add_argument("--hf-config", default=None, metavar="NAME", help="configuration of an hf: dataset")

@@ -1,6 +1,8 @@
-"""Data pipeline: text sources, tokenizers, packing into windows, train/validation batches
-(and generated tasks, ``data.source=task:NAME``, from ``looplm.tasks``; token shards written
-by :func:`tokenize_to_shards`, ``looplm tokenize``, and read as ``data.source=shards:DIR``)."""
+"""Data pipeline: text sources (typed kinds, :mod:`looplm.data.source_kinds`; the built-in
+``pydoc`` and ``python-stdlib`` corpora), tokenizers (``bpe:N`` trained on the source,
+:mod:`looplm.data.bpe`), packing into windows, train/validation batches (and generated
+tasks, ``data.source=task:NAME``, from ``looplm.tasks``; token shards written by
+:func:`tokenize_to_shards`, ``looplm tokenize``, and read as ``data.source=shards:DIR``)."""
 
 from looplm.data.config import DataConfig
 from looplm.data.loader import TrainStream, data_tokenizer, train_stream, validation_batches

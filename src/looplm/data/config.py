@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 from looplm.config_base import Config, check
-from looplm.data.shards import SHARD_CHECKS, is_shard_source
+from looplm.data.shards import SHARD_CHECKS
+from looplm.data.source_kinds import DataSource, TaskSource, TokenShards, parse_source
+from looplm.data.tokenizer import BPE_HOLDOUT, bpe_vocab
 from looplm.tasks.config import validate_task_data
 
 
@@ -14,14 +17,18 @@ from looplm.tasks.config import validate_task_data
 class DataConfig(Config):
     """Text source, tokenizer and packing.
 
-    ``source`` is ``"pydoc"`` (the built-in corpus: the English reference documentation
-    shipped with CPython in ``pydoc_data``), a local ``.txt`` / ``.jsonl`` / ``.parquet``
+    ``source`` is parsed once into its kind, ``parsed_source`` (:mod:`looplm.data.source_kinds`).
+    It is ``"pydoc"`` (the default built-in corpus: the English reference documentation
+    shipped with CPython in ``pydoc_data``), ``"python-stdlib"`` (the standard library's
+    Python sources, split by file path: :mod:`looplm.data.stdlib`), a local ``.txt`` / ``.jsonl`` / ``.parquet``
     file or a folder of them, or ``"hf:NAME"`` for a Hugging Face dataset by name or
     local path (``hf_config``, ``hf_split`` apply to it). ``streaming`` packs windows on
     the fly instead of tokenizing everything first (for any source), shuffling within a
     bounded buffer.
-    ``tokenizer`` is ``"byte"`` (built-in, no files) or a path to a ``tokenizers`` JSON
-    file or a ``transformers`` tokenizer directory.
+    ``tokenizer`` is ``"byte"`` (built-in, no files), ``"bpe:N"`` (a byte-level BPE of N ids
+    trained on the source's training split and cached, :mod:`looplm.data.bpe`; then
+    ``val_fraction`` is at most ``BPE_HOLDOUT``) or a path to a ``tokenizers`` JSON file or a
+    ``transformers`` tokenizer directory.
     ``source="shards:DIR"`` trains from token shards written by ``looplm tokenize``
     (:mod:`looplm.data.shards`): the same windows and split, read by memory map; ``tokenizer``
     must be the one the shards were made with, and ``streaming`` stays false. ``shard_check``
@@ -52,12 +59,21 @@ class DataConfig(Config):
     task: Any = None
 
     def __post_init__(self) -> None:
-        check(bool(self.source), "data.source", self.source, "a non-empty source name or path")
+        source = self.parsed_source  # a ConfigError naming the allowed kinds for a bad one
         check(self.seq_len >= 1, "data.seq_len", self.seq_len, "an integer >= 1")
         check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", self.val_fraction, "a number in [0, 1)")
         check(self.val_batches >= 0, "data.val_batches", self.val_batches, "an integer >= 0")
         check(self.shard_check in SHARD_CHECKS, "data.shard_check", self.shard_check,
               " or ".join(SHARD_CHECKS) + " (how token shards are checked at start)")
-        check(not (self.streaming and is_shard_source(self.source)), "data.streaming", self.streaming,
+        check(not (self.streaming and isinstance(source, TokenShards)), "data.streaming", self.streaming,
               "false for a shards: source (shards are read by memory map, never loaded whole)")
-        object.__setattr__(self, "task", validate_task_data(self.source, self.tokenizer, self.seq_len, self.task))  # None unless source is task:NAME
+        check(bpe_vocab(self.tokenizer) is None or self.val_fraction <= BPE_HOLDOUT, "data.val_fraction",
+              self.val_fraction, f"at most {BPE_HOLDOUT} with a bpe:N tokenizer, which trains on the documents whose "
+              f"split unit is >= {BPE_HOLDOUT}: a larger held-out split would hold documents it was trained on")
+        task = source.name if isinstance(source, TaskSource) else None
+        object.__setattr__(self, "task", validate_task_data(task, self.tokenizer, self.seq_len, self.task))  # None unless source is task:NAME
+
+    @functools.cached_property
+    def parsed_source(self) -> DataSource:
+        """``source`` as its typed kind (:mod:`looplm.data.source_kinds`), parsed once."""
+        return parse_source(self.source)

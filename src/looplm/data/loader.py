@@ -24,14 +24,13 @@ import torch
 from torch import Tensor
 
 from looplm.config_base import ConfigError
+from looplm.data.bpe import bpe_tokenizer
 from looplm.data.config import DataConfig
 from looplm.data.packing import PackedCorpus, packed_corpus, stream_windows
 from looplm.data.shard_windows import ShardCorpus, ShardWindows, shard_corpus
-from looplm.data.shards import is_shard_source
-from looplm.data.sources import iter_documents
-from looplm.data.split import is_validation
-from looplm.data.tokenizer import Tokenizer, build_tokenizer
-from looplm.tasks.config import is_task_source
+from looplm.data.source_kinds import TaskSource, TokenShards
+from looplm.data.sources import iter_split_documents
+from looplm.data.tokenizer import Tokenizer, bpe_vocab, build_tokenizer
 from looplm.tasks.stream import GeneratedTask, TaskStream, task_validation_batches
 
 Batch = tuple[Tensor, Tensor]  # (inputs, targets), each [batch_size, seq_len] int64
@@ -52,7 +51,7 @@ def _as_batch(rows: Tensor) -> Batch:
 def _corpus(cfg: DataConfig, tokenizer: Tokenizer) -> PackedCorpus | ShardCorpus:
     """The packed windows of a non-streaming source: memory-mapped shards for ``shards:DIR``
     (:mod:`looplm.data.shard_windows`), else the corpus tokenized and packed in memory."""
-    return shard_corpus(cfg, tokenizer) if is_shard_source(cfg.source) else packed_corpus(cfg, tokenizer)
+    return shard_corpus(cfg, tokenizer) if isinstance(cfg.parsed_source, TokenShards) else packed_corpus(cfg, tokenizer)
 
 
 def _too_small(cfg: DataConfig, corpus: PackedCorpus | ShardCorpus | None) -> ConfigError:
@@ -145,7 +144,7 @@ class _StreamedWindows:
 
     def _open(self, epoch: int) -> Iterator[Tensor]:
         cfg = self.cfg
-        docs = (text for text in iter_documents(cfg) if not is_validation(text, cfg.val_fraction))
+        docs = (text for text, unit in iter_split_documents(cfg) if unit >= cfg.val_fraction)
         windows = stream_windows(docs, self.tokenizer, cfg.seq_len + 1)
         return _shuffle_buffer(windows, self.buffer_size, epoch_generator(cfg.seed, epoch)) if cfg.shuffle else windows
 
@@ -247,9 +246,13 @@ class TrainStream:
 
 def data_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The tokenizer of ``cfg``: a task's own vocabulary for ``source=task:NAME``
-    (``looplm.tasks``), else :func:`build_tokenizer` of ``cfg.tokenizer``."""
-    if is_task_source(cfg.source):
+    (``looplm.tasks``), a BPE trained on the source for ``tokenizer=bpe:N``
+    (:mod:`looplm.data.bpe`), else :func:`build_tokenizer` of ``cfg.tokenizer``."""
+    if isinstance(cfg.parsed_source, TaskSource):
         return GeneratedTask(cfg).tokenizer
+    vocab = bpe_vocab(cfg.tokenizer)
+    if vocab is not None:
+        return bpe_tokenizer(cfg, vocab)
     return build_tokenizer(cfg.tokenizer)
 
 
@@ -259,7 +262,7 @@ def train_stream(
     """The training stream of ``cfg``: a :class:`~looplm.tasks.TaskStream` for a task source
     (which uses the task's own vocabulary; ``tokenizer`` is ignored), else a :class:`TrainStream`.
     Both keep the same contract: batches, sharding, ``state_dict`` / ``load_state_dict``."""
-    if is_task_source(cfg.source):
+    if isinstance(cfg.parsed_source, TaskSource):
         return TaskStream(cfg, batch_size, rank, world_size)
     return TrainStream(cfg, tokenizer, batch_size, rank, world_size)
 
@@ -278,14 +281,14 @@ def validation_batches(
     only as many held-out documents as these batches need. A task source gives held-out
     generated examples (:func:`~looplm.tasks.task_validation_batches`; ``tokenizer`` unused).
     """
-    if is_task_source(cfg.source):
+    if isinstance(cfg.parsed_source, TaskSource):
         return task_validation_batches(cfg, batch_size, rank, world_size)
     _check_parallel(batch_size, rank, world_size)
     if cfg.val_batches == 0 or cfg.val_fraction == 0.0:
         return []
     limit = cfg.val_batches * batch_size * world_size
     if cfg.streaming:
-        docs = (text for text in iter_documents(cfg) if is_validation(text, cfg.val_fraction))
+        docs = (text for text, unit in iter_split_documents(cfg) if unit < cfg.val_fraction)
         rows = list(itertools.islice(stream_windows(docs, tokenizer, cfg.seq_len + 1), limit))
         windows = torch.stack(rows) if rows else torch.empty(0, cfg.seq_len + 1, dtype=torch.long)
     else:

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from looplm.data.config import DataConfig
-from looplm.data.sources import iter_documents
-from looplm.data.split import document_unit, split_documents
+from looplm.data.sources import iter_split_documents
+from looplm.data.split import split_documents
 from looplm.data.tokenizer import Tokenizer
 
 TOKEN_DTYPE = torch.int32  # windows are stored compactly and widened to int64 per batch
@@ -92,10 +92,10 @@ def packed_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> PackedCorpus:
 def _pack(cfg: DataConfig, tokenizer: Tokenizer) -> PackedCorpus:
     docs: list[Tensor] = []
     units: list[float] = []
-    for text in iter_documents(cfg):
+    for text, unit in iter_split_documents(cfg):
         if text:
             docs.append(encode_document(tokenizer, text))
-            units.append(document_unit(text))
+            units.append(unit)
     window = cfg.seq_len + 1
     held = split_documents(units, [d.numel() for d in docs], cfg.val_fraction, window)
     train_docs = [d for d, h in zip(docs, held) if not h]

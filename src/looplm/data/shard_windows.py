@@ -20,9 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
-from looplm.data.shards import SHARDS_PREFIX, Shard, open_shards
+from looplm.data.shards import Shard, open_shards
 from looplm.data.split import split_documents
 from looplm.data.tokenizer import Tokenizer
 
@@ -89,7 +88,7 @@ def shard_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> ShardCorpus:
     """Open, verify, split and index ``cfg.source = "shards:DIR"``; cached per process on
     (directory, seq_len, val_fraction, tokenizer, shard check), so a train stream and the validation
     batches of one run verify the checksums once."""
-    args = (cfg.source, cfg.seq_len, cfg.val_fraction, tokenizer, cfg.shard_check)
+    args = (cfg.parsed_source.directory, cfg.seq_len, cfg.val_fraction, tokenizer, cfg.shard_check)
     try:
         hash(tokenizer)
     except TypeError:
@@ -97,10 +96,8 @@ def shard_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> ShardCorpus:
     return _open_cached(*args)
 
 
-def _open(source: str, seq_len: int, val_fraction: float, tokenizer: Tokenizer, check: str) -> ShardCorpus:
-    if not source[len(SHARDS_PREFIX):]:
-        raise ConfigError("data.source", source, "'shards:' followed by a directory written by `looplm tokenize`")
-    directory = Path(source[len(SHARDS_PREFIX):]).expanduser()
+def _open(directory_name: str, seq_len: int, val_fraction: float, tokenizer: Tokenizer, check: str) -> ShardCorpus:
+    directory = Path(directory_name).expanduser()
     shards = open_shards(directory, tokenizer, check)
     units = np.concatenate([s.units for s in shards])
     starts = np.concatenate([s.offsets[:-1] for s in shards]).astype(np.int64)

@@ -38,18 +38,14 @@ import numpy as np
 
 from looplm.artifacts import FORMAT_VERSION, MANIFEST, CheckpointError, fsync_dir, read_json, sha256, write_text
 from looplm.config_base import ConfigError
+from looplm.data.source_kinds import TokenShards
 from looplm.data.tokenizer import Tokenizer, same_tokenizer, tokenizer_identity
 
-SHARDS_PREFIX = "shards:"
 KIND = "looplm-token-shards"
 ARRAYS = ("tokens", "offsets", "units")
 #: How ``open_shards`` checks the files (``data.shard_check``): every checksum, or every
 #: array's dtype and length against the manifest's counts.
 SHARD_CHECKS = ("sha256", "shape")
-
-
-def is_shard_source(source: str) -> bool:
-    return source.startswith(SHARDS_PREFIX)
 
 
 def shard_name(index: int) -> str:
@@ -151,7 +147,7 @@ class Shard:
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of a shard directory, or a ConfigError / CheckpointError saying what is wrong."""
-    source = SHARDS_PREFIX + str(directory)
+    source = TokenShards(str(directory)).spec()
     if not directory.is_dir():
         raise ConfigError("data.source", source, "'shards:' followed by a directory written by `looplm tokenize`; "
                           "no such directory")

@@ -5,11 +5,14 @@ same on every run and machine, so files are visited in sorted path order and dat
 rows in storage order. Every reader is lazy: streaming over a large source never holds
 more than one batch of rows.
 
-Sources (``DataConfig.source``):
+Each kind of ``DataConfig.source`` (:mod:`looplm.data.source_kinds`, read as
+``DataConfig.parsed_source``) has its reader:
 
 - ``"pydoc"``: CPython's ``pydoc_data.topics.topics``, the English reference
   documentation behind ``help()``: one document per topic, in sorted key order
   (about 80 documents, ~465 KB of text with CPython 3.11; it varies slightly by version).
+- ``"python-stdlib"``: the ``*.py`` files of the interpreter's standard library, one document
+  per file, held out by the hash of the file's path (:mod:`looplm.data.stdlib`).
 - a local ``.txt`` file, read as UTF-8 and split into passages of at least
   ``TXT_PASSAGE_CHARS`` characters at paragraph breaks (:func:`split_passages`); each
   passage is one document, so a corpus that is one long file (a book, a dump) still has a
@@ -36,7 +39,9 @@ from typing import Any, Iterable, Iterator
 
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
-from looplm.data.shards import SHARDS_PREFIX
+from looplm.data.source_kinds import ALLOWED, BuiltinCorpus, DataSource, HubDataset, TextPath
+from looplm.data.split import document_unit
+from looplm.data.stdlib import stdlib_documents
 
 log = logging.getLogger("looplm")
 
@@ -46,20 +51,39 @@ FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_PASSAGE_CHARS = 4096
 #: Invalid UTF-8 tolerated in a .txt file before it is refused as not text (a fraction of its characters).
 MAX_INVALID_UTF8 = 0.01
-HF_PREFIX = "hf:"
 _PARQUET_BATCH_ROWS = 1024
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
     """Yield the documents of ``cfg.source`` as strings, in a deterministic order."""
-    if cfg.source == "pydoc":
+    return (text for text, _ in iter_split_documents(cfg))
+
+
+def iter_split_documents(cfg: DataConfig) -> Iterator[tuple[str, float]]:
+    """Yield ``(text, unit)`` per document of ``cfg.source``, in a deterministic order: the unit
+    decides the held-out split (:mod:`looplm.data.split`), the hash of the text for every source
+    but ``python-stdlib``, whose files are split by the hash of their path."""
+    source = cfg.parsed_source
+    if not splits_by_text(source):
+        return ((text, unit) for text, unit, _ in stdlib_documents())
+    return ((text, document_unit(text)) for text in _text_documents(cfg))
+
+
+def splits_by_text(source: DataSource) -> bool:
+    """Whether a source's split units are the hash of each document's text (all but ``python-stdlib``)."""
+    return source != BuiltinCorpus("python-stdlib")
+
+
+def _text_documents(cfg: DataConfig) -> Iterator[str]:
+    source = cfg.parsed_source
+    if source == BuiltinCorpus("pydoc"):
         return _pydoc_documents()
-    if cfg.source.startswith(HF_PREFIX):
+    if isinstance(source, HubDataset):
         return _hf_documents(cfg)
-    if cfg.source.startswith(SHARDS_PREFIX):
-        raise ConfigError("data.source", cfg.source, "a text source here: token shards hold tokens, not documents "
-                          "(shards: is for training and validation batches; give the text the shards were made from)")
-    return _local_documents(cfg)
+    if isinstance(source, TextPath):
+        return _local_documents(cfg)
+    raise ConfigError("data.source", cfg.source, f"a text source here ({source.kind} sources hold no documents: "
+                      "shards hold tokens, a task its own examples; give the text the shards were made from)")
 
 
 def _pydoc_documents() -> Iterator[str]:
@@ -75,7 +99,7 @@ def _pydoc_documents() -> Iterator[str]:
 def local_files(source: str) -> list[Path]:
     """The files a local ``data.source`` path stands for, in reading order."""
     path = Path(source).expanduser()
-    allowed = f"'pydoc', 'hf:NAME', or an existing {'/'.join(FILE_SUFFIXES)} file or folder of them"
+    allowed = ALLOWED
     if not path.exists():
         raise ConfigError("data.source", source, f"{allowed}; no such path exists")
     if path.is_file():
@@ -214,9 +238,7 @@ def _open_hf_dataset(cfg: DataConfig) -> Any:
     """A ``datasets.Dataset`` or (``cfg.streaming``) ``datasets.IterableDataset``."""
     import datasets
 
-    name = cfg.source[len(HF_PREFIX):]
-    if not name:
-        raise ConfigError("data.source", cfg.source, "'hf:' followed by a dataset name or local path")
+    name = cfg.parsed_source.name
     path = Path(name).expanduser()
     if name.startswith(("/", "./", "../", "~")) and not path.exists():
         raise ConfigError("data.source", cfg.source, "'hf:' followed by a dataset name or an existing local path")

@@ -8,13 +8,24 @@ duplicates on the same side so validation never sees a copy of a training docume
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 def document_unit(text: str) -> float:
     """Map a document to a uniform number in [0, 1): blake2b-64 of its UTF-8 bytes / 2**64."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64
+
+
+def texts_digest(texts: Iterable[str], extra: bytes = b"") -> str:
+    """blake2b-128 hex of ``texts`` in order (each length-prefixed UTF-8, so no two lists
+    collide), then ``extra``: the fingerprint of a list of documents."""
+    h = hashlib.blake2b(digest_size=16)
+    for text in texts:
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little") + data)
+    h.update(extra)
+    return h.hexdigest()
 
 
 def is_validation(text: str, val_fraction: float) -> bool:

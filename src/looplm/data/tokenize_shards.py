@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -32,13 +31,15 @@ import numpy as np
 from looplm.artifacts import MANIFEST, CheckpointError, read_json, write_text
 from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
+from looplm.data.loader import data_tokenizer
 from looplm.data.shards import (
-    complete_shard, is_shard_source, read_manifest, token_dtype, verify_shard_files, write_shard, write_shard_manifest,
+    complete_shard, read_manifest, token_dtype, verify_shard_files, write_shard, write_shard_manifest,
 )
-from looplm.data.sources import HF_PREFIX, iter_documents, local_files
-from looplm.data.split import document_unit
-from looplm.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_identity
-from looplm.tasks.config import is_task_source
+from looplm.data.source_kinds import ALLOWED, BuiltinCorpus, HubDataset, parse_source
+from looplm.data.sources import iter_split_documents, local_files, splits_by_text
+from looplm.data.split import texts_digest
+from looplm.data.stdlib import corpus_identity
+from looplm.data.tokenizer import Tokenizer, build_tokenizer, same_tokenizer, tokenizer_identity
 
 log = logging.getLogger("looplm")
 
@@ -75,15 +76,17 @@ def tokenize_to_shards(
     ``streaming`` reads an ``hf:`` dataset without downloading it whole first (the same
     documents in the same order, so it is not part of the job's settings)."""
     started = time.perf_counter()
-    if is_task_source(source) or is_shard_source(source):
-        raise ConfigError("SOURCE", source, "a text source: a .txt/.jsonl/.parquet file or folder, 'pydoc' or "
-                          "'hf:NAME' (task: and shards: sources hold no text to tokenize)")
+    kind = parse_source(source)
+    if not kind.holds_text:
+        raise ConfigError("SOURCE", source, f"a text source, one of {ALLOWED} ({kind.kind} sources hold no text "
+                          "to tokenize)")
     if num_proc < 1 or shard_chars < 1:
         raise ConfigError("--num-proc" if num_proc < 1 else "--shard-chars", min(num_proc, shard_chars),
                           "an integer >= 1")
     cfg = DataConfig(source=source, tokenizer=tokenizer, text_field=text_field, hf_config=hf_config,
                      hf_split=hf_split, streaming=streaming)
-    identity = tokenizer_identity(build_tokenizer(tokenizer))
+    built = data_tokenizer(cfg)  # a bpe:N tokenizer is trained (or found in the cache) here, once
+    identity = tokenizer_identity(built)
     settings = {"source": source, "text_field": text_field, "hf_config": hf_config, "hf_split": hf_split,
                 "shard_chars": shard_chars}
     inputs = _input_state(cfg)  # checks that a local source exists before anything is written
@@ -97,7 +100,8 @@ def tokenize_to_shards(
 
     for tmp in directory.glob(".tmp-*"):  # left by a run killed mid-write
         tmp.unlink()
-    records, written = _write_shards(directory, iter_documents(cfg), tokenizer, shard_chars, num_proc, progress)
+    records, written = _write_shards(directory, iter_split_documents(cfg), built.name, shard_chars, num_proc,
+                                     progress, with_units=not splits_by_text(cfg.parsed_source))
     if not records:
         raise ConfigError("SOURCE", source, "a source with at least one non-empty document")
     removed = 0
@@ -115,17 +119,22 @@ def tokenize_to_shards(
 
 def _claim(directory: Path, identity: dict[str, Any], settings: dict[str, Any]) -> None:
     """Record the job in ``job.json``, or refuse a directory holding another job's shards. The
-    settings are pinned once a shard exists; before that (a run that failed at once, e.g. on a
-    wrong text field) a new job simply replaces the record."""
+    settings are pinned once a shard exists, and the tokenizer by content (a tokenizer file
+    found at another path, e.g. another ``bpe:N`` cache directory, is the same job); before
+    that (a run that failed at once, e.g. on a wrong text field) a new job simply replaces
+    the record."""
     job = {"tokenizer": identity, "settings": settings}
     path = directory / JOB_FILE
     has_shards = any(_SHARD_FILE.match(p.name) for p in directory.iterdir()) or (directory / MANIFEST).exists()
     if path.is_file() and has_shards:
         previous = read_json(path)
-        if previous != job:
+        made_with = previous.get("tokenizer")
+        same_tok = (isinstance(made_with, dict) and made_with.keys() == identity.keys()
+                    and same_tokenizer(made_with, identity))
+        if previous.get("settings") != settings or not same_tok:
             differs = [k for k in settings if previous.get("settings", {}).get(k) != settings[k]]
-            if previous.get("tokenizer") != identity:
-                differs.insert(0, f"tokenizer (there: {previous.get('tokenizer', {}).get('name')!r})")
+            if not same_tok:
+                differs.insert(0, f"tokenizer (there: {(made_with or {}).get('name')!r})")
             raise ConfigError("OUT", str(directory), "a new directory, or one holding shards of this same job: it "
                               f"holds shards made with other settings ({', '.join(differs)}); choose another "
                               "directory or delete it")
@@ -137,12 +146,17 @@ def _claim(directory: Path, identity: dict[str, Any], settings: dict[str, Any]) 
 
 
 def _input_state(cfg: DataConfig) -> Any:
-    """What identifies the input without reading it: (path, size, mtime) of each local file,
-    the Python version for ``pydoc``; None where unknown (a dataset by name), so a re-run
-    reads the source again and keeps every shard whose documents are unchanged."""
-    if cfg.source == "pydoc":
+    """What identifies the input without tokenizing it: (path, size, mtime) of each local file,
+    the Python version for ``pydoc``, the Python version and file fingerprint for
+    ``python-stdlib`` (:func:`~looplm.data.stdlib.corpus_identity`); None where unknown (a
+    dataset by name), so a re-run reads the source again and keeps every shard whose
+    documents are unchanged."""
+    source = cfg.parsed_source
+    if source == BuiltinCorpus("pydoc"):
         return ["pydoc", platform.python_version()]
-    if cfg.source.startswith(HF_PREFIX):
+    if source == BuiltinCorpus("python-stdlib"):
+        return corpus_identity()
+    if isinstance(source, HubDataset):
         return None
     return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in local_files(cfg.source)]
 
@@ -160,34 +174,35 @@ def _complete_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def fingerprint(texts: list[str]) -> str:
-    """blake2b-128 of a chunk's documents (length-prefixed UTF-8): a kept shard was made from these."""
-    h = hashlib.blake2b(digest_size=16)
-    for text in texts:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little") + data)
-    return h.hexdigest()
+def fingerprint(texts: list[str], units: list[float] | None = None) -> str:
+    """blake2b-128 of a chunk's documents (length-prefixed UTF-8), and of their split units
+    where they do not follow from the texts: a kept shard was made from these."""
+    return texts_digest(texts, b"" if units is None else np.asarray(units, dtype=np.float64).tobytes())
 
 
-def chunks(documents: Iterable[str], shard_chars: int) -> Iterator[list[str]]:
-    """Consecutive non-empty documents, cut after the first to reach ``shard_chars`` characters."""
+def chunks(documents: Iterable[tuple[str, float]], shard_chars: int) -> Iterator[tuple[list[str], list[float]]]:
+    """Consecutive non-empty documents ``(texts, units)``, cut after the first to reach ``shard_chars`` characters."""
     texts: list[str] = []
+    units: list[float] = []
     chars = 0
-    for text in documents:
+    for text, unit in documents:
         if not text:
             continue
         texts.append(text)
+        units.append(unit)
         chars += len(text)
         if chars >= shard_chars:
-            yield texts
-            texts, chars = [], 0
+            yield texts, units
+            texts, units, chars = [], [], 0
     if texts:
-        yield texts
+        yield texts, units
 
 
-def _write_shards(directory: Path, documents: Iterator[str], tokenizer: str, shard_chars: int, num_proc: int,
-                  progress: bool) -> tuple[list[dict[str, Any]], int]:
-    """Plan the chunks, keep complete shards, tokenize and write the rest; return (records, written)."""
+def _write_shards(directory: Path, documents: Iterator[tuple[str, float]], tokenizer: str, shard_chars: int,
+                  num_proc: int, progress: bool, with_units: bool) -> tuple[list[dict[str, Any]], int]:
+    """Plan the chunks, keep complete shards, tokenize and write the rest; return (records, written).
+    ``tokenizer`` is a spec :func:`build_tokenizer` loads (``byte`` or a path); ``with_units``: the
+    split units are not the texts' own, so the chunk fingerprints cover them."""
     from tqdm import tqdm
 
     records: dict[int, dict[str, Any]] = {}
@@ -204,15 +219,15 @@ def _write_shards(directory: Path, documents: Iterator[str], tokenizer: str, sha
     pool = multiprocessing.get_context("spawn").Pool(num_proc) if num_proc > 1 else None
     pending: collections.deque = collections.deque()
     try:
-        for index, texts in enumerate(chunks(documents, shard_chars)):
-            mark = fingerprint(texts)
+        for index, (texts, units) in enumerate(chunks(documents, shard_chars)):
+            mark = fingerprint(texts, units if with_units else None)
             kept = complete_shard(directory, index, mark)
             if kept is not None:
                 done(kept, index, new=False)
                 continue
             if not written and not pending:
                 (directory / MANIFEST).unlink(missing_ok=True)  # the directory is incomplete from here on
-            task = (str(directory), index, tokenizer, texts, mark)
+            task = (str(directory), index, tokenizer, texts, units, mark)
             if pool is None:
                 done(tokenize_chunk(task), index, new=True)
                 continue
@@ -237,17 +252,16 @@ def _worker_tokenizer(spec: str) -> Tokenizer:
     return build_tokenizer(spec)
 
 
-def tokenize_chunk(task: tuple[str, int, str, list[str], str]) -> dict[str, Any]:
+def tokenize_chunk(task: tuple[str, int, str, list[str], list[float], str]) -> dict[str, Any]:
     """Tokenize one chunk and write it as shard ``index`` (in a worker): ``task`` is
-    ``(directory, index, tokenizer spec, texts, fingerprint)``; return the shard's record."""
-    directory, index, spec, texts, mark = task
+    ``(directory, index, tokenizer spec, texts, split units, fingerprint)``; return the shard's record."""
+    directory, index, spec, texts, units, mark = task
     tokenizer = _worker_tokenizer(spec)
     dtype = token_dtype(tokenizer.vocab_size)
     pieces = [np.array(tokenizer.encode(text) + [tokenizer.eos_id], dtype=dtype) for text in texts]
     offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum([p.size for p in pieces], out=offsets[1:])
-    units = np.array([document_unit(text) for text in texts], dtype=np.float64)
-    return write_shard(Path(directory), index, np.concatenate(pieces), offsets, units, mark,
+    return write_shard(Path(directory), index, np.concatenate(pieces), offsets, np.array(units, dtype=np.float64), mark,
                        chars=sum(len(t) for t in texts))
 
 

@@ -15,6 +15,27 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from looplm.config_base import ConfigError
 
+#: ``data.tokenizer = "bpe:N"``: a byte-level BPE of N ids trained on the data source's
+#: training split (:mod:`looplm.data.bpe`).
+BPE_PREFIX = "bpe:"
+#: The smallest BPE vocabulary: the 256 byte symbols, the end-of-document token and one merge.
+MIN_BPE_VOCAB = 258
+#: A BPE tokenizer trains on the documents whose split unit is at least this, so any
+#: ``data.val_fraction`` up to it holds out only documents the tokenizer never saw.
+BPE_HOLDOUT = 0.1
+
+
+def bpe_vocab(spec: str) -> int | None:
+    """N of a ``"bpe:N"`` tokenizer spec, None for any other spec; a malformed one is a ConfigError."""
+    if not spec.startswith(BPE_PREFIX):
+        return None
+    value = spec[len(BPE_PREFIX):]
+    if not value.isdigit() or int(value) < MIN_BPE_VOCAB:
+        raise ConfigError("data.tokenizer", spec, f"'bpe:N' with N an integer >= {MIN_BPE_VOCAB} (e.g. bpe:8192): "
+                          "the vocabulary size of a byte-level BPE trained on data.source")
+    return int(value)
+
+
 # Tokens that conventionally end a document, tried in this order when a tokenizer does
 # not declare its eos token (a bare ``tokenizers`` JSON has no notion of one).
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -150,9 +171,14 @@ def _load_transformers_dir(path: Path) -> Any:
 
 def build_tokenizer(spec: str) -> Tokenizer:
     """``"byte"`` → :class:`ByteTokenizer`; a path to a ``tokenizer.json`` file or a
-    ``transformers`` tokenizer directory → :class:`HFTokenizer`."""
+    ``transformers`` tokenizer directory → :class:`HFTokenizer`. ``bpe:N`` needs its corpus:
+    :func:`looplm.data.data_tokenizer` builds it from the whole data config."""
     if spec == "byte":
         return ByteTokenizer()
+    if bpe_vocab(spec) is not None:
+        raise ConfigError("data.tokenizer", spec, "a spec that names a tokenizer by itself here ('byte' or a path): "
+                          "a bpe:N tokenizer is trained on data.source, so build it with "
+                          "looplm.data.data_tokenizer(data_config)")
     path = Path(spec).expanduser()
     if not path.exists():
         raise ConfigError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from looplm.data.source_kinds import TaskSource
 from looplm.study.definition import Measures
 from looplm.study.runs import Run
 
@@ -167,7 +168,7 @@ def state_tracking(run: Run) -> Measures:
 
 def lt2(run: Run) -> Measures:
     """The LM part of an LT2 variant (:func:`lm`) or its state-tracking part."""
-    if run.config.data.source.startswith("task:"):
+    if isinstance(run.config.data.parsed_source, TaskSource):
         return state_tracking(run)
     return lm(run)
 

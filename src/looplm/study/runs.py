@@ -27,6 +27,7 @@ import torch
 
 from looplm.config import RunConfig
 from looplm.config_base import ConfigError
+from looplm.data.source_kinds import TaskSource
 from looplm.train import Trainer
 from looplm.train.checkpoint import CONFIG_FILE, config_differences, has_checkpoints, resolve_checkpoint, with_defaults
 from looplm.train.metrics import read_metrics
@@ -108,7 +109,7 @@ def finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
         check_same_config(run_dir, saved, cfg)
     if summary is None or summary.get("steps", 0) < cfg.train.max_steps:
         return None
-    if cfg.data.source.startswith("task:"):  # the table reads the final task evaluation
+    if isinstance(cfg.data.parsed_source, TaskSource):  # the table reads the final task evaluation
         metrics = run_dir / "metrics.jsonl"
         steps = [e["step"] for e in task_history(metrics)] if metrics.is_file() else []
         if not steps or steps[-1] < cfg.train.max_steps:

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from looplm.config import RunConfig
 from looplm.config_base import ConfigError
+from looplm.data.source_kinds import TaskSource
 from looplm.ladder.rungs import MECHANISMS, RUNGS
 from looplm.ladder.runner import QUICK_OVERRIDES, ladder_configs
 from looplm.study import measures
@@ -250,7 +251,7 @@ def _lt2_runs(lm_preset: str, layers: int, loops: int, curriculum: list[int], se
 
 
 def _lt2_describe(variant: str, runs: list) -> dict[str, str]:
-    lm = next(r for r in runs if not r.config.data.source.startswith("task:"))
+    lm = next(r for r in runs if not isinstance(r.config.data.parsed_source, TaskSource))
     return describe_default(variant, [lm])
 
 

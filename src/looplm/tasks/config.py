@@ -6,20 +6,22 @@ A task is selected by the data source (``task:copy``, ``task:reverse``, ``task:a
 the length and evaluation fields, the state-tracking task the curriculum fields and
 ``eval_samples`` / ``eval_batch_size``).
 
-This module imports nothing from ``looplm.data`` (``looplm.data.config`` imports it).
+``looplm.data.config`` imports this module and hands it the parsed task name; the two
+helpers that take a ``data.source`` string read its kind from
+:mod:`looplm.data.source_kinds`, imported on use (``looplm.data`` imports this module).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from types import ModuleType
 from typing import Any, Optional
 
 from looplm.config_base import Config, ConfigError, check
 from looplm.tasks.character import example_tokens
 from looplm.tasks.state_tracking import program_tokens
 
-TASK_PREFIX = "task:"
 CHARACTER_TASKS = ("copy", "reverse", "addition")
 TASK_NAMES = (*CHARACTER_TASKS, "state_tracking")
 #: ``data.tokenizer`` values accepted with a task source: the default (unused) or ``task``.
@@ -75,13 +77,26 @@ class TaskConfig(Config):
         return max(1, math.floor(alpha * self.train_length + 0.5))
 
 
+def _source_kinds() -> ModuleType:
+    """:mod:`looplm.data.source_kinds`, imported on use: ``looplm.data`` imports this module."""
+    from looplm.data import source_kinds
+
+    return source_kinds
+
+
 def task_name(source: str) -> Optional[str]:
     """``"addition"`` for ``data.source="task:addition"``; None for any other source."""
-    return source[len(TASK_PREFIX):] if source.startswith(TASK_PREFIX) else None
+    kinds = _source_kinds()
+    parsed = kinds.parse_source(source)
+    return parsed.name if isinstance(parsed, kinds.TaskSource) else None
 
 
 def is_task_source(source: str) -> bool:
-    return source.startswith(TASK_PREFIX)
+    return task_name(source) is not None
+
+
+def _task_sources() -> str:
+    return ", ".join(_source_kinds().TaskSource(n).spec() for n in TASK_NAMES)
 
 
 def longest_training_tokens(name: str, task: TaskConfig) -> int:
@@ -92,10 +107,11 @@ def longest_training_tokens(name: str, task: TaskConfig) -> int:
     return example_tokens(name, task.train_length)
 
 
-def validate_task_data(source: str, tokenizer: str, seq_len: int, task: Any) -> Optional[TaskConfig]:
-    """Check the task fields of a data config (``data.source``, ``data.tokenizer``,
-    ``data.seq_len``, ``data.task``); return its TaskConfig (defaults filled in for a task
-    source without ``data.task``), or None for other sources.
+def validate_task_data(name: Optional[str], tokenizer: str, seq_len: int, task: Any) -> Optional[TaskConfig]:
+    """Check the task fields of a data config (the task ``name`` of a ``data.source=task:NAME``,
+    None for other sources; ``data.tokenizer``, ``data.seq_len``, ``data.task``); return its
+    TaskConfig (defaults filled in for a task source without ``data.task``), or None for
+    other sources.
 
     Called from ``DataConfig.__post_init__``, so every error names a ``data.*`` field.
     """
@@ -104,14 +120,13 @@ def validate_task_data(source: str, tokenizer: str, seq_len: int, task: Any) -> 
     elif task is not None and not isinstance(task, TaskConfig):
         raise ConfigError("data.task", task, "null or a mapping with keys "
                           + ", ".join(f.name for f in dataclasses.fields(TaskConfig)))
-    name = task_name(source)
     if name is None:
         check(task is None, "data.task", task.to_dict() if isinstance(task, Config) else task,
-              "null unless data.source is task:NAME (" + ", ".join(TASK_PREFIX + n for n in TASK_NAMES) + ")")
+              f"null unless data.source is task:NAME ({_task_sources()})")
         return None
+    source = _source_kinds().TaskSource(name).spec()
     if name not in TASK_NAMES:
-        raise ConfigError("data.source", source, "one of " + ", ".join(TASK_PREFIX + n for n in TASK_NAMES)
-                          + " for a generated task")
+        raise ConfigError("data.source", source, f"one of {_task_sources()} for a generated task")
     task = task if task is not None else TaskConfig()
     check(
         tokenizer in TASK_TOKENIZER_SPECS, "data.tokenizer", tokenizer,
