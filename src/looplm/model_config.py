@@ -270,4 +270,4 @@ class ModelConfig(Config):
     def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
         """``(part, j) -> mixers`` of every block: depth- and loop-level hybrids
         (:func:`looplm.mixers.pattern.block_mixers`)."""
-        return block_mixers(self.parsed_layout, self.mixer, self.hybrid, self.loop_mixers)
+        return block_mixers(self.structure, self.mixer, self.hybrid, self.loop_mixers)

@@ -91,12 +91,18 @@ class LoopStructure:
         return getattr(self, part)
 
     @functools.cached_property
+    def positions(self) -> tuple[tuple[str, int], ...]:
+        """Every block position (part, j) in depth order: what a block's mixers are planned
+        by (:func:`looplm.mixers.pattern.block_mixers`)."""
+        return tuple((part, j) for part in PARTS for j in range(self.count(part)))
+
+    @functools.cached_property
     def _names(self) -> dict[str, tuple[str, ...]]:
         return {part: tuple(f"{part}.{j}" for j in range(self.count(part))) for part in PARTS}
 
     def names_of(self, part: str) -> tuple[str, ...]:
         """The block names of ``part`` in depth order (``core.j``: one per core position)."""
-        check(part in PARTS, "part", part, f"one of {', '.join(PARTS)}")
+        self.count(part)  # refuses an unknown part
         return self._names[part]
 
     @functools.cached_property
@@ -121,17 +127,18 @@ class LoopStructure:
     def block_paths(self) -> tuple[str, ...]:
         """The parameter path of every block module, in ``LoopLM.blocks()`` order (each core
         stack whole before the next)."""
-        core = tuple(f"core.{i}.{j}" for i in range(self.stacks) for j in range(self.core))
-        return self._names["prelude"] + core + self._names["coda"]
+        return self._per_module("core.{i}.{j}")
 
     @property
     def block_labels(self) -> tuple[str, ...]:
         """A label per block module, in ``LoopLM.blocks()`` order: its block name, the core's
         as ``core[i].j`` when there are several stacks."""
-        if self.stacks == 1:
-            return self.names
-        core = tuple(f"core[{i}].{j}" for i in range(self.stacks) for j in range(self.core))
-        return self._names["prelude"] + core + self._names["coda"]
+        return self.names if self.stacks == 1 else self._per_module("core[{i}].{j}")
+
+    def _per_module(self, core: str) -> tuple[str, ...]:
+        """prelude.j, ``core`` formatted for stack i and block j, coda.j: one per block module."""
+        stacks = tuple(core.format(i=i, j=j) for i in range(self.stacks) for j in range(self.core))
+        return self._names["prelude"] + stacks + self._names["coda"]
 
     def core_passes(self, steps: Steps) -> Steps:
         """Core block evaluations of ``steps`` macro steps: core·passes·steps (an int, or a
