@@ -275,7 +275,7 @@ class LoopLM(nn.Module):
         """Blocks at iteration t (their per-iteration mixer view); ``slot`` names the pass in
         the cache and the attention record (default t)."""
         slot = t if slot is None else slot
-        for key, block in zip(self.cfg.structure.names_of(name), blocks):
+        for key, block in zip(self.cfg.structure.names_of(name), blocks, strict=True):
             ctx.at(key, slot)
             if cache is None and self.recompute is not None:
                 h = self.recompute(name, functools.partial(_block_output, block, ctx, t), h)

@@ -3,9 +3,10 @@
 :func:`grown_block_type` picks, under ``model.head_loop`` and for a block with softmax
 attention (its entropy is what picks layers), the grown block of the configured kind,
 which :func:`~looplm.modules.block.build_block` builds in place of the plain one: the
-plain block, the same parameters under the same names, plus its grown structure ``head_loop`` (K_l and the head weights,
-written by the trainer, :mod:`looplm.head_loop.training`). K_l = 0 (the start of
-training, a block never grown) runs the plain block.
+plain block, the same parameters under the same names, plus its grown structure
+``head_loop`` (K_l and the head weights, written by the trainer,
+:mod:`looplm.head_loop.training`). K_l = 0 (the start of training, a block never grown)
+runs the plain block.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class HeadLoopBlock(GrownBlock):
             looped = [loop.order[p] for p in loop.slots]  # the heads a pass computes, in slot order
             by_pass = sorted(range(len(looped)), key=looped.__getitem__)
             ascending = {location: loop.slot_of}  # [B, H, T, S] recorded in slot order
-            ascending.update({extra_pass_location(location, k + 1): by_pass for k in range(self.extra_passes(iteration))})
+            ascending.update({extra_pass_location(location, k + 1): by_pass
+                              for k in range(self.extra_passes(iteration))})
             for key, index in ascending.items():
                 if key in ctx.attentions:
                     probs = ctx.attentions[key]
