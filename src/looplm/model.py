@@ -26,11 +26,11 @@ from looplm.cache import LoopCache, StaticLoopCache
 from looplm.config_base import ConfigError
 from looplm.generation import generate
 from looplm.halting import Halting, Readout, build_halting
-from looplm.head_loop.block import build_block
+from looplm.head_loop.block import grown_block_type
 from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
 from looplm.model_config import ModelConfig
-from looplm.modules.block import Block
+from looplm.modules.block import Block, build_block
 from looplm.modules.norm import build_norm
 from looplm.modules.rotary import Rotary
 from looplm.modules.step import StepEmbedding
@@ -91,16 +91,19 @@ class LoopLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        layout = cfg.parsed_layout
+        layout, structure = cfg.parsed_layout, cfg.structure
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         plan = cfg.block_mixers()  # each block's mixer(s): depth- and loop-level hybrids
-        shape, head_loop = cfg.block_shape, cfg.head_loop
-        self.prelude = nn.ModuleList(build_block(shape, plan[("prelude", j)], head_loop) for j in range(layout.prelude))
-        stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
+
+        def block(part: str, j: int) -> Block:
+            mixers = plan[(part, j)]
+            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers))
+
+        self.prelude = nn.ModuleList(block("prelude", j) for j in range(structure.prelude))
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
         self.core = nn.ModuleList(
-            nn.ModuleList(build_block(shape, plan[("core", j)], head_loop) for j in range(layout.core)) for _ in range(stacks)
+            nn.ModuleList(block("core", j) for j in range(structure.core)) for _ in range(structure.stacks)
         )
         self.topology: Optional[Topology] = (
             build_topology(cfg.topology, cfg.d_model, cfg.iterations) if layout.is_looped else None
@@ -110,7 +113,7 @@ class LoopLM(nn.Module):
         self.step_embedding = StepEmbedding(cfg.iterations, cfg.d_model) if cfg.step_embeddings else None
         self.streams = build_streams(cfg.streams, cfg.d_model) if layout.is_looped else None
         self.halting: Optional[Halting] = build_halting(cfg.halting, cfg.d_model) if layout.is_looped else None
-        self.coda = nn.ModuleList(build_block(shape, plan[("coda", j)], head_loop) for j in range(layout.coda))
+        self.coda = nn.ModuleList(block("coda", j) for j in range(structure.coda))
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -171,8 +174,7 @@ class LoopLM(nn.Module):
         recurrence = self._recur(n_iter, h_emb, h, ctx, cache, targets) if self.topology is not None else None
         if recurrence is not None:
             h = recurrence.readout
-        h = self._run(self.coda, "coda", 0, h, ctx, cache)
-        logits = self.head(self.norm(h[:, -logits_to_keep:] if logits_to_keep > 0 else h))
+        logits = self.read_out(h, ctx, cache, logits_to_keep)
 
         loss = lm_loss = None
         if targets is not None:
@@ -224,10 +226,10 @@ class LoopLM(nn.Module):
             ctx.add_loss(name, value)
         if cache is not None and stops:
             cache.append_frozen(state, t + 1)
-        layout = self.cfg.parsed_layout
-        block_passes = layout.prelude + layout.coda + layout.core * streams.passes * halt.steps
+        structure = self.cfg.structure
+        block_passes = structure.block_passes(halt.steps)
         if cache is not None and halting.freezes and not stops:  # the steps halted positions ran frozen
-            catch_up = catch_up + layout.core * streams.passes * ((n_iter - halt.steps) * ctx.new_valid).sum()
+            catch_up = catch_up + structure.core_passes(((n_iter - halt.steps) * ctx.new_valid).sum())
         return RecurrenceOutput(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps,
                                 block_passes, catch_up)
 
@@ -266,16 +268,15 @@ class LoopLM(nn.Module):
         sub = MixerContext(rope=self.rotary(positions, ctx.rope[0].dtype), valid=valid, past=start, padded=ctx.padded)
         self.streams.step(self.topology, cache.frozen_slice(start, end), self._passes(t, sub, cache), t)
         cache.mark_caught_up(start, end, t + 1)
-        return self.cfg.parsed_layout.core * self.streams.passes * valid[:, start:].sum()
+        return self.cfg.structure.core_passes(valid[:, start:].sum())
 
     def _run(self, blocks, name: str, t: int, h, ctx: MixerContext, cache: Optional[LoopCache],
              slot: Optional[int] = None) -> torch.Tensor:
         """Blocks at iteration t (their per-iteration mixer view); ``slot`` names the pass in
         the cache and the attention record (default t)."""
         slot = t if slot is None else slot
-        for j, block in enumerate(blocks):
-            key = f"{name}.{j}"
-            ctx.location = (key, slot)
+        for key, block in zip(self.cfg.structure.names_of(name), blocks, strict=True):
+            ctx.at(key, slot)
             if cache is None and self.recompute is not None:
                 h = self.recompute(name, functools.partial(_block_output, block, ctx, t), h)
                 continue
@@ -288,7 +289,7 @@ class LoopLM(nn.Module):
         """The core's update at iteration t: f_core(h^(t)) at full resolution, else
         S↓ -> f_core on the chunk latents -> S↑ -> causal right shift (spiralformer Alg. 1-2;
         the core runs only on the chunks completed by the new positions)."""
-        stack = self.core[0 if self.cfg.share_core else t]
+        stack = self.core[self.cfg.structure.stack_at(t)]
         if self.resolution is None or self.resolution.identity(t):
             return self._run(stack, "core", t, h, ctx, cache, slot)
         step = self.resolution.down(t, h, ctx, self.rotary, cache)  # Eq. (8): z [B, L_t, d]
@@ -389,12 +390,20 @@ class LoopLM(nn.Module):
         """Every distinct block module (prelude, core stacks, coda)."""
         return [*self.prelude, *(b for stack in self.core for b in stack), *self.coda]
 
+    def read_out(self, h: torch.Tensor, ctx: MixerContext, cache: Optional[LoopCache] = None,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits head(norm(coda(h))) [B, T, V] of a state h [B, T, d] leaving the loop, with
+        the positions and masks of ``ctx``; ``logits_to_keep`` > 0: of the last that many
+        positions only (the coda still runs on all, to fill ``cache``)."""
+        h = self._run(self.coda, "coda", 0, h, ctx, cache)
+        return self.head(self.norm(h[:, -logits_to_keep:] if logits_to_keep > 0 else h))
+
     def loop_logits(self, input_ids: torch.Tensor, states: list[torch.Tensor]) -> list[torch.Tensor]:
         """z^(τ) = head(norm(coda(h^(τ)))) [B, T, V] for each loop state h^(τ) of
         ``forward(input_ids, output_states=True).states`` (pass ``states[1:]`` for τ = 1..T):
         what the model would emit had it stopped after τ iterations (LT2 §5, Eq. kd-loss)."""
         ctx, _ = self._context(input_ids, None, None, states[0].dtype)
-        return [self.head(self.norm(self._run(self.coda, "coda", 0, h, ctx, None))) for h in states]
+        return [self.read_out(h, ctx) for h in states]
 
 
 def _block_output(block: Block, ctx: MixerContext, t: int, h: torch.Tensor) -> torch.Tensor:

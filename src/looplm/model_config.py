@@ -20,6 +20,7 @@ from looplm.modules.shape import BlockShape
 from looplm.resolution.config import ResolutionConfig
 from looplm.resolution import schedule
 from looplm.streams.config import SingleStreamConfig, StreamsConfig
+from looplm.structure import LoopStructure
 from looplm.topology.config import SUPPLEMENTS, TOPOLOGIES, BaseTopologyConfig, TopologyConfig
 
 __all__ = ["ModelConfig", "SUPPLEMENTS", "TOPOLOGIES", "TopologyConfig"]
@@ -115,7 +116,7 @@ class ModelConfig(Config):
             check(self.hybrid is None, "model.loop_mixers", [m.kind for m in self.loop_mixers],
                   "null when model.hybrid is set: choose a depth-level or a loop-level hybrid")
         if self.hybrid is not None:
-            hybrid_positions(self.hybrid, layout.prelude + (layout.core if layout.is_looped else 0) + layout.coda)
+            hybrid_positions(self.hybrid, len(self.structure.names))
         self.mixer.validate(self.block_shape, "model.mixer")
         if self.hybrid is not None:
             self.hybrid.mixer.validate(self.block_shape, "model.hybrid.mixer")
@@ -124,7 +125,10 @@ class ModelConfig(Config):
         if self.head_loop is not None:
             check(self.norm_placement == "pre", "model.norm_placement", self.norm_placement,
                   "'pre' with model.head_loop set (SGT's grown passes are pre-norm)")
-            object.__setattr__(self, "head_loop", HeadLoopConfig.checked(self.head_loop, self))
+            specs = [self.mixer, *(self.loop_mixers or ())] + ([self.hybrid.mixer] if self.hybrid else [])
+            object.__setattr__(self, "head_loop", HeadLoopConfig.checked(
+                self.head_loop, structure=self.structure, n_heads=self.n_heads,
+                parallel_residual=self.parallel_residual, softmax=any(s.is_softmax for s in specs)))
         self._check_loop_axes(layout)
         if not layout.is_looped:
             check(
@@ -193,15 +197,19 @@ class ModelConfig(Config):
     @property
     def passes_per_step(self) -> int:
         """Core block passes per macro step (streams): 1, or H·(L + 1)."""
-        return self.streams.passes
+        return self.structure.passes_per_step
 
     @property
     def block_passes(self) -> int:
         """Block evaluations of one forward, every position running every step: prelude +
         core·T·passes + coda (autoregressive-trm.txt App. B's compute C)."""
-        layout = self.parsed_layout
-        core = layout.core * layout.iterations * self.passes_per_step if layout.is_looped else 0
-        return layout.prelude + core + layout.coda
+        return self.structure.trained_block_passes
+
+    @functools.cached_property
+    def structure(self) -> LoopStructure:
+        """The loop's shape: block counts, core stacks, block names and parameter paths,
+        block passes (:mod:`looplm.structure`)."""
+        return LoopStructure.of(self.parsed_layout, self.share_core, self.streams.passes)
 
     @functools.cached_property
     def parsed_layout(self) -> Layout:
@@ -262,4 +270,4 @@ class ModelConfig(Config):
     def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
         """``(part, j) -> mixers`` of every block: depth- and loop-level hybrids
         (:func:`looplm.mixers.pattern.block_mixers`)."""
-        return block_mixers(self.parsed_layout, self.mixer, self.hybrid, self.loop_mixers)
+        return block_mixers(self.structure, self.mixer, self.hybrid, self.loop_mixers)

@@ -125,8 +125,7 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
 
     plan = cfg.block_mixers()
     prelude = sum(block(plan[("prelude", j)]) for j in range(layout.prelude))
-    stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
-    core = stacks * sum(block(plan[("core", j)]) for j in range(layout.core if layout.is_looped else 0))
+    core = cfg.structure.stacks * sum(block(plan[("core", j)]) for j in range(cfg.structure.core))
     coda = sum(block(plan[("coda", j)]) for j in range(layout.coda))
     topology = cfg.topology.parameter_count(d, cfg.iterations) if layout.is_looped else 0
     counts = {

@@ -41,12 +41,8 @@ log = logging.getLogger("looplm")
 def block_paths(cfg: ModelConfig) -> list[list[str]]:
     """Per distinct block index (prelude, core, coda): the module paths of its blocks (a
     core position has one per stack when ``share_core`` is false)."""
-    layout = cfg.parsed_layout
-    stacks = (1 if cfg.share_core else layout.iterations) if layout.is_looped else 0
-    paths = [[f"prelude.{j}"] for j in range(layout.prelude)]
-    paths += [[f"core.{i}.{j}" for i in range(stacks)] for j in range(layout.core if layout.is_looped else 0)]
-    paths += [[f"coda.{j}"] for j in range(layout.coda)]
-    return paths
+    structure = cfg.structure
+    return [list(structure.paths_of(name)) for name in structure.names]
 
 
 def check_teacher(cfg: ModelConfig) -> None:

@@ -1,11 +1,12 @@
 """Blocks that grow extra passes during training (sparse-growing-transformer.txt §4).
 
-:func:`build_block` builds the plain :class:`~looplm.modules.block.Block`, or, under
-``model.head_loop`` and for a block with softmax attention (its entropy is what picks
-layers), the grown block of the configured kind: the plain block, the same parameters
-under the same names, plus its grown structure ``head_loop`` (K_l and the head weights,
-written by the trainer, :mod:`looplm.head_loop.training`). K_l = 0 (the start of
-training, a block never grown) runs the plain block.
+:func:`grown_block_type` picks, under ``model.head_loop`` and for a block with softmax
+attention (its entropy is what picks layers), the grown block of the configured kind,
+which :func:`~looplm.modules.block.build_block` builds in place of the plain one: the
+plain block, the same parameters under the same names, plus its grown structure
+``head_loop`` (K_l and the head weights, written by the trainer,
+:mod:`looplm.head_loop.training`). K_l = 0 (the start of training, a block never grown)
+runs the plain block.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from looplm.mixers.attention import SoftmaxAttention
 from looplm.head_loop.config import HeadLoopConfig
 from looplm.modules.block import Block
 from looplm.modules.shape import BlockShape
+
+
+def extra_pass_location(location: tuple[str, int], k: int) -> tuple[str, int]:
+    """Where extra pass k >= 1 of the block running at ``location`` records: (``<block>.loop<k>``, pass)."""
+    block, slot = location
+    return f"{block}.loop{k}", slot
 
 
 class GrownBlock(Block):
@@ -58,10 +65,10 @@ class GrownBlock(Block):
         location, new_passes = ctx.location, []
         weights = self._pass_weights(mixer)
         for k, pass_state in enumerate(passes):
-            ctx.location = (f"{location[0]}.loop{k + 1}", location[1])  # probes: one entry per pass
+            ctx.at(*extra_pass_location(location, k + 1))  # probes: one entry per pass
             x, pass_state = self._extra_pass(x, ctx, mixer, pass_state, weights)
             new_passes.append(pass_state)
-        ctx.location = location
+        ctx.at(*location)
         return self._last(x), LoopedState(main, tuple(new_passes))
 
     def _first_pass(self, x, ctx: MixerContext, mixer: SoftmaxAttention, state) -> tuple[torch.Tensor, MixerState]:
@@ -101,7 +108,7 @@ class HeadLoopBlock(GrownBlock):
             looped = [loop.order[p] for p in loop.slots]  # the heads a pass computes, in slot order
             by_pass = sorted(range(len(looped)), key=looped.__getitem__)
             ascending = {location: loop.slot_of}  # [B, H, T, S] recorded in slot order
-            ascending.update({(f"{location[0]}.loop{k + 1}", location[1]): by_pass
+            ascending.update({extra_pass_location(location, k + 1): by_pass
                               for k in range(self.extra_passes(iteration))})
             for key, index in ascending.items():
                 if key in ctx.attentions:
@@ -187,12 +194,13 @@ class BlockLoopBlock(GrownBlock):
 GROWN_BLOCKS = {"heads": HeadLoopBlock, "block": BlockLoopBlock}
 
 
-def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], head_loop: Optional[HeadLoopConfig]) -> Block:
-    """A block with ``mixers`` (one, or one per loop iteration): grown under
-    ``model.head_loop`` when some of them compute softmax attention, else plain."""
+def grown_block_type(head_loop: Optional[HeadLoopConfig], mixers: Sequence[MixerConfig]) -> Optional[type[GrownBlock]]:
+    """The grown block a block with ``mixers`` becomes under ``model.head_loop`` (for
+    :func:`looplm.modules.block.build_block`): the kind's, where some of them compute
+    softmax attention (its entropy is what picks layers); None: the block stays plain."""
     if head_loop is None or not any(spec.is_softmax for spec in mixers):
-        return Block(shape, mixers)
-    return GROWN_BLOCKS[head_loop.kind](shape, mixers)
+        return None
+    return GROWN_BLOCKS[head_loop.kind]
 
 
 def grown_blocks(model: nn.Module) -> dict[int, GrownBlock]:
@@ -200,16 +208,7 @@ def grown_blocks(model: nn.Module) -> dict[int, GrownBlock]:
     return {l: b for l, b in enumerate(model.blocks()) if isinstance(b, GrownBlock)}
 
 
-def block_names(model: nn.Module) -> list[str]:
-    """Names of ``model.blocks()`` in the same (depth) order: prelude.j, core.j (core[i].j
-    when each iteration has its own stack), coda.j."""
-    names = [f"prelude.{j}" for j in range(len(model.prelude))]
-    for i, stack in enumerate(model.core):
-        names += [f"core.{j}" if len(model.core) == 1 else f"core[{i}].{j}" for j in range(len(stack))]
-    return names + [f"coda.{j}" for j in range(len(model.coda))]
-
-
 def grown_structure(model: nn.Module) -> dict[str, dict]:
     """{block name: {depth, heads, weights}} for every block whose loop depth is > 0."""
-    names = block_names(model)
+    names = model.cfg.structure.block_labels
     return {names[l]: b.head_loop.describe() for l, b in grown_blocks(model).items() if b.head_loop.depth > 0}

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from looplm.config_base import Config, check
+from looplm.structure import LoopStructure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +58,20 @@ class HeadLoopConfig(Config):
         return self.interval if self.fade is None else self.fade
 
     @classmethod
-    def checked(cls, value, model) -> "HeadLoopConfig":
-        """``value`` (a config or, from Python, a dict) checked against ``model`` (a ModelConfig)."""
+    def checked(cls, value, *, structure: LoopStructure, n_heads: int, parallel_residual: bool,
+                softmax: bool) -> "HeadLoopConfig":
+        """``value`` (a config or, from Python, a dict) checked against the model it grows:
+        its ``structure`` (the distinct blocks ``exclude`` indexes), ``n_heads``, whether its
+        blocks are ``parallel_residual`` and whether some block computes ``softmax`` attention."""
         cfg = cls.from_dict(value, prefix="model.head_loop") if isinstance(value, dict) else value
-        check(cfg.heads is None or cfg.heads <= model.n_heads, "model.head_loop.heads", cfg.heads,
-              f"null or at most n_heads={model.n_heads}")
-        check(cfg.kind == "block" or not model.parallel_residual, "model.head_loop.kind", cfg.kind,
+        check(cfg.heads is None or cfg.heads <= n_heads, "model.head_loop.heads", cfg.heads,
+              f"null or at most n_heads={n_heads}")
+        check(cfg.kind == "block" or not parallel_residual, "model.head_loop.kind", cfg.kind,
               "'block' with parallel_residual=true: Eq. (6) feeds the looped state H^(K) to the FFN, "
               "which a parallel block reads from its input; set model.parallel_residual=false")
-        layout = model.parsed_layout
-        stacks = (1 if model.share_core else layout.iterations) if layout.is_looped else 0
-        blocks = layout.prelude + stacks * layout.core + layout.coda
+        blocks = structure.distinct_blocks
         check(all(i < blocks for i in cfg.exclude), "model.head_loop.exclude", list(cfg.exclude),
               f"block indices below {blocks}, the model's number of distinct blocks")
-        specs = [model.mixer, *(model.loop_mixers or ())] + ([model.hybrid.mixer] if model.hybrid else [])
-        check(any(s.is_softmax for s in specs), "model.head_loop", cfg.to_dict(),
+        check(softmax, "model.head_loop", cfg.to_dict(),
               "null: head looping needs softmax attention (attention or sliding_window) in some block")
         return cfg

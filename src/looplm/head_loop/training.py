@@ -18,7 +18,7 @@ from torch import nn
 
 from looplm.head_loop.entropy import EntropyMeter
 from looplm.head_loop.schedule import GrowthSchedule
-from looplm.head_loop.block import HeadLoopBlock, block_names, grown_blocks
+from looplm.head_loop.block import HeadLoopBlock, grown_blocks
 
 
 class Growth:
@@ -27,7 +27,7 @@ class Growth:
     def __init__(self, model: nn.Module, device: torch.device):
         cfg = model.cfg.head_loop
         self.grown = grown_blocks(model)  # {layer: block}, layers indexing model.blocks()
-        self.names = block_names(model)
+        self.names = model.cfg.structure.block_labels  # growth events name blocks as the grown structure does
         eligible = [l for l in self.grown if l not in cfg.exclude]
         self.schedule = GrowthSchedule(cfg, model.cfg.n_heads, eligible)
         self.meter: Optional[EntropyMeter] = EntropyMeter(model.blocks(), eligible, model.cfg.n_heads, device)

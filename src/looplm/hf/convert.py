@@ -46,6 +46,7 @@ from looplm.hf.import_model import DENSE_MODEL_TYPES, config_from_hf, load_hf_ch
 from looplm.layout import Layout, parse_layout
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
+from looplm.structure import LoopStructure
 
 log = logging.getLogger("looplm")
 
@@ -67,11 +68,9 @@ class LayerMap:
 
     def blocks(self) -> list[tuple[str, tuple[int, ...]]]:
         """(looplm block prefix, dense sources) for every block; the shared core is ``core.0``."""
-        return (
-            [(f"prelude.{j}", s) for j, s in enumerate(self.prelude)]
-            + [(f"core.0.{j}", s) for j, s in enumerate(self.core)]
-            + [(f"coda.{j}", s) for j, s in enumerate(self.coda)]
-        )
+        structure = LoopStructure.of(parse_layout(self.layout), share_core=True)
+        sources = self.prelude + self.core + self.coda  # in depth order, as structure.names
+        return [(structure.path(name, 0), s) for name, s in zip(structure.names, sources)]
 
     @property
     def unused(self) -> tuple[int, ...]:

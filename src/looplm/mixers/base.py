@@ -54,6 +54,13 @@ class MixerContext:
     location: tuple[str, int] = ("", 0)
     _masks: dict = dataclasses.field(default_factory=dict)
 
+    def at(self, block: str, slot: int) -> None:
+        """Name the (block, pass) that runs next: the key :meth:`record_attention` and the
+        hooks of probes and distillation read from ``location``. The one writer of
+        ``location``: the model names each block it runs (``LoopLM._run``), a grown block
+        each of its extra passes (:mod:`looplm.head_loop.block`)."""
+        self.location = (block, slot)
+
     def record_attention(self, probs: torch.Tensor) -> None:
         """Keep softmax probabilities [B, H, T, S] of the running (block, iteration) when the
         caller asked for them (``attentions`` is a dict); probes read them from the output.

@@ -20,8 +20,8 @@ from fractions import Fraction
 from typing import Literal, Optional, Sequence
 
 from looplm.config_base import Config, ConfigError, check
-from looplm.layout import Layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
+from looplm.structure import LoopStructure
 
 PLACEMENTS = ("interleave", "bookend", "front", "back")
 
@@ -80,13 +80,13 @@ def hybrid_positions(hybrid: HybridConfig, n_blocks: int) -> list[int]:
 
 
 def block_mixers(
-    layout: Layout, mixer: MixerConfig, hybrid: Optional[HybridConfig], loop_mixers: Optional[Sequence[MixerConfig]]
+    structure: LoopStructure, mixer: MixerConfig, hybrid: Optional[HybridConfig],
+    loop_mixers: Optional[Sequence[MixerConfig]],
 ) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:
-    """``(part, j) -> mixers``: one spec for prelude/coda blocks and unscheduled core
-    blocks, one per iteration for core blocks under ``loop_mixers``."""
-    positions = [("prelude", j) for j in range(layout.prelude)]
-    positions += [("core", j) for j in range(layout.core if layout.is_looped else 0)]
-    positions += [("coda", j) for j in range(layout.coda)]
+    """``(part, j) -> mixers`` for every position of ``structure``: one spec for
+    prelude/coda blocks and unscheduled core blocks, one per iteration for core blocks
+    under ``loop_mixers``."""
+    positions = structure.positions
     chosen = set(hybrid_positions(hybrid, len(positions))) if hybrid is not None else set()
     plan = {}
     for index, (part, j) in enumerate(positions):

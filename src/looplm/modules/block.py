@@ -5,8 +5,8 @@ normalises each sub-layer's input; ``sandwich`` also normalises its output befor
 residual add (Ouro, modeling_ouro.py ``OuroDecoderLayer``). Under ``pre`` the output
 norms are ``nn.Identity`` (no parameters, no state-dict entries, the same numbers).
 
-SGT's grown passes (``model.head_loop``) extend this block from outside:
-:mod:`looplm.head_loop.block`."""
+SGT's grown passes (``model.head_loop``) extend this block from outside
+(:mod:`looplm.head_loop.block`): :func:`build_block` builds either."""
 
 from __future__ import annotations
 
@@ -79,3 +79,11 @@ class Block(nn.Module):
             return x + mixed + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
         x = x + mixed
         return x + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
+
+
+def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None) -> Block:
+    """The block of one position with ``mixers`` (one, or one per loop iteration): the plain
+    :class:`Block`, or ``grown``, a subclass an axis that grows blocks picked for it (the
+    same parameters under the same names plus its extra state: SGT's head loop,
+    :func:`looplm.head_loop.block.grown_block_type`)."""
+    return (Block if grown is None else grown)(shape, mixers)

@@ -141,9 +141,6 @@ def capture_forward(
 @torch.no_grad()
 def read_out(model: LoopLM, capture: Capture, h: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, V] of state h [B, T, d] read through the model's own coda blocks, final
-    norm and head, with the captured forward's positions and masks (the logit lens)."""
-    ctx = capture.ctx
-    for j, block in enumerate(model.coda):
-        ctx.location = (f"coda.{j}", 0)
-        h, _ = block(h, ctx, None, iteration=0)
-    return model.head(model.norm(h))
+    norm and head (:meth:`LoopLM.read_out`), with the captured forward's positions and
+    masks (the logit lens)."""
+    return model.read_out(h, capture.ctx)

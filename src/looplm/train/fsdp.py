@@ -61,7 +61,7 @@ def units(model: LoopLM) -> list[tuple[list[nn.Module], bool]]:
     reshard_after_forward). See the module docstring for why the shared core is one
     unit kept gathered."""
     groups: list[tuple[list[nn.Module], bool]] = [([block], True) for block in model.prelude]
-    if model.cfg.share_core:
+    if model.cfg.structure.shared:
         groups += [(list(stack), False) for stack in model.core if len(stack)]
     else:
         groups += [([block], True) for stack in model.core for block in stack]
