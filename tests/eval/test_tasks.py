@@ -71,9 +71,68 @@ def test_the_eval_sets_are_fixed_and_at_the_scaled_length() -> None:
     evaluate_task(AnswerModel("copy", mangle=lambda a: seen.append(a) or a + "\n"), task_cfg("copy"))
     again = []
     evaluate_task(AnswerModel("copy", mangle=lambda a: again.append(a) or a + "\n"), task_cfg("copy"))
-    assert seen == again and len(seen) == 50
-    assert [len(a) for a in seen] == [4] * 10 + [6] * 10 + [8] * 10 + [12] * 10 + [20] * 10
+    assert seen == again and len(seen) == 60  # five lengths, then the seen report at L_train
+    assert [len(a) for a in seen] == [4] * 10 + [6] * 10 + [8] * 10 + [12] * 10 + [20] * 10 + [4] * 10
     assert len(set(seen[:10])) > 5
+
+
+@pytest.mark.parametrize("name", ["copy", "reverse", "addition"])
+def test_training_never_draws_a_held_out_problem(name) -> None:
+    """data.task.heldout: the α = 1 test problems and the validation problems are held out of
+    the training stream (2-digit addition has 10⁴ problems: unsplit, the test set is trained
+    on); the seen report scores problems the stream did draw."""
+    from looplm.tasks.character import held_out
+    from looplm.tasks.stream import GeneratedTask
+
+    cfg = task_cfg(name, train_length=2, min_length=1, heldout=0.2, eval_samples=50)
+    task = GeneratedTask(cfg)
+    train = [task.problem("train", k) for k in range(3000)]
+    tests = [task.problem("eval:2", i, 2) for i in range(50)] + [task.problem("val", k) for k in range(200)]
+    assert not any(held_out(name, p, 0.2) for p in train)
+    assert all(held_out(name, p, 0.2) for p in tests)
+    assert not {p.prompt for p in train} & {p.prompt for p in tests}
+    # the split is the problem's, not the seed's: another seed holds out the same problems
+    other = GeneratedTask(DataConfig(source=f"task:{name}", seq_len=32, seed=7, task=cfg.task))
+    assert all(held_out(name, other.problem("eval:2", i, 2), 0.2) for i in range(20))
+    seen = task.seen_problems(50)
+    assert {p.prompt for p in seen} <= {p.prompt for p in train} and len(seen) == 50
+    assert all(len(p.answer) == len(seen[0].answer) for p in seen)  # all at L_train
+    # longer inputs are never trained on, so they are not filtered
+    assert not all(held_out(name, task.problem("eval:6", i, 6), 0.2) for i in range(50))
+
+
+def test_seen_and_unseen_scores_are_reported_apart() -> None:
+    """A model that memorised its training problems and nothing else: 1.0 seen, 0.0 unseen."""
+    cfg = task_cfg("addition", train_length=2, min_length=2, heldout=0.3, eval_samples=20)
+    from looplm.tasks.stream import GeneratedTask
+
+    trained = {p.prompt for p in (GeneratedTask(cfg).problem("train", k) for k in range(5000))}
+    answers = iter([])
+
+    class Memoriser(AnswerModel):
+        def generate(self, prompts, **kw):
+            nonlocal answers
+            answers = iter([TOK.decode(ids) in trained for ids in prompts])
+            return super().generate(prompts, **kw)
+
+    model = Memoriser("addition", mangle=lambda a: a + "\n" if next(answers) else "9" * len(a) + "\n")
+    out = evaluate_task(model, cfg)
+    assert out["heldout"] == 0.3 and out["seen"]["length"] == 2
+    assert out["seen"]["exact_match"] == 1.0 and out["alphas"]["1"]["exact_match"] == 0.0
+    off = evaluate_task(AnswerModel("addition"), task_cfg("addition", heldout=0.0))
+    assert "seen" not in off and off["heldout"] == 0.0
+
+
+def test_a_held_out_share_that_leaves_nothing_is_refused() -> None:
+    from looplm.tasks.stream import GeneratedTask
+
+    # copy at length 1 has 10 problems; a 0.5 share keeps some on each side, so ask for a
+    # side of a one-problem space instead: length 1 copy with a tiny fraction has no held-out problem
+    task = GeneratedTask(task_cfg("copy", train_length=1, min_length=1, heldout=1e-6))
+    with pytest.raises(ConfigError, match="data.task.heldout"):
+        task.problem("eval:1", 0, 1)
+    with pytest.raises(ConfigError, match="data.task.heldout"):
+        task_cfg("copy", heldout=0.9)
 
 
 def test_metrics_from_a_model_that_fails_late() -> None:
@@ -96,7 +155,7 @@ def test_ranks_share_the_samples() -> None:
     models = [AnswerModel("copy", mangle=lambda a: a[:2] + "\n") for _ in range(3)]
     parts = [evaluate_task(m, task_cfg("copy", eval_alphas=[1, 2]), rank=r, world_size=3)
              for r, m in enumerate(models)]
-    assert sum(n for m in models for n, _ in m.calls) == 20  # each sample decoded once, by one rank
+    assert sum(n for m in models for n, _ in m.calls) == 30  # each sample (two lengths, seen) decoded once, by one rank
     assert sum(p["alphas"]["1"]["samples"] for p in parts) == 10  # no process group: per-rank counts
     assert whole["alphas"]["1"]["char_acc"] == 0.5
 

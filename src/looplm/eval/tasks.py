@@ -2,7 +2,9 @@
 
 Character tasks (autoregressive-TRM App. B.3): for each α in ``data.task.eval_alphas`` a
 fixed set of ``eval_samples`` problems at input length L_eval = α·L_train (seeded by
-``data.seed`` and the length, the same at every evaluation), answered by greedy decoding
+``data.seed`` and the length, the same at every evaluation; at L_eval <= L_train drawn
+from the held-out problems training never sees, ``data.task.heldout``, and reported
+beside ``seen``: the same metrics on training problems of length L_train), answered by greedy decoding
 through the model's cache (``LoopLM.generate``, temperature 0) that stops at the newline
 token after at most ``len(answer) + 1`` tokens; scored by :mod:`looplm.tasks.metrics`.
 
@@ -86,7 +88,7 @@ def evaluate_task(
 
     Character tasks: ``{"task", "train_length", "alphas": {"1": {"alpha", "length",
     "exact_match", "char_acc", "quartile_acc": [Q1..Q4], "last_char_acc", "samples"}, "1.5":
-    …}}``. State tracking (at stage n = m ``stage``, default the first of the curriculum):
+    …}, "heldout", "seen": {"length", "exact_match", …}}`` (``seen`` only with ``heldout > 0``). State tracking (at stage n = m ``stage``, default the first of the curriculum):
     ``{"task", "m", "n", "samples", "answers", "accuracy", "program_acc", "loss"}``.
     ``rank`` / ``world_size``: score this rank's share and sum the counts over the process group.
     """
@@ -102,26 +104,36 @@ def evaluate_task(
 
 
 def _evaluate_characters(model: "LoopLM", task: GeneratedTask, rank: int, world_size: int) -> dict[str, Any]:
-    tc, tok = task.cfg, task.tokenizer
+    tc = task.cfg
     results: dict[str, Any] = {}
     for alpha in tc.eval_alphas:
         n = tc.eval_length(alpha)
         problems = [task.problem(f"eval:{n}", i, n) for i in range(rank, tc.eval_samples, world_size)]
-        scores = CharacterScores()
-        for start in range(0, len(problems), tc.eval_batch_size):
-            batch = problems[start : start + tc.eval_batch_size]
-            out = model.generate(
-                [tok.encode(p.prompt) for p in batch],
-                max_new_tokens=len(batch[0].answer) + 1,  # the answer and its newline
-                temperature=0.0,
-                stop_tokens=(tok.eos_id,),
-                pad_token_id=tok.pad_id,
-            )
-            for problem, new in zip(batch, out.new_tokens):
-                scores.add(decode_answer(new, tok.eos_id, tok.decode), problem.answer)
-        counts = _sum_across_ranks(scores.as_tensor().to(_device(model)), world_size)
-        results[f"{alpha:g}"] = {"alpha": alpha, "length": n, **CharacterScores.from_tensor(counts.cpu()).summary()}
-    return {"task": task.name, "train_length": tc.train_length, "alphas": results}
+        results[f"{alpha:g}"] = {"alpha": alpha, "length": n, **_score(model, task, problems, world_size)}
+    record = {"task": task.name, "train_length": tc.train_length, "heldout": tc.heldout, "alphas": results}
+    if tc.heldout > 0:  # the held-out scores beside the same metrics on problems training drew
+        seen = task.seen_problems(tc.eval_samples)[rank::world_size]
+        record["seen"] = {"length": tc.train_length, **_score(model, task, seen, world_size)}
+    return record
+
+
+def _score(model: "LoopLM", task: GeneratedTask, problems: list, world_size: int) -> dict[str, Any]:
+    """Greedy answers to ``problems`` (this rank's share), scored and summed over the ranks."""
+    tc, tok = task.cfg, task.tokenizer
+    scores = CharacterScores()
+    for start in range(0, len(problems), tc.eval_batch_size):
+        batch = problems[start : start + tc.eval_batch_size]
+        out = model.generate(
+            [tok.encode(p.prompt) for p in batch],
+            max_new_tokens=len(batch[0].answer) + 1,  # the answer and its newline
+            temperature=0.0,
+            stop_tokens=(tok.eos_id,),
+            pad_token_id=tok.pad_id,
+        )
+        for problem, new in zip(batch, out.new_tokens):
+            scores.add(decode_answer(new, tok.eos_id, tok.decode), problem.answer)
+    counts = _sum_across_ranks(scores.as_tensor().to(_device(model)), world_size)
+    return CharacterScores.from_tensor(counts.cpu()).summary()
 
 
 def _evaluate_state_tracking(model: "LoopLM", task: GeneratedTask, m: int, rank: int, world_size: int
@@ -180,8 +192,10 @@ class TaskEvaluator:
         record = evaluate_task(model, self.data, stage=stage, rank=self.rank, world_size=self.world_size)
         self.last = record
         if curriculum is None:
-            logger.info("task %s at step %d: %s", record["task"], step, ", ".join(
-                f"α={k} exact {v['exact_match']:.3f} char {v['char_acc']:.3f}" for k, v in record["alphas"].items()))
+            seen = record.get("seen")
+            logger.info("task %s at step %d: %s%s", record["task"], step, ", ".join(
+                f"α={k} exact {v['exact_match']:.3f} char {v['char_acc']:.3f}" for k, v in record["alphas"].items()),
+                f"; seen exact {seen['exact_match']:.3f}" if seen else "")
             return record
         every = self.train.eval_every
         scheduled = (every > 0 and step % every == 0) or step >= self.train.max_steps

@@ -18,6 +18,7 @@ newline only ("prompt masking (loss on output tokens only)", App. B.4).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 
 from looplm.tasks.tokenizers import CharacterTokenizer
@@ -50,6 +51,17 @@ def make_problem(task: str, n: int, rng: random.Random) -> Problem:
         a, b = "".join(rng.choices(DIGITS, k=n)), "".join(rng.choices(DIGITS, k=n))
         return Problem(prompt=f"{a}+{b}=", answer=str(int(a) + int(b)).zfill(n + 1))
     raise ValueError(f"unknown character task {task!r}: copy, reverse or addition")
+
+
+def held_out(task: str, problem: Problem, fraction: float) -> bool:
+    """Whether ``problem`` belongs to the held-out share of its task's problems: a hash of
+    the prompt below ``fraction``. The same on every machine and for every seed, so training
+    (which never draws a held-out problem) and evaluation (which draws only held-out ones at
+    the training lengths) agree on the split without listing the problem space."""
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.blake2b(f"looplm.tasks.heldout:{task}:{problem.prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < fraction
 
 
 def answer_length(task: str, n: int) -> int:

@@ -37,6 +37,13 @@ class TaskConfig(Config):
     authors' fixed-length setting); evaluation uses ``eval_samples`` fixed problems at
     each length ``round(α · train_length)`` for α in ``eval_alphas`` (paper: α ∈ {1, 1.5,
     2, 3, 5}, 100 samples per condition), decoded greedily ``eval_batch_size`` at a time.
+    ``heldout``: the share of problems (by a hash of the prompt, :func:`~looplm.tasks.character.held_out`)
+    that training never draws; validation and the evaluation at lengths up to
+    ``train_length`` draw from them only, so an α ≤ 1 score measures problems the model
+    never saw (with 2-digit operands there are only 10⁴ problems: without it the test set
+    is trained on). The evaluation also reports ``seen``: the same metrics on training
+    problems of length ``train_length``. ``0`` turns the split off (every problem can be
+    trained on; no ``seen`` report).
 
     State tracking (LT2 §4.6): stages n = m of ``curriculum``; the stream advances to the
     next stage when the evaluation accuracy on the current one reaches ``advance_at``
@@ -50,6 +57,7 @@ class TaskConfig(Config):
     eval_batch_size: int = 100
     curriculum: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     advance_at: float = 0.90
+    heldout: float = 0.1
 
     def __post_init__(self) -> None:
         check(self.train_length >= 1, "data.task.train_length", self.train_length, "an integer >= 1")
@@ -71,6 +79,8 @@ class TaskConfig(Config):
             "a non-empty, strictly increasing list of sizes n = m >= 5 (five distinct pointers must fit)",
         )
         check(0.0 <= self.advance_at <= 1.0, "data.task.advance_at", self.advance_at, "a number in [0, 1]")
+        check(0.0 <= self.heldout <= 0.5, "data.task.heldout", self.heldout,
+              "a number in [0, 0.5]: the share of problems training never sees")
 
     def eval_length(self, alpha: float) -> int:
         """L_eval = α · L_train, rounded half up (α = 1.5, L_train = 5 → 8), at least 1."""

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from looplm.targets import IGNORE_INDEX
-from looplm.tasks.character import Problem, encode_problem, make_problem
+from looplm.config_base import ConfigError
+from looplm.tasks.character import Problem, answer_length, encode_problem, held_out, make_problem
 from looplm.tasks.config import TaskConfig, task_name
 from looplm.tasks.state_tracking import Curriculum, encode_program, make_program
 from looplm.tasks.tokenizers import CharacterTokenizer, ProgramTokenizer
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 Batch = tuple[Tensor, Tensor]
 Example = tuple[list[int], list[bool]]  # token ids; per token, whether it is a training target
+#: Draws tried for one problem on the requested side of the held-out split before giving up.
+MAX_DRAWS = 1000
 
 
 def example_rng(name: str, seed: int, split: str, index: int) -> random.Random:
@@ -69,10 +72,38 @@ class GeneratedTask:
 
     def problem(self, split: str, index: int, length: Optional[int] = None) -> Problem:
         """Character task: problem ``index`` of ``split``; the input length is ``length``,
-        or uniform in ``[min_length, train_length]`` when None."""
+        or uniform in ``[min_length, train_length]`` when None.
+
+        With ``data.task.heldout > 0`` the ``train`` split never yields a held-out problem
+        and every other split yields only held-out ones at lengths up to ``train_length``
+        (longer inputs are never trained on): the example's generator draws again until
+        the problem is on its side of the split."""
         rng = example_rng(self.name, self.seed, split, index)
-        n = rng.randint(self.cfg.min_length, self.cfg.train_length) if length is None else length
-        return make_problem(self.name, n, rng)
+        tc = self.cfg
+        for _ in range(MAX_DRAWS):
+            n = rng.randint(tc.min_length, tc.train_length) if length is None else length
+            problem = make_problem(self.name, n, rng)
+            if tc.heldout <= 0.0 or n > tc.train_length:
+                return problem
+            if held_out(self.name, problem, tc.heldout) == (split != "train"):
+                return problem
+        side = "training" if split == "train" else "held-out"
+        at = f"length {length}" if length is not None else f"lengths {tc.min_length}..{tc.train_length}"
+        raise ConfigError("data.task.heldout", tc.heldout,
+                          f"a share that leaves {side} problems of task {self.name!r} at {at} "
+                          f"(none in {MAX_DRAWS} draws; the problem space there is too small)")
+
+    def seen_problems(self, count: int) -> list[Problem]:
+        """The first ``count`` training problems of input length ``train_length``, in stream
+        order: problems a run that trained past them has seen (the ``seen`` report)."""
+        found, index = [], 0
+        n = self.cfg.train_length
+        while len(found) < count:
+            problem = self.problem("train", index)
+            index += 1
+            if len(problem.answer) == answer_length(self.name, n):
+                found.append(problem)
+        return found
 
     def program(self, split: str, index: int, m: int) -> Example:
         """State tracking: program ``index`` of ``split`` with n = m."""
