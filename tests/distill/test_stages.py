@@ -14,7 +14,7 @@ from looplm.distill import KDConfig, init_student, student_config
 from looplm.distill.alignment import alignment_loss, record_teacher
 from looplm.distill.selection import attention_restored, kl_guided, uniform_layers
 from looplm.distill.stages import alignment_trainer, kd_trainer
-from looplm.train import read_metrics, train_losses
+from looplm.train import Trainer, read_metrics, train_losses
 from tests.distill.helpers import GDN, frozen_teacher, student_run
 from tests.train.helpers import assert_same_weights, checkpoint_weights
 
@@ -23,6 +23,7 @@ def test_stage1_drives_the_alignment_mse_down(tmp_path):
     teacher = frozen_teacher(init_std=0.2)  # attention outputs well above rounding
     cfg = student_run(teacher, [], tmp_path, max_steps=30, lr=1e-2, warmup_steps=0)
     trainer = alignment_trainer(cfg, teacher, lambda s: init_student(s, teacher), progress=False)
+    assert type(trainer) is Trainer  # a stage is the Trainer's seams, not a subclass
     frozen = {n: p.clone() for n, p in trainer.model.named_parameters() if ".attn." not in n}
     x = torch.randint(0, 257, (4, 32), generator=torch.Generator().manual_seed(5))
     calls = record_teacher(teacher, x)

@@ -42,6 +42,12 @@ RESUME_NEUTRAL = {"out_dir", "log_every", "eval_every", "save_every", "keep_last
                   "parallel"}  # ddp and fsdp compute the same step; both read either checkpoint format
 #: Data-config fields that may differ on resume: how shards are checked reads the same tokens.
 DATA_RESUME_NEUTRAL = {"shard_check"}
+#: trainer.pt's own keys (:func:`save_checkpoint`'s and :func:`trainer_state`'s), which no
+#: callback's ``state_key`` may take, and the built-in callbacks' (SGT growth's).
+RESERVED_STATE_KEYS = frozenset({
+    "format", "step", "optimizer", "tokens_seen", "data", "rng", "bad_steps", "skipped_steps", "best_val_loss",
+    "last_train_loss", "last_val_loss", "train_time_s", "world_size", "growth",
+})
 
 
 def resume_source(out_dir: Path, resume: Union[bool, str, os.PathLike, None]) -> Optional[Union[str, os.PathLike]]:

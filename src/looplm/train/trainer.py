@@ -128,6 +128,7 @@ class Trainer:
     def __init__(self, run_cfg: RunConfig, *, resume: Union[bool, str, os.PathLike] = False, progress: bool = True,
                  model_factory: Callable[[ModelConfig], nn.Module] = LoopLM, loss_fn: LossFn = lm_loss,
                  callbacks: Sequence[Callback] = ()):
+        _check_parts(model_factory, loss_fn, callbacks)  # before any work
         self.cfg = run_cfg
         tc = run_cfg.train
         self.out_dir = Path(tc.out_dir)
@@ -565,6 +566,24 @@ def _parallel_mode(parallel: str, distributed: bool, source: str) -> str:
                           "generates a different number of tokens on each rank, which sharded (collective) "
                           "forwards cannot do; these models are small enough to replicate")
     return parallel
+
+
+def _check_parts(model_factory: Any, loss_fn: Any, callbacks: Sequence[Any]) -> None:
+    """Refuse a part the trainer cannot call, naming the argument, the value and what is allowed."""
+    if not callable(model_factory):
+        raise ConfigError("model_factory", model_factory, "a callable taking the model config and returning the model")
+    if not callable(loss_fn):
+        raise ConfigError("loss_fn", loss_fn, "a callable (model, inputs, targets, step) -> (loss, aux dict)")
+    keys: set[str] = set()
+    for i, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback):
+            raise ConfigError(f"callbacks[{i}]", callback, "a looplm.train.Callback (subclass it, override its hooks)")
+        key = callback.state_key
+        if key is not None and (key in checkpointer.RESERVED_STATE_KEYS or key in keys):
+            raise ConfigError(f"callbacks[{i}].state_key", key, "a key of trainer.pt not taken by the trainer "
+                              f"({', '.join(sorted(checkpointer.RESERVED_STATE_KEYS))}) or another callback")
+        if key is not None:
+            keys.add(key)
 
 
 def _pick_device(spec: str, distributed: bool) -> torch.device:
