@@ -23,13 +23,18 @@ distillation's evaluations (:mod:`looplm.distill.stages`) are callbacks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from looplm.train.trainer import Trainer
+if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
+    from looplm.config import RunConfig
+    from looplm.train.distributed import Ranks
+    from looplm.train.metrics import MetricsWriter
+    from looplm.train.throughput import Throughput
 
 #: ``loss_fn(model, inputs, targets, step) -> (loss, aux)``: the loss to minimise on one
 #: micro-batch [B, T] (a scalar tensor) and named terms logged as ``aux_NAME`` (0-d
@@ -46,6 +51,36 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     return out.loss, out.aux_losses
 
 
+class TrainerView(Protocol):
+    """What a callback (and the checkpointer) sees of :class:`looplm.train.Trainer`: the
+    run's parts, and its progress (saved in ``trainer.pt``). A protocol, so that the parts
+    need not import the loop that calls them."""
+
+    cfg: RunConfig
+    out_dir: Path
+    device: torch.device
+    ranks: Ranks
+    parallel: str  # none, ddp or fsdp
+    model: nn.Module  # the plain model (under FSDP sharded in place)
+    optimizer: torch.optim.Optimizer
+    stream: Any  # the training stream: next() a batch, state_dict / load_state_dict
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    metrics: MetricsWriter
+    throughput: Throughput
+    callbacks: list[Callback]
+    resumed_from: Optional[Path]  # the checkpoint this process continued from
+    step: int  # optimiser steps completed
+    tokens_seen: int
+    bad_steps: int
+    skipped_steps: int
+    best_val_loss: Optional[float]
+    last_train_loss: Optional[float]
+    last_val_loss: Optional[float]
+    train_time_s: float
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+
 class Callback:
     """A part of a run called at the points of the module docstring; every hook does
     nothing by default, so a callback overrides only the ones it needs."""
@@ -53,16 +88,16 @@ class Callback:
     #: the key of this callback's state in ``trainer.pt`` (None: nothing to resume)
     state_key: Optional[str] = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         pass
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def on_eval(self, trainer: Trainer, step: int) -> None:
+    def on_eval(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, summary: dict[str, Any]) -> None:
         pass
 
     def state_dict(self) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 from looplm.config_base import ConfigError
 from looplm.train.checkpoint import (
@@ -26,11 +26,9 @@ from looplm.train.checkpoint import (
     set_rng_state,
     with_defaults,
 )
+from looplm.train.callbacks import TrainerView
 from looplm.train.config import TrainConfig
 from looplm.train.sharded_checkpoint import restore_weights, save_sharded_checkpoint
-
-if TYPE_CHECKING:
-    from looplm.train.trainer import Trainer
 
 logger = logging.getLogger("looplm")
 
@@ -70,7 +68,7 @@ def resume_source(out_dir: Path, resume: Union[bool, str, os.PathLike, None]) ->
     return resume
 
 
-def trainer_state(trainer: Trainer) -> dict[str, Any]:
+def trainer_state(trainer: TrainerView) -> dict[str, Any]:
     """What trainer.pt holds besides the optimiser (see :func:`save_checkpoint`)."""
     return {
         "tokens_seen": trainer.tokens_seen,
@@ -87,7 +85,7 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def save(trainer: Trainer) -> Path:
+def save(trainer: TrainerView) -> Path:
     """Write a checkpoint of the trainer's step (rank 0; under FSDP every rank writes its
     shards) and wait for it on every rank."""
     tc, ranks = trainer.cfg.train, trainer.ranks
@@ -106,7 +104,7 @@ def save(trainer: Trainer) -> Path:
     return path
 
 
-def restore(trainer: Trainer, source: Union[str, os.PathLike]) -> Path:
+def restore(trainer: TrainerView, source: Union[str, os.PathLike]) -> Path:
     """Load the checkpoint ``source`` into ``trainer`` (weights, optimiser, progress, data
     position, callback states, RNG states last); returns the checkpoint's path. Settings
     that differ from the checkpoint's (other than the resume-neutral ones) are reported."""

@@ -11,13 +11,10 @@ trainer's FLOPs per token are recounted from the grown model
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from looplm.head_loop.training import Growth
-from looplm.train.callbacks import Callback
-
-if TYPE_CHECKING:
-    from looplm.train.trainer import Trainer
+from looplm.train.callbacks import Callback, TrainerView
 
 logger = logging.getLogger("looplm")
 
@@ -29,11 +26,11 @@ class SGTGrowth(Growth, Callback):
 
     state_key = "growth"
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: TrainerView):
         super().__init__(trainer.model, trainer.device)
         self.trainer = trainer
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: TrainerView, step: int) -> None:
         self.optimizer = trainer.optimizer
         for event in self.after_step(step, trainer.ranks.distributed):
             trainer.metrics.log("growth", step, **{k: v for k, v in event.items() if k != "step"})
@@ -48,6 +45,6 @@ class SGTGrowth(Growth, Callback):
         super().load_state_dict(state, self.trainer.step if step is None else step)
 
 
-def sgt_growth(trainer: Trainer) -> Optional[SGTGrowth]:
+def sgt_growth(trainer: TrainerView) -> Optional[SGTGrowth]:
     """The growth callback of a run with ``model.head_loop``, else None."""
     return SGTGrowth(trainer) if trainer.cfg.model.head_loop is not None else None

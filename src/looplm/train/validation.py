@@ -5,15 +5,12 @@ the trainer's ``last_val_loss`` and ``best_val_loss`` (saved in ``trainer.pt``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from looplm.train.callbacks import Callback
+from looplm.train.callbacks import Callback, TrainerView
 from looplm.train.metrics import perplexity
-
-if TYPE_CHECKING:
-    from looplm.train.trainer import Trainer
 
 
 class ValidationLoss(Callback):
@@ -21,7 +18,7 @@ class ValidationLoss(Callback):
     fit in memory; a run without a validation split logs nothing."""
 
     @torch.no_grad()
-    def on_eval(self, trainer: Trainer, step: int) -> None:
+    def on_eval(self, trainer: TrainerView, step: int) -> None:
         val_loss = self.mean_loss(trainer)
         if val_loss is None:
             return
@@ -31,7 +28,7 @@ class ValidationLoss(Callback):
         trainer.metrics.log("eval", step, val_loss=val_loss, val_ppl=perplexity(val_loss))
 
     @staticmethod
-    def mean_loss(trainer: Trainer) -> Optional[float]:
+    def mean_loss(trainer: TrainerView) -> Optional[float]:
         """The language-model loss of ``trainer.model`` over its validation batches (None
         without any), averaged over the ranks."""
         if not trainer.val_batches:
