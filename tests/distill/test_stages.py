@@ -13,8 +13,8 @@ from looplm.cli import main
 from looplm.distill import KDConfig, init_student, student_config
 from looplm.distill.alignment import alignment_loss, record_teacher
 from looplm.distill.selection import attention_restored, kl_guided, uniform_layers
-from looplm.distill.stages import AlignmentTrainer, KDTrainer
-from looplm.train import read_metrics, train_losses
+from looplm.distill.stages import alignment_trainer, kd_trainer
+from looplm.train import Trainer, read_metrics, train_losses
 from tests.distill.helpers import GDN, frozen_teacher, student_run
 from tests.train.helpers import assert_same_weights, checkpoint_weights
 
@@ -22,7 +22,8 @@ from tests.train.helpers import assert_same_weights, checkpoint_weights
 def test_stage1_drives_the_alignment_mse_down(tmp_path):
     teacher = frozen_teacher(init_std=0.2)  # attention outputs well above rounding
     cfg = student_run(teacher, [], tmp_path, max_steps=30, lr=1e-2, warmup_steps=0)
-    trainer = AlignmentTrainer(cfg, teacher, lambda s: init_student(s, teacher), progress=False)
+    trainer = alignment_trainer(cfg, teacher, lambda s: init_student(s, teacher), progress=False)
+    assert type(trainer) is Trainer  # a stage is the Trainer's seams, not a subclass
     frozen = {n: p.clone() for n, p in trainer.model.named_parameters() if ".attn." not in n}
     x = torch.randint(0, 257, (4, 32), generator=torch.Generator().manual_seed(5))
     calls = record_teacher(teacher, x)
@@ -85,12 +86,12 @@ def test_restoring_one_block_in_place_equals_the_built_hybrid():
 def _run(kind, teacher, out_dir, **train):
     if kind == "align":
         cfg = student_run(teacher, [], out_dir, **train)
-        return lambda resume=False: AlignmentTrainer(cfg, teacher, lambda s: init_student(s, teacher), resume=resume,
-                                                     progress=False)
+        return lambda resume=False: alignment_trainer(cfg, teacher, lambda s: init_student(s, teacher), resume=resume,
+                                                      progress=False)
     cfg = student_run(teacher, [1], out_dir, **train)
     kd = KDConfig(top_k=16, schedule="per_loop", warmup_fraction=0.2, uniform_fraction=0.4)
-    return lambda resume=False: KDTrainer(cfg, teacher, lambda s: init_student(s, teacher), kd=kd,
-                                          lengths=(8, 16, 32), resume=resume, progress=False)
+    return lambda resume=False: kd_trainer(cfg, teacher, lambda s: init_student(s, teacher), kd=kd,
+                                           lengths=(8, 16, 32), resume=resume, progress=False)
 
 
 @pytest.mark.parametrize("kind", ["align", "kd"])

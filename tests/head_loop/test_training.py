@@ -59,9 +59,9 @@ def test_model_flops_follow_the_grown_structure(tmp_path):
     """The trainer's FLOPs/token (and so MFU) count the loops growth added, not the config."""
     trainer = Trainer(run_config(tmp_path / "run", **KW), progress=False)
     seq_len = trainer.cfg.data.seq_len
-    before = trainer._model_flops(None)["model_flops_per_token"]
+    before = trainer.throughput.per_token
     assert before == count_flops(trainer.cfg.model, seq_len).training_per_token
     trainer.fit(stop_after=3)  # block 3 grown (mid-fade): its heads loop
-    after = trainer._model_flops(None)["model_flops_per_token"]
+    after = trainer.throughput.per_token
     assert after == count_flops(trainer.model, seq_len).training_per_token
     assert after > before

@@ -3,15 +3,17 @@
 Each stage is a :class:`~looplm.train.Trainer` run in its own directory under the root
 ``train.out_dir`` (``stage1``, ``stage2``, ``stage3``), so it checkpoints, resumes
 exactly, logs ``metrics.jsonl`` and writes ``summary.json`` like ``looplm train``, and its
-directory is an ordinary looplm run of the student (``looplm eval OUT/stage2``). The
-subclasses change two hooks: ``_build_model`` (the student, initialised from the teacher)
-and ``_forward_loss`` (the stage's objective); the teacher is frozen and never saved.
+directory is an ordinary looplm run of the student (``looplm eval OUT/stage2``). A stage
+is built on the Trainer's public seams (:func:`student_trainer`): a model factory (the
+student, initialised from the teacher), a loss function (the stage's objective:
+:class:`AlignmentLoss`, :class:`KDLoss`) and callbacks (its ``distill_eval`` records:
+:class:`AlignmentEval`, :class:`KDEval`); the teacher is frozen and never saved.
 
-* stage 1 (:class:`AlignmentTrainer`): F = ∅, the linear mixers alone learn
+* stage 1 (:func:`alignment_trainer`): F = ∅, the linear mixers alone learn
   (:mod:`looplm.distill.alignment`); ``val_loss`` is the all-linear student's, and
   ``distill_eval`` logs the held-out alignment MSE.
 * selection: ``selection.json`` in the root (:mod:`looplm.distill.selection`).
-* stage 2 (:class:`KDTrainer`): F restored, the whole student learns the per-loop KD
+* stage 2 (:func:`kd_trainer`): F restored, the whole student learns the per-loop KD
   loss with progressive length (:mod:`looplm.distill.losses`); its train records carry
   ``aux_lm`` (the student's cross-entropy) and the step's ``aux_seq_len``.
 * stage 3: continued training on ``distill.stage3.data``: the KD loss with final-loop
@@ -26,10 +28,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from looplm.artifacts import write_text
 from looplm.config import RunConfig
@@ -48,6 +51,8 @@ from looplm.distill.student import (
 )
 from looplm.errors import LoopLMError
 from looplm.model import LoopLM, ModelOutput
+from looplm.model_config import ModelConfig
+from looplm.train.callbacks import Callback, LossFn, lm_loss
 from looplm.train.checkpoint import has_checkpoints
 from looplm.train.trainer import Trainer
 
@@ -56,56 +61,80 @@ log = logging.getLogger("looplm")
 SELECTION_FILE = "selection.json"
 
 
-class DistillTrainer(Trainer):
-    """A Trainer whose model is a student: ``LoopLM(run_cfg.model)`` passed through
-    ``init(student)`` (weights from the teacher or an earlier stage) before any checkpoint
-    is restored; ``teacher`` (frozen) is moved to the training device."""
+def _single_process(run_cfg: RunConfig) -> None:
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError("distill", "torchrun", "a single process: distillation does not run under torchrun yet")
+    if run_cfg.train.compile:
+        raise ConfigError("train.compile", True, "false: distillation calls the student outside one compiled forward")
 
-    def __init__(self, run_cfg: RunConfig, teacher: Optional[LoopLM], init: Callable[[LoopLM], Any], *,
-                 resume: Union[bool, str] = False, progress: bool = True):
-        if dist.is_available() and dist.is_initialized():
-            raise ConfigError("distill", "torchrun", "a single process: distillation does not run under torchrun yet")
-        if run_cfg.train.compile:
-            raise ConfigError("train.compile", True, "false: distillation calls the student outside one compiled forward")
-        self.teacher, self._init = teacher, init
-        super().__init__(run_cfg, resume=resume, progress=progress)
 
-    def _build_model(self) -> LoopLM:
-        if self.teacher is not None:
-            self.teacher.to(self.device)
-        model = LoopLM(self.cfg.model)
-        self._init(model)
+def student_trainer(run_cfg: RunConfig, init: Callable[[LoopLM], Any], *, freeze: bool = False,
+                    loss_fn: LossFn = lm_loss, callbacks: Sequence[Callback] = (),
+                    resume: Union[bool, str] = False, progress: bool = True) -> Trainer:
+    """A Trainer of the student ``LoopLM(run_cfg.model)`` passed through ``init(student)``
+    (weights from the teacher or an earlier stage) before any checkpoint is restored;
+    ``freeze``: only its linear mixers learn (stage 1)."""
+    _single_process(run_cfg)
+
+    def build_student(cfg: ModelConfig) -> LoopLM:
+        model = LoopLM(cfg)
+        init(model)
+        if freeze:
+            freeze_all_but_linear_mixers(model)
         return model
 
+    return Trainer(run_cfg, model_factory=build_student, loss_fn=loss_fn, callbacks=callbacks, resume=resume,
+                   progress=progress)
 
-class AlignmentTrainer(DistillTrainer):
-    """Stage 1: only the linear mixers train, on the alignment MSE."""
 
-    def _build_model(self) -> LoopLM:
-        model = super()._build_model()
-        freeze_all_but_linear_mixers(model)
-        return model
+class TeacherOnDevice(Callback):
+    """Moves the frozen teacher to the training device when the run starts."""
 
-    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return alignment_loss(self.model, record_teacher(self.teacher, inputs)), {}
+    def __init__(self, teacher: LoopLM):
+        self.teacher = teacher
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        if self.resumed_from is None and self.val_batches:  # where the alignment starts from
-            self.metrics.log("distill_eval", 0, align_mse=self.validation_mse())
+    def on_start(self, trainer: Trainer) -> None:
+        self.teacher.to(trainer.device)
+
+
+class AlignmentLoss:
+    """Stage 1's objective: the alignment MSE of the student's linear mixers against the
+    teacher's attention calls on the batch (:mod:`looplm.distill.alignment`)."""
+
+    def __init__(self, teacher: LoopLM):
+        self.teacher = teacher
+
+    def __call__(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                 step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return alignment_loss(model, record_teacher(self.teacher, inputs)), {}
+
+
+class AlignmentEval(TeacherOnDevice):
+    """Logs ``distill_eval`` (``align_mse``, the held-out alignment MSE) at each evaluation,
+    and at step 0 of a fresh run (where the alignment starts from)."""
+
+    def on_start(self, trainer: Trainer) -> None:
+        super().on_start(trainer)
+        if trainer.resumed_from is None and trainer.val_batches:
+            trainer.metrics.log("distill_eval", 0, align_mse=self.validation_mse(trainer))
+
+    def on_eval(self, trainer: Trainer, step: int) -> None:
+        if trainer.val_batches:
+            trainer.metrics.log("distill_eval", step, align_mse=self.validation_mse(trainer))
 
     @torch.no_grad()
-    def validation_mse(self) -> float:
+    def validation_mse(self, trainer: Trainer) -> float:
         """The alignment MSE on the held-out batches."""
-        with self._autocast():
-            return sum(alignment_loss(self.model, record_teacher(self.teacher, x.to(self.device))).item()
-                       for x, _ in self.val_batches) / len(self.val_batches)
+        with trainer.autocast():
+            return sum(alignment_loss(trainer.model, record_teacher(self.teacher, x.to(trainer.device))).item()
+                       for x, _ in trainer.val_batches) / len(trainer.val_batches)
 
-    def evaluate(self) -> Optional[float]:
-        val_loss = super().evaluate()
-        if self.val_batches:
-            self.metrics.log("distill_eval", self.step, align_mse=self.validation_mse())
-        return val_loss
+
+def alignment_trainer(run_cfg: RunConfig, teacher: LoopLM, init: Callable[[LoopLM], Any], *,
+                      resume: Union[bool, str] = False, progress: bool = True) -> Trainer:
+    """Stage 1: only the linear mixers train, on the alignment MSE."""
+    return student_trainer(run_cfg, init, freeze=True, loss_fn=AlignmentLoss(teacher),
+                           callbacks=[AlignmentEval(teacher)], resume=resume, progress=progress)
 
 
 def loop_logits(model: LoopLM, ids: torch.Tensor, out: ModelOutput, needed: list[bool]) -> list[Optional[torch.Tensor]]:
@@ -121,38 +150,43 @@ def loop_logits(model: LoopLM, ids: torch.Tensor, out: ModelOutput, needed: list
     return [next(read) if need else None for need in needed]
 
 
-class KDTrainer(DistillTrainer):
-    """Stages 2 and 3: the student against the teacher's per-loop logits (Eq. kd-loss)."""
+class KDLoss:
+    """Stages 2 and 3: the student against the teacher's per-loop logits (Eq. kd-loss),
+    at the progressive length of the step (``lengths`` over ``train.max_steps``), plus
+    the student's own auxiliary losses; ``aux`` carries ``lm`` (the student's
+    cross-entropy) and the step's ``seq_len``."""
 
-    def __init__(self, run_cfg: RunConfig, teacher: LoopLM, init: Callable[[LoopLM], Any], *, kd: KDConfig,
-                 lengths: tuple[int, ...], resume: Union[bool, str] = False, progress: bool = True):
-        self.kd, self.lengths = kd, lengths
-        super().__init__(run_cfg, teacher, init, resume=resume, progress=progress)
+    def __init__(self, teacher: LoopLM, kd: KDConfig, lengths: tuple[int, ...], run_cfg: RunConfig):
+        self.teacher, self.kd, self.lengths = teacher, kd, lengths
+        self.iterations, self.max_steps = run_cfg.model.iterations, run_cfg.train.max_steps
 
-    def weights(self, step: int) -> list[float]:
-        loops = self.cfg.model.iterations if self.model.topology is not None else 1
-        kd, total = self.kd, self.cfg.train.max_steps
-        return loop_weights(step, total, loops, kd.schedule, kd.warmup_fraction, kd.uniform_fraction)
+    def weights(self, model: LoopLM, step: int) -> list[float]:
+        """The loop weights w_τ at ``step`` (one loop for a model without a topology)."""
+        loops = self.iterations if model.topology is not None else 1
+        kd = self.kd
+        return loop_weights(step, self.max_steps, loops, kd.schedule, kd.warmup_fraction, kd.uniform_fraction)
 
-    def kd_terms(self, inputs: torch.Tensor, targets: torch.Tensor, weights: list[float]):
+    def terms(self, model: LoopLM, inputs: torch.Tensor, targets: torch.Tensor,
+              weights: list[float]) -> tuple[torch.Tensor, ModelOutput]:
         """(KD loss, the student's output) on one batch with loop weights ``weights``."""
         needed = [w > 0 for w in weights]
         with torch.no_grad():
             t_out = self.teacher(inputs, output_states=True)
             z_teacher = loop_logits(self.teacher, inputs, t_out, needed)
-        s_out = self.model(inputs, targets, output_states=True)
-        z_student = loop_logits(self.model, inputs, s_out, needed)
+        s_out = model(inputs, targets, output_states=True)
+        z_student = loop_logits(model, inputs, s_out, needed)
         pairs = [(t, s, w) for t, s, w in zip(z_teacher, z_student, weights) if w > 0]
         kd = self.kd
         loss = kd_loss(*zip(*pairs), top_k=kd.top_k, temperature=kd.temperature, scale_t2=kd.scale_t2, targets=targets)
         return loss, s_out
 
-    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        length = length_at(self.step, self.cfg.train.max_steps, self.lengths)
+    def __call__(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                 step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        length = length_at(step, self.max_steps, self.lengths)
         inputs, targets = split_length(inputs, length), split_length(targets, length)
-        loss, out = self.kd_terms(inputs, targets, self.weights(self.step))
+        loss, out = self.terms(model, inputs, targets, self.weights(model, step))
         aux = dict(out.aux_losses)
-        halting = self.model.halting
+        halting = model.halting
         # the student's own auxiliary losses (DSA's indexer, ACT's ponder cost), not a halting
         # rule's task loss (the exit gate's expected objective): KD replaces that
         if aux and (halting is None or halting.trains_readout):
@@ -160,16 +194,32 @@ class KDTrainer(DistillTrainer):
         aux.update(lm=out.lm_loss.detach(), seq_len=torch.tensor(float(length), device=loss.device))
         return loss, aux
 
-    def evaluate(self) -> Optional[float]:
-        val_loss = super().evaluate()
-        if self.val_batches:
-            kd, total = self.kd, 0.0
-            with torch.no_grad(), self._autocast():
-                for x, y in self.val_batches:
-                    x, y = x.to(self.device), y.to(self.device)
-                    total += topk_kl(self.teacher(x).logits, self.model(x).logits, kd.top_k, kd.temperature, y).item()
-            self.metrics.log("distill_eval", self.step, kd_final=total / len(self.val_batches))
-        return val_loss
+
+class KDEval(TeacherOnDevice):
+    """Logs ``distill_eval`` (``kd_final``: the top-k KL of the final logits on the
+    held-out batches) at each evaluation."""
+
+    def __init__(self, teacher: LoopLM, kd: KDConfig):
+        super().__init__(teacher)
+        self.kd = kd
+
+    @torch.no_grad()
+    def on_eval(self, trainer: Trainer, step: int) -> None:
+        if not trainer.val_batches:
+            return
+        kd, total = self.kd, 0.0
+        with trainer.autocast():
+            for x, y in trainer.val_batches:
+                x, y = x.to(trainer.device), y.to(trainer.device)
+                total += topk_kl(self.teacher(x).logits, trainer.model(x).logits, kd.top_k, kd.temperature, y).item()
+        trainer.metrics.log("distill_eval", step, kd_final=total / len(trainer.val_batches))
+
+
+def kd_trainer(run_cfg: RunConfig, teacher: LoopLM, init: Callable[[LoopLM], Any], *, kd: KDConfig,
+               lengths: tuple[int, ...], resume: Union[bool, str] = False, progress: bool = True) -> Trainer:
+    """Stages 2 and 3 with the KD loss: the whole student learns."""
+    return student_trainer(run_cfg, init, loss_fn=KDLoss(teacher, kd, lengths, run_cfg),
+                           callbacks=[KDEval(teacher, kd)], resume=resume, progress=progress)
 
 
 # ---------------------------------------------------------------------- the pipeline
@@ -250,8 +300,8 @@ def run_distill(teacher_path: Union[str, Path], cfg: DistillRunConfig, stage: st
 
 def _stage1(teacher: LoopLM, cfg: DistillRunConfig, resume: bool, progress: bool) -> dict[str, Any]:
     run_cfg = RunConfig(model=student_config(teacher.cfg, cfg.distill.mixer, []), data=cfg.data, train=cfg.stage_train(1))
-    trainer = AlignmentTrainer(run_cfg, teacher, lambda s: init_student(s, teacher),
-                               resume=_resume_arg(Path(run_cfg.train.out_dir), resume), progress=progress)
+    trainer = alignment_trainer(run_cfg, teacher, lambda s: init_student(s, teacher),
+                                resume=_resume_arg(Path(run_cfg.train.out_dir), resume), progress=progress)
     return trainer.fit()
 
 
@@ -298,9 +348,9 @@ def _stage2(teacher: LoopLM, cfg: DistillRunConfig, root: Path, resume: bool, pr
                     root / "stage1")
     run_cfg = RunConfig(model=student_config(teacher.cfg, cfg.distill.mixer, selection.layers), data=cfg.data,
                         train=cfg.stage_train(2))
-    trainer = KDTrainer(run_cfg, teacher, lambda s: init_student(s, teacher, linear_from=aligned), kd=cfg.distill.kd,
-                        lengths=cfg.distill.stage_lengths(cfg.data.seq_len),
-                        resume=_resume_arg(Path(run_cfg.train.out_dir), resume), progress=progress)
+    trainer = kd_trainer(run_cfg, teacher, lambda s: init_student(s, teacher, linear_from=aligned), kd=cfg.distill.kd,
+                         lengths=cfg.distill.stage_lengths(cfg.data.seq_len),
+                         resume=_resume_arg(Path(run_cfg.train.out_dir), resume), progress=progress)
     return trainer.fit()
 
 
@@ -314,7 +364,7 @@ def _stage3(teacher: LoopLM, cfg: DistillRunConfig, root: Path, resume: bool, pr
 
     resume_arg = _resume_arg(Path(run_cfg.train.out_dir), resume)
     if cfg.distill.stage3.loss == "lm":
-        return DistillTrainer(run_cfg, None, init, resume=resume_arg, progress=progress).fit()
+        return student_trainer(run_cfg, init, resume=resume_arg, progress=progress).fit()
     kd = KDConfig(**{**cfg.distill.kd.to_dict(), "schedule": "final"})
-    return KDTrainer(run_cfg, teacher, init, kd=kd, lengths=(data.seq_len,), resume=resume_arg,
-                     progress=progress).fit()
+    return kd_trainer(run_cfg, teacher, init, kd=kd, lengths=(data.seq_len,), resume=resume_arg,
+                      progress=progress).fit()

@@ -1,5 +1,7 @@
-"""Training: optimiser, learning-rate schedule, checkpoints, metrics and the trainer."""
+"""Training: optimiser, learning-rate schedule, checkpoints, metrics and the trainer, with
+its seams (a loss function, a model factory, callbacks)."""
 
+from looplm.train.callbacks import Callback, LossFn, lm_loss
 from looplm.train.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -16,13 +18,16 @@ from looplm.train.schedule import lr_at
 from looplm.train.trainer import Trainer
 
 __all__ = [
+    "Callback",
     "Checkpoint",
     "CheckpointError",
+    "LossFn",
     "MetricsWriter",
     "TrainConfig",
     "Trainer",
     "build_optimizer",
     "format_summary",
+    "lm_loss",
     "load_checkpoint",
     "lr_at",
     "parameter_counts",
