@@ -25,6 +25,7 @@ from looplm.config_base import check
 from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import (
+    linear_core_cost,
     LinearMixerConfig,
     ProjectedMixer,
     check_conv,
@@ -37,6 +38,7 @@ from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, l2_scale
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import causal_conv1d
 from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, recurrent_delta_rule
+from looplm.accounting.cost import Call, Cost
 
 #: fla's ``l2norm`` epsilon: x / sqrt(Σ x² + L2_EPS)
 L2_EPS = 1e-6
@@ -314,6 +316,10 @@ class DeltaRuleMixer(ProjectedMixer):
         return chunk_delta_rule(
             q, k, v, beta, log_alpha, initial_state=initial_state, output_final_state=True, chunk_size=self.chunk_size
         )
+
+    def flop_cost(self, call: Call) -> Cost:
+        return (self.children_flop_cost(call, self.num_heads, self.head_v_dim)
+                + linear_core_cost(call, self.num_heads, self.head_k_dim, self.head_v_dim, self.chunk_size, delta=True))
 
 
 class MambaDecayDeltaRule(DeltaRuleMixer):
