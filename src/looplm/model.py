@@ -262,7 +262,9 @@ class LoopLM(nn.Module):
 
         def core_calls(i: int) -> list[Step]:
             slot = t * passes + i
-            steps = [Step("final_norm", f"loop_input_norm.{slot}", self.norm, call)] if self.cfg.loop_input_norm and t > 0 else []
+            steps = []
+            if self.cfg.loop_input_norm and t > 0:
+                steps.append(Step("final_norm", f"loop_input_norm.{slot}", self.norm, call))
             if self.step_embedding is not None:
                 steps += self.step_embedding.step_calls(t, slot, call)
             return in_pass(steps + self._core_calls(t, call), slot=slot)

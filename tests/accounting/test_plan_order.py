@@ -149,7 +149,8 @@ AXIS_VALUES = {
     **{f"resolution={r['down']}-{t}": dict(layout="multires", topology={"kind": t}, resolution=r,
                                             step_embeddings=True, loop_input_norm=t == "anchor")
        for r in RESOLUTIONS for t in ("anchor", "mesh")},
-    **{f"head_loop={h and h['kind']}": dict(layout="prelude-coda", head_loop=h, loop_input_norm=True) for h in HEAD_LOOPS},
+    **{f"head_loop={h and h['kind']}": dict(layout="prelude-coda", head_loop=h, loop_input_norm=True)
+       for h in HEAD_LOOPS},
     "step_embeddings+loop_input_norm": dict(layout="unshared", step_embeddings=True, loop_input_norm=True),
     "mesh-unshared": dict(layout="unshared", topology={"kind": "mesh"}, loop_input_norm=True),
     "qhalt-step-embeddings": dict(topology={"kind": "anchor"}, halting=HALTING[2], step_embeddings=True),
@@ -161,7 +162,8 @@ def test_plan_order_matches_the_forward(name):
     check_plan_order(_config(**AXIS_VALUES[name]))
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(layout=st.sampled_from(sorted(LAYOUTS)), topology=st.sampled_from(TOPOLOGIES),
        halting=st.sampled_from(HALTING), streams=st.sampled_from(STREAMS),
        resolution=st.sampled_from(RESOLUTIONS), step_embeddings=st.booleans(), loop_input_norm=st.booleans(),

@@ -17,6 +17,7 @@ _EXPORTS = {
     "get_convention": "conventions",
     "Call": "cost",
     "Cost": "cost",
+    "Counted": "cost",
     "Step": "cost",
     "module_cost": "cost",
     "register_flop_rule": "cost",

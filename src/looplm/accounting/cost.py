@@ -21,7 +21,7 @@ runs them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -127,6 +127,13 @@ def in_pass(steps: list[Step], *, slot: Optional[int] = None, grad: bool = True)
     return [dataclasses.replace(s, slot=s.slot if s.slot is not None else slot, grad=s.grad and grad) for s in steps]
 
 
+@runtime_checkable
+class Counted(Protocol):
+    """A module whose class carries its FLOP rule: the cost of one call described by ``call``."""
+
+    def flop_cost(self, call: Call) -> Cost: ...
+
+
 Rule = Callable[[nn.Module, Call], Cost]
 _RULES: dict[type, Rule] = {}
 
@@ -148,9 +155,8 @@ def module_cost(module: nn.Module, call: Call) -> Cost:
     """Cost of one call of ``module``: its ``flop_cost(call)`` method, else the registered
     rule of its type (nearest in the MRO), else the sum of its children's costs (each
     child applied once to every position)."""
-    rule = getattr(module, "flop_cost", None)
-    if rule is not None:
-        return rule(call)
+    if isinstance(module, Counted):
+        return module.flop_cost(call)
     for klass in type(module).__mro__:
         if klass in _RULES:
             return _RULES[klass](module, call)

@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from looplm.halting.base import Halting, HaltState, ReadLogits, Readout, masked_mean
 from looplm.accounting.cost import Call, Cost, Step, module_cost
+from looplm.halting.base import Halting, HaltState, ReadLogits, Readout, masked_mean
 
 
 class ACTHalting(Halting):

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+
 from looplm.accounting.cost import Call, Step
 
 @dataclasses.dataclass(frozen=True, eq=False)

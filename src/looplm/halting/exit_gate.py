@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, Step, module_cost
 from looplm.halting.base import Halting, HaltState, Readout, masked_mean
 from looplm.targets import IGNORE_INDEX
-from looplm.accounting.cost import Call, Cost, Step, module_cost
 
 
 class ExitGateHalting(Halting):
@@ -114,7 +114,8 @@ class ExitGateHalting(Halting):
     def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
         """norm(Y), the gate on it; under the expected objective, given targets, the LM head on
         the same norm(Y) (L^(t), with gradient)."""
-        steps = [Step("final_norm", f"halting.norm.{t}", readout.norm, call), Step("halting", f"halting.{t}", self, call)]
+        steps = [Step("final_norm", f"halting.norm.{t}", readout.norm, call),
+                 Step("halting", f"halting.{t}", self, call)]
         if self.reads_logits(targets):
             steps.append(Step("head", f"halting.target.head.{t}", readout.head, call, grad=not self.trains_readout,
                               targets_only=True))

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, Step, module_cost
 from looplm.halting.base import Halting, HaltState, ReadLogits, Readout
 from looplm.targets import IGNORE_INDEX
-from looplm.accounting.cost import Call, Cost, Step, module_cost
 
 
 class QHalting(Halting):

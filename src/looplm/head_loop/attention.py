@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from looplm.accounting.cost import Call, Cost, causal_pairs
 from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
 from looplm.modules.rotary import apply_rotary_heads_last
-from looplm.accounting.cost import Call, Cost, causal_pairs
 
 
 @dataclasses.dataclass

@@ -15,15 +15,14 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from looplm.head_loop.attention import head_subset_attention, pass_weights, permute_heads
+from looplm.accounting.cost import Call, Cost, module_cost
+from looplm.head_loop.attention import head_pass_cost, head_subset_attention, pass_weights, permute_heads
 from looplm.head_loop.structure import GrownLoop, LoopedState
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.head_loop.config import HeadLoopConfig
 from looplm.modules.block import Block
 from looplm.modules.shape import BlockShape
-from looplm.accounting.cost import Call, Cost, module_cost
-from looplm.head_loop.attention import head_pass_cost
 
 
 class GrownBlock(Block):

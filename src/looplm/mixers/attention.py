@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
 from looplm.mixers.base import MixerContext
 from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last
-from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
 
 
 @dataclasses.dataclass

@@ -21,24 +21,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost
 from looplm.config_base import check
 from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import (
-    linear_core_cost,
     LinearMixerConfig,
     ProjectedMixer,
     check_conv,
     check_expands_positive,
     init_dt_bias,
     is_whole,
+    linear_core_cost,
     whole,
 )
 from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, l2_scaled, rms_scaled
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import causal_conv1d
 from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, recurrent_delta_rule
-from looplm.accounting.cost import Call, Cost
 
 #: fla's ``l2norm`` epsilon: x / sqrt(Σ x² + L2_EPS)
 L2_EPS = 1e-6

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
 from looplm.config_base import ConfigError, check
 from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
@@ -34,7 +35,6 @@ from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.dsa import KERNELS, decode_step, dsa_attention, use_selected_kernel
-from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
 
 
 @dataclasses.dataclass(frozen=True)

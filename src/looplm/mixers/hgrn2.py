@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import check_conv, linear_core_cost
 from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState
 from looplm.modules.norm import RMSNorm
 from looplm.modules.shape import BlockShape
-from looplm.accounting.cost import Call, Cost
 
 
 class HGRN2Attention(DecayMixer):
@@ -88,7 +88,8 @@ class HGRN2Attention(DecayMixer):
 
     def flop_cost(self, call: Call) -> Cost:
         return (self.children_flop_cost(call, self.num_heads, self.head_i_dim)
-                + linear_core_cost(call, self.num_heads, self.head_f_dim, self.head_i_dim, self.chunk_size, delta=False))
+                + linear_core_cost(call, self.num_heads, self.head_f_dim, self.head_i_dim, self.chunk_size,
+                                    delta=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,11 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.config_base import ConfigError, check
 from looplm.mixers.config import MixerConfig
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import ShortConvolution
-from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
 
 

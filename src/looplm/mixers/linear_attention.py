@@ -26,15 +26,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, children_cost
 from looplm.config_base import check
 from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import (LinearMixerConfig, ProjectedMixer, check_conv, check_expands_positive,
-                                 linear_core_cost, whole)
+from looplm.mixers.linear import (
+    LinearMixerConfig,
+    ProjectedMixer,
+    check_conv,
+    check_expands_positive,
+    linear_core_cost,
+    whole,
+)
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.shape import BlockShape
 from looplm.ops.decay import chunk_decay, chunk_size_rule, fla_decay, recurrent_decay
-from looplm.accounting.cost import Call, Cost, children_cost
 
 FEATURE_MAPS = ("elementwise_product", "elu", "relu", "identity")
 
@@ -189,7 +195,8 @@ class DecayMixer(ProjectedMixer):
 
     def flop_cost(self, call: Call) -> Cost:
         return (self.children_flop_cost(call, self.num_heads, self.head_v_dim)
-                + linear_core_cost(call, self.num_heads, self.head_k_dim, self.head_v_dim, self.chunk_size, delta=False))
+                + linear_core_cost(call, self.num_heads, self.head_k_dim, self.head_v_dim, self.chunk_size,
+                                    delta=False))
 
 
 def elu_p1(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, children_cost
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
 from looplm.mixers.linear import init_dt_bias, linear_core_cost
@@ -27,7 +28,6 @@ from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecaySt
 from looplm.modules.norm import GatedRMSNorm
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import ShortConvolution
-from looplm.accounting.cost import Call, Cost, children_cost
 
 
 class Mamba2(DecayMixer):

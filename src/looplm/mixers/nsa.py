@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 from looplm.config_base import check
 from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
@@ -31,7 +32,6 @@ from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.sparse.nsa import compressed_block_count, nsa_attention
-from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,9 +279,11 @@ class NativeSparseAttention(nn.Module):
         l, d = self.block_size, self.block_stride
         blocks = max(0, (call.keys - l) // d + 1)
         if self.k_compress is not None:
-            cost = cost + module_cost(self.k_compress, Call(call.batch * self.n_kv_heads, blocks, blocks)).scale(2)  # keys and values
-        compressed = sum(max(0, (i + 1 - l) // d + 1) for i in range(call.keys - call.tokens, call.keys))
-        selected = sum(min(i + 1, self.select_blocks * self.select_block_size) for i in range(call.keys - call.tokens, call.keys))
+            per_block = module_cost(self.k_compress, Call(call.batch * self.n_kv_heads, blocks, blocks))
+            cost = cost + per_block.scale(2)  # keys and values
+        seen = range(call.keys - call.tokens, call.keys)
+        compressed = sum(max(0, (i + 1 - l) // d + 1) for i in seen)
+        selected = sum(min(i + 1, self.select_blocks * self.select_block_size) for i in seen)
         window = causal_pairs(call.tokens, call.keys, self.window) if self.window else 0
         per_pair = self.n_heads * 2 * self.head_dim
         pairs = call.batch * (compressed + selected + window)

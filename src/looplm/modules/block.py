@@ -15,11 +15,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
 from looplm.modules.shape import BlockShape
-from looplm.accounting.cost import Call, Cost, module_cost
 
 
 def output_norm(cfg: BlockShape) -> nn.Module:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.ops.backend import use_fla
 from looplm.accounting.cost import Call, Cost
+from looplm.ops.backend import use_fla
 
 
 class RMSNorm(nn.Module):

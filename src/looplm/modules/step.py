@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+
 from looplm.accounting.cost import Call, Cost, Step
 
 

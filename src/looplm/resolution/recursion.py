@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Step
 from looplm.layout import Layout
 from looplm.mixers.base import MixerContext
 from looplm.resolution.config import ResolutionConfig
@@ -40,7 +41,6 @@ from looplm.resolution.downscale import build_down, chunk_grid
 from looplm.resolution.schedule import IterationResolution, iteration_resolutions
 from looplm.resolution.state import ChunkState
 from looplm.resolution.upscale import build_up
-from looplm.accounting.cost import Call, Step
 
 if TYPE_CHECKING:
     from looplm.cache import LoopCache

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from looplm.accounting.cost import Call, Cost, module_cost
 
 

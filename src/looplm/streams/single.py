@@ -14,8 +14,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from looplm.topology.base import LoopState, Topology
 from looplm.accounting.cost import Call, Step
+from looplm.topology.base import LoopState, Topology
 
 #: core(x, i): the core stack on input x [B, T, d] as the i-th block pass of this macro step
 Core = Callable[[torch.Tensor, int], torch.Tensor]

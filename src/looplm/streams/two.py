@@ -8,9 +8,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, Step, in_pass
 from looplm.streams.single import Core, CoreCalls, CorePass
 from looplm.topology.base import LoopState, Topology
-from looplm.accounting.cost import Call, Cost, Step, in_pass
 
 
 class TwoStream(nn.Module):

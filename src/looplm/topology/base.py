@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+
 from looplm.accounting.cost import Call, Step
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from looplm.topology.base import LoopState, Topology
 from looplm.accounting.cost import Call, Cost, module_cost
+from looplm.topology.base import LoopState, Topology
 
 _INIT = (1.0, 1 / 3, 1 / 3, 1 / 3)
 

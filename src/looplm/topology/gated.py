@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from looplm.topology.base import LoopState, Topology
 from looplm.accounting.cost import Call, Cost
+from looplm.topology.base import LoopState, Topology
 
 
 class GatedResidualTopology(Topology):

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from looplm.topology.base import LoopState, Topology
 from looplm.accounting.cost import Call, Cost, module_cost
+from looplm.topology.base import LoopState, Topology
 
 
 class _WriteRead(torch.autograd.Function):
