@@ -4,13 +4,14 @@ The plan is read from the axes' step descriptions (``streams.step_calls``,
 ``halting.step_calls``, ``resolution.pass_calls``, ``topology.start_calls/step_calls``,
 ``LoopLM._pass_calls``), written beside the code they describe but not run by it. This
 test holds the two together: it records a real forward's top-level module calls (forward
-hooks on every module; the topology's ``start``/``step``, which are methods, wrapped) and
-compares them, call by call, with the plan's steps, over every value of every loop axis
-(layouts × topologies × halting rules × streams × resolution × step embeddings ×
-loop_input_norm × head_loop). A step that only adds a learned vector or a stream sum and
-calls no module (``streams.*``, ``step_embedding.*``) has no hook to record it; every other
-step must be met by exactly one recorded call of its module (or a module inside it), and
-every recorded call of a module with parameters must be a plan step.
+hooks on every module; the topology's ``start``/``step``, which are methods, wrapped; the
+addition of the step signal e_t, which calls no module, seen by a TorchFunctionMode as an
+addition of the row ``step_embedding.at(t)`` returned) and compares them, call by call,
+with the plan's steps, over every value of every loop axis (layouts × topologies × halting
+rules × streams × resolution × step embeddings × loop_input_norm × head_loop). A two-stream
+sum (``streams.*``) adds loop states and calls no module: no hook sees it. Every other step
+must be met by exactly one recorded call of its module (or a module inside it), and every
+recorded call of a module with parameters must be a plan step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from looplm.accounting.plan import PositionCall, Step, execution_plan
 from looplm.config import load_config
@@ -48,8 +50,9 @@ RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "r
 HEAD_LOOPS = [None, {"kind": "heads", "heads": 2, "max_depth": 2, "layers": 1, "start": 10, "interval": 10},
               {"kind": "block", "max_depth": 1, "layers": 1, "start": 10, "interval": 10}]
 
-#: steps that add a learned vector or a stream sum without calling a module
-UNHOOKED = ("streams", "step_embedding")
+#: steps that add loop states without calling a module or reading a parameter
+UNHOOKED = ("streams",)
+ADDS = (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add)
 
 
 def _owner(step: Step) -> nn.Module:
@@ -84,28 +87,49 @@ def recorded_calls(model: LoopLM, owners: dict[int, nn.Module]):
     def leave(module, *args):
         depth[0] -= 1
 
-    def wrapped(method):
+    def wrapped(method, module):
         @functools.wraps(method)
         def run(*args, **kwargs):
-            enter(model.topology)
+            enter(module)
             try:
                 return method(*args, **kwargs)
             finally:
-                leave(model.topology)
+                leave(module)
         return run
+
+    signals: list[torch.Tensor] = []  # the rows e_t handed out by step_embedding.at
+
+    def signal_at(t):
+        row = type(model.step_embedding).at(model.step_embedding, t)
+        if row is not None:
+            signals.append(row)
+        return row
+
+    class SignalAdds(TorchFunctionMode):
+        """An addition of a row e_t at the top level is the step embedding's call."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if depth[0] == 0 and func in ADDS and any(a is e for a in args for e in signals):
+                calls.append(model.step_embedding)
+            return func(*args, **(kwargs or {}))
 
     pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
     post = torch.nn.modules.module.register_module_forward_hook(leave)
     try:
         if model.topology is not None:
-            model.topology.start = wrapped(model.topology.start)
-            model.topology.step = wrapped(model.topology.step)
-        yield calls
+            model.topology.start = wrapped(model.topology.start, model.topology)
+            model.topology.step = wrapped(model.topology.step, model.topology)
+        if model.step_embedding is not None:
+            model.step_embedding.at = signal_at
+        with SignalAdds():
+            yield calls
     finally:
         pre.remove()
         post.remove()
         if model.topology is not None:
             del model.topology.start, model.topology.step
+        if model.step_embedding is not None:
+            del model.step_embedding.at
     assert unowned == [], f"modules with parameters called outside every plan step: {unowned}"
 
 
