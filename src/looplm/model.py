@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Step, in_pass
 from looplm.cache import LoopCache, StaticLoopCache
 from looplm.config_base import ConfigError
 from looplm.generation import generate
@@ -255,6 +256,23 @@ class LoopLM(nn.Module):
 
         return core
 
+    def _pass_calls(self, t: int, call: Call) -> Callable[[int], list[Step]]:
+        """core_calls(i): the module calls of :meth:`_passes`' core(x, i), in its order, as the
+        execution plan lists them (``call``: the full forward at iteration t): the loop-input
+        norm, the step signal, the core update (:meth:`_core_calls`), named by the pass's slot."""
+        passes = self.streams.passes
+
+        def core_calls(i: int) -> list[Step]:
+            slot = t * passes + i
+            steps = []
+            if self.cfg.loop_input_norm and t > 0:
+                steps.append(Step("final_norm", f"loop_input_norm.{slot}", self.norm, call))
+            if self.step_embedding is not None:
+                steps += self.step_embedding.step_calls(t, slot, call)
+            return in_pass(steps + self._core_calls(t, call), slot=slot)
+
+        return core_calls
+
     def _catch_up(self, t: int, ctx: MixerContext, cache: LoopCache) -> Union[int, torch.Tensor]:
         """Give the cached positions that stopped before macro step t their entries for it:
         the step runs on their frozen loop states, outputs discarded (cache.py explains the
@@ -295,6 +313,16 @@ class LoopLM(nn.Module):
         step = self.resolution.down(t, h, ctx, self.rotary, cache)  # Eq. (8): z [B, L_t, d]
         z_hat = self._run(stack, "core", t, step.z, step.ctx, cache) if step.z.shape[1] else step.z  # Eq. (9)
         return self.resolution.up(t, step, z_hat, cache)  # Eq. (10), (22)
+
+    def _core_calls(self, t: int, call: Call) -> list[Step]:
+        """The module calls of :meth:`_core` at iteration t, as the execution plan lists them:
+        the stack's blocks on ``call``, or the resolution's S↓ -> blocks -> S↑."""
+        stack = self.core[0 if self.cfg.share_core else t]
+
+        def blocks(c: Call) -> list[Step]:
+            return [Step("core", f"core.{j}", block, c) for j, block in enumerate(stack)]
+
+        return blocks(call) if self.resolution is None else self.resolution.pass_calls(t, call, blocks)
 
     def _check_iterations(self, iterations: Optional[int], cache: Optional[LoopCache]) -> int:
         trained = self.cfg.iterations

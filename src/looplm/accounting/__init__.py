@@ -1,32 +1,49 @@
 """Honest accounting: parameter counts, FLOPs over the unrolled computation, conventions
-of the papers, layout matching and model-FLOPs utilisation. See docs/accounting.md."""
+of the papers, layout matching and model-FLOPs utilisation. See docs/accounting.md.
 
-from looplm.accounting.conventions import CONVENTIONS, Convention, get_convention
-from looplm.accounting.cost import Call, Cost, module_cost, register_flop_rule
-from looplm.accounting.flops import FlopReport, count_flops, realised_block_passes
-from looplm.accounting.hardware import PEAK_FLOPS, device_peak_flops, mfu
-from looplm.accounting.matching import LayoutMatch, match_layouts
-from looplm.accounting.params import analytic_parameter_counts, parameter_counts
-from looplm.accounting.plan import Step, execution_plan
+Names are loaded on first use (PEP 562): the model's modules import
+:mod:`looplm.accounting.cost` for their FLOP rules and step descriptions, and importing it
+must not import the counter, which imports the model."""
 
-__all__ = [
-    "CONVENTIONS",
-    "Call",
-    "Convention",
-    "Cost",
-    "FlopReport",
-    "LayoutMatch",
-    "PEAK_FLOPS",
-    "Step",
-    "analytic_parameter_counts",
-    "count_flops",
-    "device_peak_flops",
-    "execution_plan",
-    "get_convention",
-    "match_layouts",
-    "mfu",
-    "module_cost",
-    "parameter_counts",
-    "realised_block_passes",
-    "register_flop_rule",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "CONVENTIONS": "conventions",
+    "Convention": "conventions",
+    "get_convention": "conventions",
+    "Call": "cost",
+    "Cost": "cost",
+    "Counted": "cost",
+    "Step": "cost",
+    "module_cost": "cost",
+    "register_flop_rule": "cost",
+    "FlopReport": "flops",
+    "count_flops": "flops",
+    "realised_block_passes": "flops",
+    "PEAK_FLOPS": "hardware",
+    "device_peak_flops": "hardware",
+    "mfu": "hardware",
+    "LayoutMatch": "matching",
+    "match_layouts": "matching",
+    "analytic_parameter_counts": "params",
+    "parameter_counts": "params",
+    "execution_plan": "plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,17 +1,27 @@
-"""What a FLOP rule returns and how rules are found: the core both the plan's walker
-(:mod:`looplm.accounting.flops`) and the rules (:mod:`looplm.accounting.rules`) build on.
+"""What a FLOP rule returns, how rules are found, and how a module describes its calls:
+the core that the plan's walker (:mod:`looplm.accounting.flops`) and every module's own
+rule build on. Imports nothing of the model, so the modules can import it.
 
-A rule is registered by module type (:func:`register_flop_rule`) and returns a
-:class:`Cost` for one :class:`Call` of its module; a module without a rule costs the sum of
-its children, each applied once to every position. A cost keeps its terms apart (MACs,
+A module's rule sits beside it, as a method ``flop_cost(self, call: Call) -> Cost`` of its
+class; torch's built-in modules (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``,
+``nn.Conv1d``, ``nn.Identity``/``nn.Dropout``) have theirs in a small registry here
+(:func:`register_flop_rule`). A module without a rule costs the sum of its children, each
+applied once to every position; a module with parameters of its own, no children and no
+rule is an error (its arithmetic would go uncounted). A cost keeps its terms apart (MACs,
 score/value products, norms, biases, residual and state elementwise ops) so that a
 :class:`~looplm.accounting.conventions.Convention` only weighs them.
+
+A loop axis describes the module calls of one macro step as :class:`Step` rows, beside the
+code that runs them (``topology.start_calls / step_calls``, ``streams.step_calls``,
+``halting.step_calls``, ``resolution.pass_calls``, ``step_embedding.step_calls``); the
+execution plan (:mod:`looplm.accounting.plan`) concatenates them in the order the loop
+runs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -87,12 +97,51 @@ class Call:
         return self.batch * self.tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One module call on the unrolled path: ``component`` (embedding, prelude, core,
+    coda, topology, streams, step_embedding, halting, final_norm, head, resolution),
+    ``name`` (e.g. ``core.1``), the module and how it is called.
+
+    ``slot``: for core blocks and the per-pass additions, the pass's key t·passes + i
+    (macro step t, pass i of it), as the model names it in the cache and the attention
+    record. ``grad``: whether a training step backpropagates through the call (False for
+    the first H − 1 cycles of ``streams.no_grad_cycles`` and for Q-halt's target readout,
+    both run under ``torch.no_grad``): training counts it once, not ``training_multiplier``
+    times. ``targets_only``: the call runs only in a forward given targets (training, or
+    an evaluation loss): Q-halt's per-step norm + LM head that builds its BCE target (no
+    gradient), the exit gate's per-step LM head of its expected objective (gradient)."""
+
+    component: str
+    name: str
+    module: nn.Module
+    call: Call
+    slot: Optional[int] = None
+    grad: bool = True
+    targets_only: bool = False
+
+
+def in_pass(steps: list[Step], *, slot: Optional[int] = None, grad: bool = True) -> list[Step]:
+    """``steps`` as they run inside one core pass: named by its ``slot`` (where they have
+    none yet) and without gradient where the pass runs under ``torch.no_grad``."""
+    return [dataclasses.replace(s, slot=s.slot if s.slot is not None else slot, grad=s.grad and grad) for s in steps]
+
+
+@runtime_checkable
+class Counted(Protocol):
+    """A module whose class carries its FLOP rule: the cost of one call described by ``call``."""
+
+    def flop_cost(self, call: Call) -> Cost: ...
+
+
 Rule = Callable[[nn.Module, Call], Cost]
 _RULES: dict[type, Rule] = {}
 
 
 def register_flop_rule(*types: type) -> Callable[[Rule], Rule]:
-    """Register ``rule(module, call) -> Cost`` for modules of ``types`` (and subclasses)."""
+    """Register ``rule(module, call) -> Cost`` for modules of ``types`` (and subclasses)
+    whose class cannot carry a ``flop_cost`` method: torch's own modules. A module of
+    looplm defines ``flop_cost(self, call)`` instead."""
 
     def wrap(rule: Rule) -> Rule:
         for t in types:
@@ -103,11 +152,19 @@ def register_flop_rule(*types: type) -> Callable[[Rule], Rule]:
 
 
 def module_cost(module: nn.Module, call: Call) -> Cost:
-    """Cost of one call of ``module``: its registered rule (nearest in the MRO), else the
-    sum of its children's costs (each child applied once to every position)."""
+    """Cost of one call of ``module``: its ``flop_cost(call)`` method, else the registered
+    rule of its type (nearest in the MRO), else the sum of its children's costs (each
+    child applied once to every position)."""
+    if isinstance(module, Counted):
+        return module.flop_cost(call)
     for klass in type(module).__mro__:
         if klass in _RULES:
             return _RULES[klass](module, call)
+    if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
+        raise TypeError(
+            f"no FLOP rule for {type(module).__qualname__}: a module with parameters of its own and no children "
+            "needs one; define flop_cost(self, call) -> Cost on its class (looplm.accounting.cost)"
+        )
     return children_cost(module, call)
 
 
@@ -132,3 +189,33 @@ def causal_pairs(tokens: int, keys: int, window: Optional[int] = None) -> int:
         total += i + 1
     return total
 
+
+
+# ------------------------------------------------------------------ torch's built-in modules
+
+
+@register_flop_rule(nn.Linear)
+def _linear(m: nn.Linear, call: Call) -> Cost:
+    return Cost(mac=call.rows * m.in_features * m.out_features, bias=call.rows * m.out_features if m.bias is not None else 0)
+
+
+@register_flop_rule(nn.Embedding)
+def _embedding(m: nn.Embedding, call: Call) -> Cost:
+    return Cost(embed=call.rows * m.num_embeddings * m.embedding_dim)  # a lookup; as a one-hot matmul, V·d MACs
+
+
+@register_flop_rule(nn.Dropout, nn.Identity)
+def _free(m: nn.Module, call: Call) -> Cost:
+    return Cost()  # nothing
+
+
+@register_flop_rule(nn.LayerNorm)
+def _layernorm(m: nn.LayerNorm, call: Call) -> Cost:
+    return Cost(norm=call.rows * m.normalized_shape[-1] * (5 if m.weight is not None else 4))  # fvcore's rule
+
+
+@register_flop_rule(nn.Conv1d)
+def _conv1d(m: nn.Conv1d, call: Call) -> Cost:
+    """A causal (depthwise) convolution over the sequence: K·C_in/groups MACs per output."""
+    per = m.kernel_size[0] * m.in_channels // m.groups
+    return Cost(mac=call.rows * m.out_channels * per, bias=call.rows * m.out_channels if m.bias is not None else 0)

@@ -5,13 +5,13 @@ embed (and a learned position table), prelude blocks, the topology's start, each
 step's core passes with that iteration's mixer view (one, or H·(L + 1) with two streams,
 each with its stream and step-signal additions), the topology step and the halting rule,
 coda, final norm, head) and asks a *rule* for each module's cost
-(:func:`~looplm.accounting.cost.module_cost`; the rules live in
-:mod:`looplm.accounting.rules`). A :class:`~looplm.accounting.conventions.Convention`
+(:func:`~looplm.accounting.cost.module_cost`: the module's own ``flop_cost``, beside
+its class). A :class:`~looplm.accounting.conventions.Convention`
 weighs the cost's terms. Looped blocks are counted once per pass (LT2's convention), every
 position running every macro step (full compute; :func:`realised_block_passes` reads what
 adaptive halting actually needed from a model output). A new mechanism (resolution
-schedules, SGT head passes, halting) describes its passes on its axis or adds a rule, not
-a branch here.
+schedules, SGT head passes, halting) describes its calls on its axis and its cost on its
+module, not a branch here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Optional, Union
 
 import torch
 
-from looplm.accounting import rules  # noqa: F401  (registers the rules for looplm's modules)
 from looplm.accounting.conventions import Convention, get_convention
 from looplm.accounting.cost import Cost, module_cost
 from looplm.accounting.plan import execution_plan

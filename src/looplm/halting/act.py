@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from looplm.halting.base import Halting, HaltState, ReadLogits, masked_mean
+from looplm.accounting.cost import Call, Cost, Step, module_cost
+from looplm.halting.base import Halting, HaltState, ReadLogits, Readout, masked_mean
 
 
 class ACTHalting(Halting):
@@ -17,7 +18,6 @@ class ACTHalting(Halting):
     Σ_τ w_τ h^(τ); ponder cost ρ_t = N_t + R_t (Graves Eq. 11), weighted and averaged over
     real positions. With ``full_compute`` no position is frozen and ρ is not charged."""
 
-    evaluates = True
 
     def __init__(self, d_model: int, epsilon: float, ponder_cost: float, full_compute: bool, init_bias: float = 1.0):
         super().__init__()
@@ -63,3 +63,11 @@ class ACTHalting(Halting):
     def reset_parameters(self, init_std: float) -> None:
         nn.init.normal_(self.unit.weight, std=init_std)
         nn.init.constant_(self.unit.bias, self.init_bias)  # default 1.0, UT's: p ≈ 0.73 at the start
+
+    def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
+        return [Step("halting", f"halting.{t}", self, call)]
+
+    def flop_cost(self, call: Call) -> Cost:
+        """One macro step: the halting unit d -> 1 (with its bias) on every position, and the
+        readout accumulation readout + w·h (a multiply and an add per element)."""
+        return module_cost(self.unit, call) + Cost(state=2 * call.rows * self.unit.in_features)

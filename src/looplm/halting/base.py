@@ -12,6 +12,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Step
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Readout:
     """How the model reads a solution state y [B, T, d]: ``norm`` (its final norm) and
@@ -58,8 +60,6 @@ class Halting(nn.Module):
     """No halting: every position runs every step; the readout is the last state."""
 
     freezes = False  # whether halted positions stop updating (the loop may then stop early)
-    evaluates = False  # whether ``observe`` runs a module of the rule's own (ACT's unit, the Q head) every step
-    reads_norm = False  # whether ``observe`` applies the model's final norm to the solution every step
     #: whether the LM loss of the readout is the task term of the training loss; false where
     #: the rule's own losses hold the task loss (the exit gate's expected objective)
     trains_readout = True
@@ -69,6 +69,12 @@ class Halting(nn.Module):
         ``torch.no_grad`` unless ``trains_readout`` is false, where they carry the task loss)
         every step, in a forward given targets or not."""
         return False
+
+    def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
+        """The module calls of :meth:`observe` after macro step t, in order, as the execution
+        plan lists them (``call``: the full forward at iteration t; ``targets``: whether the
+        forward is given targets). A call that runs only given targets is ``targets_only``."""
+        return []
 
     def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:
         """Padding positions count as halted from the start when the rule freezes (they

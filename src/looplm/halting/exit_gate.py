@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, Step, module_cost
 from looplm.halting.base import Halting, HaltState, Readout, masked_mean
 from looplm.targets import IGNORE_INDEX
 
@@ -45,9 +46,6 @@ class ExitGateHalting(Halting):
 
     Records the exit probabilities p(t) (``exit_probability``) and each position's exit
     step (``exit_step``)."""
-
-    evaluates = True
-    reads_norm = True
 
     def __init__(self, d_model: int, threshold: Optional[float], exit_at_step: Optional[int] = None,
                  objective: str = "readout", entropy_weight: float = 0.1):
@@ -112,3 +110,19 @@ class ExitGateHalting(Halting):
     def reset_parameters(self, init_std: float) -> None:
         nn.init.normal_(self.gate.weight, std=init_std)
         nn.init.zeros_(self.gate.bias)
+
+    def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
+        """norm(Y), the gate on it; under the expected objective, given targets, the LM head on
+        the same norm(Y) (L^(t), with gradient)."""
+        steps = [Step("final_norm", f"halting.norm.{t}", readout.norm, call),
+                 Step("halting", f"halting.{t}", self, call)]
+        if self.reads_logits(targets):
+            steps.append(Step("head", f"halting.target.head.{t}", readout.head, call, grad=not self.trains_readout,
+                              targets_only=True))
+        return steps
+
+    def flop_cost(self, call: Call) -> Cost:
+        """One macro step: the gate d -> 1 (with its bias) on every position and the readout's
+        selection of the exiting positions' states (one element each). The final norm it reads
+        is a separate step."""
+        return module_cost(self.gate, call) + Cost(state=call.rows * self.gate.in_features)

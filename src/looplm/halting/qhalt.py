@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.halting.base import Halting, HaltState, ReadLogits
+from looplm.accounting.cost import Call, Cost, Step, module_cost
+from looplm.halting.base import Halting, HaltState, ReadLogits, Readout
 from looplm.targets import IGNORE_INDEX
 
 
@@ -21,7 +22,6 @@ class QHalting(Halting):
     w = 0, b = ``init_bias`` (default −5, TRM's init: "do not halt"). With ``full_compute`` every position runs
     every step and the readout is the final solution; the head still learns."""
 
-    evaluates = True
 
     def __init__(self, d_model: int, loss_weight: float, full_compute: bool, init_bias: float = -5.0):
         super().__init__()
@@ -65,3 +65,17 @@ class QHalting(Halting):
     def reset_parameters(self, init_std: float) -> None:
         nn.init.zeros_(self.head.weight)
         nn.init.constant_(self.head.bias, self.init_bias)
+
+    def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
+        """The q head; given targets, then the BCE target's readout head(norm(Y)) under
+        ``torch.no_grad``."""
+        steps = [Step("halting", f"halting.{t}", self, call)]
+        if self.reads_logits(targets):
+            steps += [Step("final_norm", f"halting.target.norm.{t}", readout.norm, call, grad=False, targets_only=True),
+                      Step("head", f"halting.target.head.{t}", readout.head, call, grad=False, targets_only=True)]
+        return steps
+
+    def flop_cost(self, call: Call) -> Cost:
+        """One macro step: the q head d -> 1 (with its bias) on every position. Its training
+        target (final norm + LM head on the solution) is separate, targets-only steps."""
+        return module_cost(self.head, call)

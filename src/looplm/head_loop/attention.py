@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from looplm.accounting.cost import Call, Cost, causal_pairs
 from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
@@ -162,3 +163,19 @@ def permute_heads(attn: SoftmaxAttention, source: Sequence[int], optimizer: Opti
                 t.to_local().copy_(moved.to_local())
             else:
                 t.copy_(t.index_select(dim, index))
+
+
+def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int) -> Cost:
+    """FLOPs of one SGT head pass over ``heads`` = |S| query heads (:func:`head_subset_attention`,
+    Eq. 6): the rows of ``qkv`` for S and the kv heads S reads (all |S| of them under MHA;
+    with GQA at most min(|S|, H_kv), counted as that bound), the gate's rows, the
+    score/value products of |S| heads and S's columns of ``o_proj`` (no output bias)."""
+    d, D = m.o_proj.out_features, m.head_dim
+    kv = min(heads, m.n_kv_heads)
+    rows = (heads + 2 * kv) * D + (heads * D if m.gate is not None else 0)
+    cost = Cost(mac=call.rows * d * rows + call.rows * heads * D * d,
+                bias=call.rows * rows if m.qkv.bias is not None else 0)
+    per_pair = heads * 2 * D
+    full = call.batch * call.tokens * call.keys
+    causal = call.batch * causal_pairs(call.tokens, call.keys, m.window)
+    return cost + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)

@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from looplm.head_loop.attention import head_subset_attention, pass_weights, permute_heads
+from looplm.accounting.cost import Call, Cost, module_cost
+from looplm.head_loop.attention import head_pass_cost, head_subset_attention, pass_weights, permute_heads
 from looplm.head_loop.structure import GrownLoop, LoopedState
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.mixers.attention import SoftmaxAttention
@@ -152,6 +153,19 @@ class HeadLoopBlock(GrownBlock):
     def _last(self, x):
         return x + self.ffn(self.ffn_norm(x))  # the FFN reads H^(K_l) (Alg. 1 line 13)
 
+    def flop_cost(self, call: Call) -> Cost:
+        """The block plus K_l passes of norm -> S's slice of the attention -> residual (Eq. 6)
+        before the FFN (K_l and the heads S with w_i > 0 from ``self.head_loop``)."""
+        attention, ffn = self.sublayer_costs(call)
+        iteration = max(call.iteration, 0)
+        depth = self.extra_passes(iteration)
+        if depth == 0:  # not grown, or this iteration's mixer does not loop
+            return attention + ffn
+        d = self.attn_norm.weight.shape[0]
+        head_pass = head_pass_cost(self.mixer_at(iteration), call, len(self.head_loop.heads))
+        passes = module_cost(self.attn_norm, call) + head_pass + Cost(residual=call.rows * d)
+        return attention + passes.scale(depth) + ffn
+
 
 def _consecutive(values: Sequence[int]) -> bool:
     return list(values) == list(range(values[0], values[0] + len(values))) if values else False
@@ -191,6 +205,11 @@ class BlockLoopBlock(GrownBlock):
 
 
 #: ``model.head_loop.kind`` -> the grown block it builds
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Block Loop: 1 + K_l applications of the whole block (K_l from ``self.head_loop``)."""
+        attention, ffn = self.sublayer_costs(call)
+        return (attention + ffn).scale(1 + self.extra_passes(max(call.iteration, 0)))
 GROWN_BLOCKS = {"heads": HeadLoopBlock, "block": BlockLoopBlock}
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
 from looplm.mixers.base import MixerContext
 from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last
@@ -276,3 +277,11 @@ class SoftmaxAttention(nn.Module):
             last = min(T, rows)  # earlier new rows would be overwritten within this write
             state.write(ctx.slots[-last:] % rows, k[:, :, -last:], v[:, :, -last:])
         return y.transpose(1, 2).reshape(B, T, H * D)
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Projections (and the output gate's multiply) plus q·kᵀ and p·v over the pairs; the
+        output gate's sigmoid and multiply are elementwise, left out like activations."""
+        per_pair = self.n_heads * 2 * self.head_dim  # scores and values, every query head
+        full = call.batch * call.tokens * call.keys
+        causal = call.batch * causal_pairs(call.tokens, call.keys, self.window)
+        return children_cost(self, call) + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost
 from looplm.config_base import check
 from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
@@ -31,6 +32,7 @@ from looplm.mixers.linear import (
     check_expands_positive,
     init_dt_bias,
     is_whole,
+    linear_core_cost,
     whole,
 )
 from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, l2_scaled, rms_scaled
@@ -314,6 +316,10 @@ class DeltaRuleMixer(ProjectedMixer):
         return chunk_delta_rule(
             q, k, v, beta, log_alpha, initial_state=initial_state, output_final_state=True, chunk_size=self.chunk_size
         )
+
+    def flop_cost(self, call: Call) -> Cost:
+        return (self.children_flop_cost(call, self.num_heads, self.head_v_dim)
+                + linear_core_cost(call, self.num_heads, self.head_k_dim, self.head_v_dim, self.chunk_size, delta=True))
 
 
 class MambaDecayDeltaRule(DeltaRuleMixer):

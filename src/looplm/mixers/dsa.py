@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
 from looplm.config_base import ConfigError, check
 from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
@@ -267,3 +268,16 @@ class DeepSeekSparseAttention(nn.Module):
                              state.index_keys[:, :end], w_index, ctx.valid[:, :end] if ctx.padded else None,
                              top_k=self.top_k, scale=self.head_dim**-0.5, kernel=self.kernel)
         return o
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Projections and the indexer's projections; the indexer's scores over every causal
+        key (H^I·d^I MACs per pair, plus the head weights); attention over the top-k keys."""
+        cost = children_cost(self, call)
+        idx = self.indexer
+        causal = call.batch * causal_pairs(call.tokens, call.keys)
+        full = call.batch * call.tokens * call.keys
+        index_per_pair = idx.heads * (idx.head_dim + 1)
+        cost = cost + Cost(attn_full=full * index_per_pair, attn_causal=causal * index_per_pair)
+        kept = call.batch * sum(min(i + 1, self.top_k) for i in range(call.keys - call.tokens, call.keys))
+        per_pair = self.n_heads * 2 * self.head_dim
+        return cost + Cost(attn_full=kept * per_pair, attn_causal=kept * per_pair)

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import check_conv
+from looplm.mixers.linear import check_conv, linear_core_cost
 from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState
 from looplm.modules.norm import RMSNorm
 from looplm.modules.shape import BlockShape
@@ -84,6 +85,11 @@ class HGRN2Attention(DecayMixer):
                           None if state is None else state.recurrent)
         o = self.g_norm(o.reshape(B, T, self.input_dim))
         return self.o_proj(o), DecayState(S, new_conv, ctx.valid.shape[1])
+
+    def flop_cost(self, call: Call) -> Cost:
+        return (self.children_flop_cost(call, self.num_heads, self.head_i_dim)
+                + linear_core_cost(call, self.num_heads, self.head_f_dim, self.head_i_dim, self.chunk_size,
+                                    delta=False))
 
 
 @dataclasses.dataclass(frozen=True)

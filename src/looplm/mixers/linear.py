@@ -15,10 +15,12 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.config_base import ConfigError, check
 from looplm.mixers.config import MixerConfig
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import ShortConvolution
+from looplm.modules.norm import GatedRMSNorm, RMSNorm
 
 
 def is_whole(value: float) -> bool:
@@ -98,6 +100,20 @@ class ProjectedMixer(nn.Module):
             self._derived = (key, build())
         return self._derived[1]
 
+    def runs_per_head(self, child: nn.Module, heads: int, head_width: int) -> bool:
+        """Whether ``child`` runs once per head, not once per position (FLOP accounting): an
+        output norm whose width is one head's."""
+        return isinstance(child, (RMSNorm, GatedRMSNorm)) and child.weight.shape[0] == head_width and heads > 1
+
+    def children_flop_cost(self, call: Call, heads: int, head_width: int) -> Cost:
+        """The children once per position, except what :meth:`runs_per_head` (``head_width``
+        wide, ``heads`` of them per position)."""
+        cost = Cost()
+        per_head = Call(call.batch, call.tokens * heads, call.keys * heads, width=call.width)
+        for child in self.children():
+            cost = cost + module_cost(child, per_head if self.runs_per_head(child, heads, head_width) else call)
+        return cost
+
 
 @dataclasses.dataclass(frozen=True)
 class LinearMixerConfig(MixerConfig):
@@ -146,3 +162,23 @@ def check_expands_positive(**expands: float) -> None:
 def check_conv(conv_size: int) -> None:
     """ConfigError unless the short-convolution width is >= 1."""
     check(conv_size >= 1, "model.mixer.conv_size", conv_size, "an integer >= 1")
+
+
+def linear_core_cost(call: Call, heads: int, dk: int, dv: int, chunk: int, delta: bool) -> Cost:
+    """FLOPs of a linear mixer's core, per head and position.
+
+    Recurrence: S_t = α_t S_{t-1} + k_t v_tᵀ (dk·dv MACs) and o_t = S_tᵀ q_t (dk·dv); the
+    delta rule adds the prediction S_{t-1}ᵀ k_t (dk·dv).
+    Chunkwise (what trains, chunk C): intra-chunk q kᵀ (C·dk) and scores·v (C·dv) over
+    the full C × C block, the inter-chunk read q S (dk·dv) and the state update kᵀ v
+    (dk·dv); the delta rule (WY form) adds k kᵀ (C·dk), applying the C × C transform
+    to k and v (C·(dk + dv)) and w S (dk·dv)."""
+    C = min(chunk, call.tokens)
+    n = call.rows * heads
+    if delta:
+        recurrent = 3 * dk * dv
+        chunked = C * dk + C * (dk + dv) + C * (dk + dv) + 3 * dk * dv
+    else:
+        recurrent = 2 * dk * dv
+        chunked = C * (dk + dv) + 2 * dk * dv
+    return Cost(mixer_chunk=n * chunked, mixer_recurrent=n * recurrent)

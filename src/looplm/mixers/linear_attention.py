@@ -26,10 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, children_cost
 from looplm.config_base import check
 from looplm.ops.backend import log_backend, use_fla
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import LinearMixerConfig, ProjectedMixer, check_conv, check_expands_positive, whole
+from looplm.mixers.linear import (
+    LinearMixerConfig,
+    ProjectedMixer,
+    check_conv,
+    check_expands_positive,
+    linear_core_cost,
+    whole,
+)
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
 from looplm.modules.shape import BlockShape
 from looplm.ops.decay import chunk_decay, chunk_size_rule, fla_decay, recurrent_decay
@@ -181,6 +189,15 @@ class DecayMixer(ProjectedMixer):
         return chunk_decay(q, k, v, log_alpha, scale, initial_state, output_final_state=True,
                            chunk_size=self.chunk_size)
 
+    def runs_per_head(self, child: nn.Module, heads: int, head_width: int) -> bool:
+        """Feature maps run per head too (they see one head's width)."""
+        return isinstance(child, HadamardFeatureMap) or super().runs_per_head(child, heads, head_width)
+
+    def flop_cost(self, call: Call) -> Cost:
+        return (self.children_flop_cost(call, self.num_heads, self.head_v_dim)
+                + linear_core_cost(call, self.num_heads, self.head_k_dim, self.head_v_dim, self.chunk_size,
+                                    delta=False))
+
 
 def elu_p1(x: torch.Tensor) -> torch.Tensor:
     """ELU(x) + 1 (Katharopoulos et al. 2020; fla's ``elu_p1``)."""
@@ -198,6 +215,10 @@ class HadamardFeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer1(x) * self.layer2(x)
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Both layers on every row of ``call``: the mixer's rule passes one row per head."""
+        return children_cost(self, call)
 
 
 def build_feature_map(name: str, head_dim: int) -> nn.Module:

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, children_cost
 from looplm.config_base import ConfigError, check
 from looplm.mixers.base import MixerContext
-from looplm.mixers.linear import init_dt_bias
+from looplm.mixers.linear import init_dt_bias, linear_core_cost
 from looplm.mixers.linear_attention import DecayMixer, DecayMixerConfig, DecayState, repeat_kv
 from looplm.modules.norm import GatedRMSNorm
 from looplm.modules.shape import BlockShape
@@ -122,6 +123,11 @@ class Mamba2(DecayMixer):
         y = (y + xs * D).reshape(B, T, I)  # D skip
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(x.dtype)), DecayState(S, (conv,), ctx.valid.shape[1])
+
+    def flop_cost(self, call: Call) -> Cost:
+        """The children once per position (the gated norm spans every head) and the SSD core."""
+        return children_cost(self, call) + linear_core_cost(call, self.num_heads, self.ssm_state_size, self.head_dim,
+                                                            self.chunk_size, delta=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 from looplm.config_base import check
 from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
@@ -154,6 +155,11 @@ class BlockCompressor(nn.Module):
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:
         return self.mlp((blocks + self.position).flatten(-2))
 
+    def flop_cost(self, call: Call) -> Cost:
+        """φ on ``call.tokens`` blocks of ``call.batch`` KV heads: the MLP once per block (the
+        position embedding's addition left out). NSA's rule calls it with that shape."""
+        return children_cost(self.mlp, call)
+
 
 class NativeSparseAttention(nn.Module):
     """NSA with GQA: query head h·G + g reads KV head h, and a KV group shares its selected
@@ -261,3 +267,24 @@ class NativeSparseAttention(nn.Module):
         keep = (j[None, :] < done_before[:, None])[:, None, :, None]  # [B, 1, n_old - lo, 1]
         middle = torch.where(keep, cached[:, :, lo:n_old], fresh[:, :, : n_old - lo])
         return torch.cat([cached[:, :, :lo], middle, fresh[:, :, n_old - lo :]], dim=2), None
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Projections; φ on each compressed block of keys and values; the three branches'
+        score/value products over the keys each query sees (the sparse kernel's count):
+        compressed blocks, ``select_blocks`` blocks of ``select_block_size``, the window."""
+        cost = Cost()
+        for child in self.children():
+            if not isinstance(child, BlockCompressor):
+                cost = cost + module_cost(child, call)
+        l, d = self.block_size, self.block_stride
+        blocks = max(0, (call.keys - l) // d + 1)
+        if self.k_compress is not None:
+            per_block = module_cost(self.k_compress, Call(call.batch * self.n_kv_heads, blocks, blocks))
+            cost = cost + per_block.scale(2)  # keys and values
+        seen = range(call.keys - call.tokens, call.keys)
+        compressed = sum(max(0, (i + 1 - l) // d + 1) for i in seen)
+        selected = sum(min(i + 1, self.select_blocks * self.select_block_size) for i in seen)
+        window = causal_pairs(call.tokens, call.keys, self.window) if self.window else 0
+        per_pair = self.n_heads * 2 * self.head_dim
+        pairs = call.batch * (compressed + selected + window)
+        return cost + Cost(attn_full=pairs * per_pair, attn_causal=pairs * per_pair)

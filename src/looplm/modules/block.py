@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
@@ -79,6 +80,22 @@ class Block(nn.Module):
             return x + mixed + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
         x = x + mixed
         return x + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
+
+    def sublayer_costs(self, call: Call) -> tuple[Cost, Cost]:
+        """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->
+        output norm -> residual (the output norms cost nothing under ``norm_placement: pre``)."""
+        d = self.attn_norm.weight.shape[0]
+        mixer = self.mixer_at(max(call.iteration, 0))
+        attention = (module_cost(self.attn_norm, call) + module_cost(mixer, call) + module_cost(self.attn_out_norm, call)
+                     + Cost(residual=call.rows * d))
+        ffn = (module_cost(self.ffn_norm, call) + module_cost(self.ffn, call) + module_cost(self.ffn_out_norm, call)
+               + Cost(residual=call.rows * d))
+        return attention, ffn
+
+    def flop_cost(self, call: Call) -> Cost:
+        """One application at ``call.iteration`` (the prelude and coda run as iteration 0)."""
+        attention, ffn = self.sublayer_costs(call)
+        return attention + ffn
 
 
 def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None) -> Block:

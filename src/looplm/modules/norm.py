@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost
 from looplm.ops.backend import use_fla
 
 
@@ -23,6 +24,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def flop_cost(self, call: Call) -> Cost:
+        return Cost(norm=call.rows * self.weight.shape[0] * 4)  # square, mean, scale, weight
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -70,6 +74,9 @@ class GatedRMSNorm(nn.Module):
         scale = self.weight * gate if self.norm_before_gate else self.weight
         y = (normed * scale).mul_(n**0.5)  # √n · normed · scale
         return y.to(x.dtype)
+
+    def flop_cost(self, call: Call) -> Cost:
+        return Cost(norm=call.rows * self.weight.shape[0] * 5)  # RMSNorm + gate multiply
 
 
 def host_scalar(value: float) -> torch.Tensor:

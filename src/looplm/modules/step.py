@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, Step
+
 
 class StepEmbedding(nn.Module):
     """e_t [d] for t < ``steps``. ``enabled = False`` switches it off (the model then runs
@@ -29,3 +31,11 @@ class StepEmbedding(nn.Module):
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.normal_(self.weight, std=init_std)
+
+    def step_calls(self, t: int, slot: int, call: Call) -> list[Step]:
+        """What :meth:`at` adds to a core pass's input (x + e_t, at full resolution): nothing
+        when switched off."""
+        return [Step("step_embedding", f"step_embedding.{slot}", self, call)] if self.enabled else []
+
+    def flop_cost(self, call: Call) -> Cost:
+        return Cost(bias=call.rows * self.weight.shape[1])  # x + e_t on one core pass's input: a learned vector added

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
+
 
 def chunk_grid(tokens: torch.Tensor, lead: int, chunks: int, chunk: int) -> torch.Tensor:
     """The first ``chunks`` chunks of ``tokens`` [B, L, d] as a grid [B, n, g, d]: slot
@@ -33,6 +35,9 @@ class MeanPool(nn.Module):
         g = x.shape[2]
         return x[:, :, 0] if g == 1 else x.sum(dim=2) / g  # Eq. (16)
 
+    def flop_cost(self, call: Call) -> Cost:
+        return Cost(state=call.rows * call.width)  # Eq. (16): one add (and the 1/g scale) per token and channel
+
 
 class SelfAggregation(nn.Module):
     """z_j = Σ_{i ∈ I_j} α_{j,i} h_i with α_j = softmax over the chunk of A(h_i), Eq. (17-18).
@@ -52,6 +57,11 @@ class SelfAggregation(nn.Module):
             scores = F.pad(scores[:, lead:], (lead, 0), value=float("-inf"))
         alpha = torch.softmax(scores.view(B, n, g), dim=-1).to(x.dtype)  # Eq. (17)
         return torch.einsum("bng,bngd->bnd", alpha, x)  # Eq. (18)
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Eq. (17-18): the scorer A^(t) (d -> 1) on every token, softmax over the chunk (left
+        out like activations), then Σ_i α_i h_i: d MACs per token."""
+        return module_cost(self.scorer, call) + Cost(mac=call.rows * call.width)
 
 
 def build_down(kind: str, dim: int, chunk: int) -> nn.Module:

@@ -27,12 +27,13 @@ generated one row at a time.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from looplm.accounting.cost import Call, Step
 from looplm.layout import Layout
 from looplm.mixers.base import MixerContext
 from looplm.resolution.config import ResolutionConfig
@@ -170,6 +171,21 @@ class MultiResolution(nn.Module):
             triggers += [it.trigger(j) for j in range(step.first, N)]
             cache.set_chunk(t, ChunkState(it, step.tokens[:, keep:], latents, end, triggers))
         return u
+
+    def pass_calls(self, t: int, call: Call, core: Callable[[Call], list[Step]]) -> list[Step]:
+        """The calls of iteration t's core update (``call``: the full forward at iteration t;
+        ``core(c)``: the core stack's calls on c): at full resolution the core alone; else S↓
+        on the n·g_t tokens of the n = L_t complete chunks, the core on n positions, S↑ on the
+        n latents writing n·g_t slots (the causal shift, Eq. 22, a pad: no arithmetic)."""
+        if self.identity(t):
+            return core(call)
+        it = self.schedule[t]
+        n, g = it.complete_chunks(call.tokens), it.chunk
+        down = Call(call.batch, n * g, n * g, phase="down", iteration=t, width=call.width)
+        up = Call(call.batch, n, n, phase="up", iteration=t, width=call.width)
+        return [Step("resolution", f"resolution.down.{t}", self.down_ops[str(t)], down),
+                *core(Call(call.batch, n, n, iteration=t, width=call.width)),
+                Step("resolution", f"resolution.up.{t}", self.up_ops[str(t)], up)]
 
 
 def _chunk_rope(ctx: MixerContext, rotary: "Rotary", done: int, total: int, dtype: torch.dtype):

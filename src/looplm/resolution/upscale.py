@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
+
 
 class UniformBroadcast(nn.Module):
     """β_{j,ρ} = 1/g: u_i = (λ_t / g_t) ẑ_{π(i)}, Eq. (20). Returns an expanded view over the
@@ -31,6 +33,10 @@ class UniformBroadcast(nn.Module):
         u = z if self.chunk == 1 else z * (self.gain / self.chunk)  # Eq. (20)
         return u[:, :, None].expand(B, m, self.chunk, d)
 
+    def flop_cost(self, call: Call) -> Cost:
+        """Eq. (20): (λ/g) ẑ once per chunk latent (none at g = 1), then broadcast to its g slots."""
+        return Cost(state=call.rows * call.width if self.chunk > 1 else 0)
+
 
 class AllocationRouter(nn.Module):
     """β_j = softmax(B(ẑ_j)) ∈ R^g, Eq. (21); ``router`` is the iteration's B^(t): d -> g."""
@@ -45,6 +51,11 @@ class AllocationRouter(nn.Module):
         beta = torch.softmax(self.router(z).float(), dim=-1).to(z.dtype)  # Eq. (21): [B, m, g], one per chunk
         # Eq. (19), an elementwise product (not a matmul: autocast would round it to bf16)
         return (self.gain * beta)[..., None] * z[:, :, None, :]  # [B, m, g, d]
+
+    def flop_cost(self, call: Call) -> Cost:
+        """Eq. (21): the router B^(t) (d -> g) once per chunk latent (``call.rows`` of them), then
+        λ·β (g per chunk) and β_ρ·ẑ for every slot (g·d per chunk), Eq. (19)."""
+        return module_cost(self.router, call) + Cost(state=call.rows * self.chunk * (1 + call.width))
 
 
 def build_up(kind: str, dim: int, chunk: int) -> nn.Module:

@@ -1,8 +1,9 @@
 """The loop body: which states one macro step updates, with which core passes.
 
-A streams object describes its macro step as data (:class:`CorePass` per core pass, and
-whether the topology folds the update in) and runs that description in ``step``; the
-FLOP counter (``looplm.accounting.plan``) reads the same description.
+A streams object describes its macro step as data (:class:`CorePass` per core pass) and
+runs that description in ``step``; ``step_calls`` beside it lists the module calls of the
+same step for the execution plan (``looplm.accounting.plan``), which the plan-order test
+(tests/accounting/test_plan_order.py) holds to the forward's.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Step
 from looplm.topology.base import LoopState, Topology
 
 #: core(x, i): the core stack on input x [B, T, d] as the i-th block pass of this macro step
 Core = Callable[[torch.Tensor, int], torch.Tensor]
+#: core_calls(i): the module calls of core(x, i), as the execution plan lists them
+CoreCalls = Callable[[int], list[Step]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +39,20 @@ class SingleStream(nn.Module):
 
     schedule = (CorePass(0),)  # the core passes of one macro step
     passes = len(schedule)
-    uses_topology = True  # the topology starts the state and folds every update in
 
     def start(self, topology: Topology, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
         return topology.start(h_emb, h_pre)
 
     def step(self, topology: Topology, state: LoopState, core: Core, t: int) -> LoopState:
         return topology.step(state, core(state.h, 0), t)
+
+    def start_calls(self, topology: Topology, call: Call) -> list[Step]:
+        """The calls of :meth:`start`: the topology's start."""
+        return topology.start_calls(call)
+
+    def step_calls(self, topology: Topology, t: int, call: Call, core: CoreCalls) -> list[Step]:
+        """The calls of :meth:`step`: the core pass, then the topology step."""
+        return [*core(0), *topology.step_calls(t, call)]
 
     def finish(self, topology: Topology, state: LoopState) -> torch.Tensor:
         return topology.finish(state)

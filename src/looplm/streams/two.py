@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
 
-from looplm.streams.single import Core, CorePass
+from looplm.accounting.cost import Call, Cost, Step, in_pass
+from looplm.streams.single import Core, CoreCalls, CorePass
 from looplm.topology.base import LoopState, Topology
 
 
@@ -22,8 +24,6 @@ class TwoStream(nn.Module):
     forward: nothing is carried across calls, so logits at position i depend only on
     tokens ≤ i (§3.2, Challenge 2). ``no_grad_cycles``: the first H − 1 cycles of every
     macro step run under ``torch.no_grad`` (TRM)."""
-
-    uses_topology = False
 
     def __init__(self, d_model: int, outer: int, inner: int, learned_init: bool, no_grad_cycles: bool):
         super().__init__()
@@ -66,3 +66,23 @@ class TwoStream(nn.Module):
         if isinstance(self.y_init, nn.Parameter):
             nn.init.normal_(self.y_init, std=init_std)
             nn.init.normal_(self.z_init, std=init_std)
+
+    def start_calls(self, topology: Topology, call: Call) -> list[Step]:
+        """:meth:`start` calls no module (the topology is never called)."""
+        return []
+
+    def step_calls(self, topology: Topology, t: int, call: Call, core: CoreCalls) -> list[Step]:
+        """The calls of :meth:`step`: per pass of ``schedule``, its input's stream sum and the
+        core pass, without gradient where the pass runs under ``torch.no_grad``."""
+        steps: list[Step] = []
+        for p in self.schedule:
+            slot = t * self.passes + p.index
+            reads = Step("streams", f"streams.{slot}", self, dataclasses.replace(call, phase=p.reads))
+            steps += in_pass([reads, *core(p.index)], slot=slot, grad=p.grad)
+        return steps
+
+    def flop_cost(self, call: Call) -> Cost:
+        """One pass's input: X + Y + Z (two adds per element) for a reasoning pass
+        (``phase="reason"``), Y + Z (one) for the solution pass (``phase="solve"``)."""
+        adds = 2 if call.phase == "reason" else 1
+        return Cost(state=adds * call.rows * self.y_init.shape[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from looplm.accounting.cost import Call, Cost
 from looplm.topology.base import LoopState, Topology
 
 
@@ -30,3 +31,8 @@ class AdditiveTopology(Topology):
             else:
                 h = h + state.carrier["h_emb"]  # h_sup = h_emb (anchor*)
         return LoopState(h=h, carrier=state.carrier, record=state.record)
+
+    def flop_cost(self, call: Call) -> Cost:
+        if call.phase == "start":
+            return Cost()
+        return Cost(state=len(self.supplements) * call.rows * call.width)  # one addition per supplement

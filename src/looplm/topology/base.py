@@ -14,6 +14,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Step
+
 
 @dataclasses.dataclass
 class LoopState:
@@ -51,3 +53,12 @@ class Topology(nn.Module):
 
     def reset_parameters(self, init_std: float) -> None:
         """Initialise own parameters (called by the model's init pass)."""
+
+    def start_calls(self, call: Call) -> list[Step]:
+        """What :meth:`start` runs, as the execution plan lists it (``call``: the full forward)."""
+        return [Step("topology", "topology.start", self, dataclasses.replace(call, phase="start"))]
+
+    def step_calls(self, t: int, call: Call) -> list[Step]:
+        """What :meth:`step` runs at iteration t (``call``: the full forward at iteration t).
+        Its cost is the subclass's ``flop_cost`` for ``phase="step"``."""
+        return [Step("topology", f"topology.step.{t}", self, call)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.topology.base import LoopState, Topology
 
 _INIT = (1.0, 1 / 3, 1 / 3, 1 / 3)
@@ -44,6 +45,11 @@ class StaticCombinationTopology(Topology):
         with torch.no_grad():
             self.alpha.copy_(torch.tensor([_INIT] * self.alpha.shape[0]))
 
+    def flop_cost(self, call: Call) -> Cost:
+        if call.phase == "start":
+            return Cost()
+        return Cost(state=7 * call.rows * call.width)  # four scalings, three additions
+
 
 class DynamicCombinationTopology(Topology):
     def __init__(self, dim: int, iterations: int):
@@ -62,3 +68,9 @@ class DynamicCombinationTopology(Topology):
             nn.init.zeros_(layer.weight)
             with torch.no_grad():
                 layer.bias.copy_(torch.tensor(_INIT))
+
+    def flop_cost(self, call: Call) -> Cost:
+        if call.phase == "start":
+            return Cost()
+        d = self.coefficients[0].in_features
+        return module_cost(self.coefficients[0], call) + Cost(state=7 * call.rows * d)

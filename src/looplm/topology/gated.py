@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from looplm.accounting.cost import Call, Cost
 from looplm.topology.base import LoopState, Topology
 
 
@@ -24,3 +25,8 @@ class GatedResidualTopology(Topology):
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.zeros_(self.rho)
+
+    def flop_cost(self, call: Call) -> Cost:
+        if call.phase == "start":
+            return Cost()
+        return Cost(state=2 * call.rows * self.rho.shape[1])  # ρ ⊙ h, + f(h)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.topology.base import LoopState, Topology
 
 
@@ -163,3 +164,16 @@ class MeshTopology(Topology):
         for layer in [*self.write, *self.read]:
             nn.init.normal_(layer.weight, std=init_std)
             nn.init.zeros_(layer.bias)
+
+    def flop_cost(self, call: Call) -> Cost:
+        """One write-read per call (t = -1 at the start, then each iteration; MeSH Alg. 2):
+        write and read routers (Linear d -> B each), the write m_b += w_b ⊙ h (a multiply and
+        an add per slot and channel) and the read Σ_b w_b ⊙ m_b (a contraction over slots).
+        MeSH Eq. (8) totals 6·d·B per position at one FLOP per operation. Run unrolled (Eq. 7),
+        the read after the write of iteration t contracts the t + 3 values written so far
+        (h_emb included) with coefficients from t + 3 write weights of B slots."""
+        d, B = self.write[0].in_features, self.slots
+        written = call.iteration + 3  # h_emb, h_m^(-1), .., h_m^(t); the start is t = -1
+        routers = module_cost(self.write[0], call) + module_cost(self.read[0], call)
+        return routers + Cost(state=2 * call.rows * d * B, read_mac=call.rows * d * B,
+                              read_unrolled_mac=call.rows * written * (d + B))
