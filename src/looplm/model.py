@@ -241,14 +241,14 @@ class LoopLM(nn.Module):
         final norm (Ouro: ``self.norm`` closes every UT step), so each step's state is the
         one its readout head(norm(·)) reads."""
         signal = self.step_embedding.at(t) if self.step_embedding is not None else None
-        passes = self.streams.passes
+        structure = self.cfg.structure
         entry = self.norm if self.cfg.loop_input_norm and t > 0 else None
 
         def core(x: torch.Tensor, i: int) -> torch.Tensor:
             def core_pass(x: torch.Tensor) -> torch.Tensor:
                 x = x if entry is None else entry(x)
                 x = x if signal is None else x + signal.to(x.dtype)
-                return self._core(t, x, ctx, cache, slot=t * passes + i)
+                return self._core(t, x, ctx, cache, slot=structure.slot(t, i))
 
             if self.recompute is None or cache is not None:
                 return core_pass(x)
@@ -260,10 +260,8 @@ class LoopLM(nn.Module):
         """core_calls(i): the module calls of :meth:`_passes`' core(x, i), in its order, as the
         execution plan lists them (``call``: the full forward at iteration t): the loop-input
         norm, the step signal, the core update (:meth:`_core_calls`), named by the pass's slot."""
-        passes = self.streams.passes
-
         def core_calls(i: int) -> list[Step]:
-            slot = t * passes + i
+            slot = self.cfg.structure.slot(t, i)
             steps = []
             if self.cfg.loop_input_norm and t > 0:
                 steps.append(Step("final_norm", f"loop_input_norm.{slot}", self.norm, call))
@@ -317,10 +315,11 @@ class LoopLM(nn.Module):
     def _core_calls(self, t: int, call: Call) -> list[Step]:
         """The module calls of :meth:`_core` at iteration t, as the execution plan lists them:
         the stack's blocks on ``call``, or the resolution's S↓ -> blocks -> S↑."""
-        stack = self.core[0 if self.cfg.share_core else t]
+        structure = self.cfg.structure
+        stack = self.core[structure.stack_at(t)]
 
         def blocks(c: Call) -> list[Step]:
-            return [Step("core", f"core.{j}", block, c) for j, block in enumerate(stack)]
+            return [Step("core", name, block, c) for name, block in zip(structure.names_of("core"), stack, strict=True)]
 
         return blocks(call) if self.resolution is None else self.resolution.pass_calls(t, call, blocks)
 

@@ -81,6 +81,10 @@ class LoopStructure:
         """Block modules the model holds (``LoopLM.blocks()``): prelude + stacks·core + coda."""
         return self.prelude + self.stacks * self.core + self.coda
 
+    def slot(self, t: int, i: int) -> int:
+        """The key of core pass i of macro step t in the cache and the attention record: t·passes + i."""
+        return t * self.passes_per_step + i
+
     def stack_at(self, t: int) -> int:
         """The core stack that runs at iteration t (``LoopLM.core[i]``)."""
         return 0 if self.shared else t

@@ -51,10 +51,11 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     plan = [Step("embedding", "embed", model.embed, full)]
     if model.pos_embed is not None:
         plan.append(Step("embedding", "pos_embed", PositionCall(model.pos_embed), full))
-    plan += [Step("prelude", f"prelude.{j}", block, full) for j, block in enumerate(model.prelude)]
+    names = model.cfg.structure.names_of
+    plan += [Step("prelude", name, block, full) for name, block in zip(names("prelude"), model.prelude, strict=True)]
     if model.topology is not None:
         plan += _recurrence_plan(model, full, targets)
-    plan += [Step("coda", f"coda.{j}", block, full) for j, block in enumerate(model.coda)]
+    plan += [Step("coda", name, block, full) for name, block in zip(names("coda"), model.coda, strict=True)]
     # the readout's logits carry the training loss unless the halting rule's own losses hold
     # the task loss (the exit gate's expected objective): then training runs them without backward
     trained = model.halting is None or model.halting.trains_readout
