@@ -91,6 +91,48 @@ def test_quick_study_writes_mean_and_std_over_two_seeds(quick, name) -> None:
         assert (out / figure.file).read_bytes()[:8] == PNG
 
 
+@pytest.mark.parametrize("name", ["mesh", "lt2"])
+def test_paired_differences_by_seed(quick, name) -> None:
+    """paired.csv and results.md compare every row with the reference seed by seed: the
+    differences are runs.csv's values subtracted per seed, and the sign count follows the
+    metric's direction."""
+    result = quick[name]
+    ref = result.study.reference or result.study.variants("quick")[0]
+    runs = list(csv.DictReader(open(result.out_dir / "runs.csv")))
+    rows = list(csv.DictReader(open(result.out_dir / "paired.csv")))
+    assert rows and {r["reference"] for r in rows} == {ref} and ref not in {r["variant"] for r in rows}
+    metrics = {m.key: m for m in result.study.metrics}
+    for row in rows:
+        key = row["metric"]
+        value = {(r["variant"], r["seed"]): r[key] for r in runs if r.get(key) not in (None, "")}
+        expected = [float(value[row["variant"], s]) - float(value[ref, s]) for s in row["seeds"].split()]
+        got = [float(d) for d in row["differences"].split()]
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
+        better = metrics[key].better
+        if better is not None:
+            sign = -1 if better == "lower" else 1
+            assert int(row["wins"]) == sum(sign * d > 0 for d in got)
+    markdown = (result.out_dir / "results.md").read_text()
+    assert f"Paired by seed, each row minus `{ref}`" in markdown
+    assert any(line.startswith(f"| {rows[0]['variant']} − {ref} |") for line in markdown.splitlines())
+
+
+def test_paired_verdicts_and_the_dirty_tree_mark() -> None:
+    from looplm.study.definition import Metric
+    from looplm.study.results import Paired, dirty_warning
+
+    loss = Metric("val_loss", "loss", better="lower")
+    clear = Paired("a", "b", loss, [0, 1, 2], [-0.10, -0.11, -0.09])
+    assert clear.wins == 3 and not clear.undecided and clear.verdict() == "better in 3 of 3 seeds"
+    mixed = Paired("a", "b", loss, [0, 1, 2], [-0.10, 0.08, -0.01])
+    assert mixed.wins == 2 and mixed.undecided and mixed.verdict() == "better in 2 of 3 seeds (under 2 sd)"
+    higher = Paired("a", "b", Metric("acc", "acc", better="higher"), [0, 1], [0.2, 0.3])
+    assert higher.wins == 2
+    assert Paired("a", "b", Metric("x", "x"), [0, 1, 2], [1.0, 2.0, 3.0]).verdict() == "3 seeds"
+    assert dirty_warning({"looplm": "0.1.0 (git 1a3b28f)"}) is None
+    assert "uncommitted changes (0.1.0 (git 1a3b28f-dirty))" in dirty_warning({"looplm": "0.1.0 (git 1a3b28f-dirty)"})
+
+
 def test_study_specific_measures(quick) -> None:
     mesh = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(quick["mesh"].out_dir / "runs.csv"))}
     assert mesh[("vanilla", "0")]["cka_loop"] == "" and float(mesh[("mesh", "0")]["cka_loop"]) > 0

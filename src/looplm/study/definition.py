@@ -102,7 +102,8 @@ class Study:
     """A named study (``looplm study NAME``). ``measure`` reads one finished run; ``describe``
     gives a row's descriptive cells from its runs (layout, parameters); ``notes`` adds markdown
     after the table; ``build`` replaces the preset-based configuration builder (the ladder's
-    rungs are model fields, not presets)."""
+    rungs are model fields, not presets). ``reference``: the variant every other row is
+    compared with seed by seed in results.md and paired.csv (default: the size's first)."""
 
     name: str
     title: str
@@ -117,6 +118,7 @@ class Study:
     describe: Optional[Callable[[str, list], dict[str, str]]] = None
     notes: Optional[Callable[[Any], str]] = None
     build: Optional[Builder] = None
+    reference: Optional[str] = None
 
     def size(self, name: str) -> Size:
         if name not in self.sizes:

@@ -153,6 +153,7 @@ def results_markdown(result: StudyResult) -> str:
         f"- looplm {m['looplm']}, torch {m['torch']}, Python {m['python']}, {m['platform']}",
         f"- machine: {machine_line(m)}",
         "",
+        *([warning, ""] if (warning := dirty_warning(m)) else []),
         f"Each cell: mean ± sample standard deviation over the {len(result.seeds)} seed(s) (best mean in bold). "
         f"Runs: `{result.out_dir}/<variant>/seed-<s>/`; every seed's numbers in runs.csv. Train time: seconds "
         "of training steps per seed (over every session of a resumed run; evaluations not counted).",
@@ -160,6 +161,9 @@ def results_markdown(result: StudyResult) -> str:
         results_table(result),
         "",
     ]
+    comparison = paired_table(result)
+    if comparison:
+        lines += [comparison, ""]
     papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
     if papers:
         lines += ["Paper columns:", ""] + [f"- {p.label}: {p.source}" for p in papers] + [""]
@@ -172,6 +176,101 @@ def results_markdown(result: StudyResult) -> str:
     if study.notes is not None:
         lines += [study.notes(result), ""]
     return "\n".join(lines)
+
+
+def reference_variant(result: StudyResult) -> str:
+    """The row the others are compared with, seed by seed: ``study.reference`` when this
+    size runs it, else the first variant."""
+    ref = result.study.reference
+    return ref if ref in result.variants else result.variants[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """``variant`` against ``reference`` on ``metric``, paired by seed: ``differences``
+    (variant − reference, one per seed both define, in seed order), how many of them favour
+    the variant (``wins``: lower or higher as the metric says is better; None for a metric
+    without a direction) and whether the mean difference is under two standard deviations
+    of the differences (``undecided``: a claim resting on it needs more seeds)."""
+
+    variant: str
+    reference: str
+    metric: Metric
+    seeds: list[int]
+    differences: list[float]
+
+    @property
+    def wins(self) -> Optional[int]:
+        if self.metric.better is None:
+            return None
+        sign = -1 if self.metric.better == "lower" else 1
+        return sum(1 for d in self.differences if sign * d > 0)
+
+    @property
+    def undecided(self) -> bool:
+        mean, std = mean_std(self.differences)
+        return mean is None or std is None or abs(mean) < 2 * std
+
+    def verdict(self) -> str:
+        """"better in k of n seeds" (or "n seeds" for a metric without a direction)."""
+        n = len(self.differences)
+        wins = self.wins
+        text = f"{n} seed{'s' if n != 1 else ''}" if wins is None else f"better in {wins} of {n} seeds"
+        return text + (" (under 2 sd)" if self.undecided else "")
+
+
+def paired(result: StudyResult) -> list[Paired]:
+    """Every other variant against the reference, per shown metric, paired by seed."""
+    ref = reference_variant(result)
+    base = result.scalars(ref)
+    out = []
+    for v in result.variants:
+        if v == ref:
+            continue
+        mine = result.scalars(v)
+        for m in shown_metrics(result):
+            pairs = [(seed, a[m.key] - b[m.key]) for seed, a, b in zip(result.seeds, mine, base)
+                     if a.get(m.key) is not None and b.get(m.key) is not None]
+            if pairs:
+                out.append(Paired(v, ref, m, [s for s, _ in pairs], [d for _, d in pairs]))
+    return out
+
+
+def paired_table(result: StudyResult) -> str:
+    """Markdown: per variant and metric, the per-seed differences to the reference and their sign count."""
+    rows = paired(result)
+    if not rows:
+        return ""
+    lines = [f"Paired by seed, each row minus `{reference_variant(result)}` (a difference favours the row when "
+             "it is lower for a lower-is-better metric, higher otherwise; \"under 2 sd\": the mean difference is "
+             "smaller than twice the differences' standard deviation, so the sign is not settled by these seeds):",
+             "", "| comparison | metric | per-seed difference | mean | verdict |", "| --- | --- | --- | --- | --- |"]
+    for p in rows:
+        per_seed = ", ".join(f"{s}: {_number(d, p.metric)}" for s, d in zip(p.seeds, p.differences))
+        mean = mean_std(p.differences)[0]
+        lines.append(f"| {p.variant} − {p.reference} | {p.metric.label} | {per_seed} | {_number(mean, p.metric)} | {p.verdict()} |")
+    return "\n".join(lines)
+
+
+PAIRED_FIELDS = ("study", "size", "variant", "reference", "metric", "seeds", "differences", "mean", "wins", "n",
+                 "undecided")
+
+
+def paired_rows(result: StudyResult) -> list[dict[str, Any]]:
+    """paired.csv: one row per variant × metric against the reference."""
+    return [{"study": result.study.name, "size": result.size, "variant": p.variant, "reference": p.reference,
+             "metric": p.metric.key, "seeds": " ".join(str(s) for s in p.seeds),
+             "differences": " ".join(f"{d:.10g}" for d in p.differences), "mean": mean_std(p.differences)[0],
+             "wins": p.wins, "n": len(p.differences), "undecided": p.undecided} for p in paired(result)]
+
+
+def dirty_warning(machine: dict[str, Any]) -> Optional[str]:
+    """A line for results.md when the runs' code came from a working tree with uncommitted
+    changes (``git describe --dirty``): its commit does not reproduce the numbers."""
+    if "dirty" not in str(machine.get("looplm", "")):
+        return None
+    return (f"**Run from a working tree with uncommitted changes ({machine['looplm']}): the commit named "
+            "does not reproduce these numbers exactly.**")
 
 
 def summary_rows(result: StudyResult) -> list[dict[str, Any]]:

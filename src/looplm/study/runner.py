@@ -12,6 +12,8 @@ writes into ``out_dir``:
   standard deviation over seeds, the paper's numbers beside them, the deviations;
 - ``results.csv``: one row per variant × metric (mean, std, every seed's value, the paper's);
 - ``runs.csv``: one row per run × seed with everything measured;
+- ``paired.csv``: every variant against the reference variant, per metric, paired by seed
+  (the per-seed differences, how many favour the variant, whether they are under 2 sd);
 - the study's figures (``*.png``) when matplotlib is installed.
 """
 
@@ -37,9 +39,11 @@ from looplm.ladder.runner import PathLike
 from looplm.study.definition import Measures, Study, variant_of
 from looplm.study.plots import write_plots
 from looplm.study.results import (
+    PAIRED_FIELDS,
     SUMMARY_FIELDS,
     StudyResult,
     csv_text,
+    paired_rows,
     results_markdown,
     run_rows,
     summary_rows,
@@ -191,7 +195,9 @@ def write_results(result: StudyResult, figures: bool = True) -> list[Path]:
     write_text(summary, csv_text(SUMMARY_FIELDS, summary_rows(result)), atomic=True)
     per_run = result.out_dir / "runs.csv"
     write_text(per_run, csv_text(*run_rows(result)), atomic=True)
-    return [md, summary, per_run, *(write_plots(result) if figures else [])]
+    pairs = result.out_dir / "paired.csv"
+    write_text(pairs, csv_text(PAIRED_FIELDS, paired_rows(result)), atomic=True)
+    return [md, summary, per_run, pairs, *(write_plots(result) if figures else [])]
 
 
 # ---------------------------------------------------------------------- the ladder
