@@ -18,3 +18,14 @@ def test_host_reads_are_syncs():
     counts, _ = count_dispatch(lambda: (bool((x > 0).any()), x.sum().item(), (x > 0).nonzero()))
     assert counts.syncs == 3  # bool(), .item(), nonzero's data-dependent shape
     assert counts.by_op["aten._local_scalar_dense"] == 2 and counts.by_op["aten.nonzero"] == 1
+
+
+def test_whole_tensor_reads_count_as_host_syncs() -> None:
+    """Tensor.tolist / Tensor.numpy read a tensor to the host (a sync on a GPU) but reach no
+    ATen operator on CPU: the counter still sees them."""
+    x = torch.arange(6.0)
+    counts, values = count_dispatch(lambda: (x.tolist(), x.numpy()))
+    assert values[0] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert counts.syncs == 2 and counts.by_op["Tensor.tolist"] == 1 and counts.by_op["Tensor.numpy"] == 1
+    free, _ = count_dispatch(lambda: x.shape[0] + len(x))  # metadata: no read
+    assert free.syncs == 0 and free.ops == 0

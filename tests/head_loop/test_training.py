@@ -65,3 +65,36 @@ def test_model_flops_follow_the_grown_structure(tmp_path):
     after = trainer.throughput.per_token
     assert after == count_flops(trainer.model, seq_len).training_per_token
     assert after > before
+
+
+def test_the_device_ema_matches_the_host_schedule_and_reads_back_only_at_decisions(tmp_path):
+    """Growth keeps the entropy EMA on the device: after every step it equals, number for
+    number, GrowthSchedule.observe on the host-read means, and a step reads the device back
+    (a host sync) only when the growth operator decides."""
+    from looplm.accounting.dispatch import count_dispatch
+    from looplm.head_loop.schedule import GrowthSchedule
+
+    trainer = Trainer(run_config(tmp_path / "run", **KW), progress=False)
+    growth = trainer.growth
+    meter = growth.meter
+    host = GrowthSchedule(growth.schedule.cfg, growth.schedule.n_heads, growth.schedule.eligible)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 8):
+        sums = torch.rand(meter.sums.shape, generator=gen) * 3
+        counts = torch.randint(0, 3, meter.counts.shape, generator=gen).float()  # some layers unmeasured
+        meter.sums.copy_(sums)
+        meter.counts.copy_(counts)
+        growth._observe(False)
+        meter.sums.copy_(sums)
+        meter.counts.copy_(counts)
+        host.observe(meter.read())
+        growth._sync()
+        assert growth.schedule.ema == host.ema  # exact: the same float64 arithmetic
+
+    growth.schedule.frozen = False
+    off = next(s for s in range(1, 40) if not growth.schedule.reads_entropies_at(s))
+    on = next(s for s in range(1, 40) if growth.schedule.reads_entropies_at(s))
+    quiet, _ = count_dispatch(lambda: (growth._observe(False), growth.schedule.reads_entropies_at(off)))
+    assert quiet.syncs == 0, quiet.by_op
+    read, _ = count_dispatch(growth._sync)
+    assert read.syncs >= 1 and growth.schedule.reads_entropies_at(on)

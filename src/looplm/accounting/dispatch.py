@@ -7,7 +7,10 @@ are visible on CPU: every ATen operator reaches the dispatcher, where a
 ``transpose``, ``narrow``, ... : ``OpOverload.is_view``) launch nothing and are left out;
 so are the metadata-only ``detach`` and ``alias``. A host sync is a call that needs a
 value on the host: ``_local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``) and the
-ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``...).
+ops whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``...),
+and the whole-tensor reads ``Tensor.tolist`` / ``Tensor.numpy`` (on CPU they never reach
+the dispatcher, so a :class:`~torch.overrides.TorchFunctionMode` counts them, as
+``Tensor.tolist``; on a GPU each is a copy to the host and a sync).
 
     >>> counts = count_dispatch(lambda: model(ids))
     >>> counts.ops, counts.syncs, counts.by_op.most_common(5)
@@ -22,6 +25,7 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: operators that read a device value back to the host
@@ -73,9 +77,27 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: tensor methods that read a whole tensor to the host without an ATen operator on CPU
+HOST_READS = frozenset({"tolist", "numpy"})
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self, count: DispatchCount):
+        super().__init__()
+        self.count = count
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "meta":
+            self.count.ops += 1
+            self.count.syncs += 1
+            self.count.by_op[f"Tensor.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count_dispatch(fn: Callable[[], Any]) -> tuple[DispatchCount, Any]:
     """Run ``fn()`` once and count what it dispatched; returns (counts, fn's result)."""
     count = DispatchCount()
-    with _Counter(count):
+    with _HostReads(count), _Counter(count):
         result = fn()
     return count, result

@@ -105,19 +105,38 @@ class EntropyMeter:
 
     def read(self, distributed: bool = False) -> dict[int, list[float]]:
         """{layer: mean head entropies} of the forwards since the last read (layers never
-        run are absent); resets the accumulators."""
+        run are absent); resets the accumulators. A host read: :meth:`step_means` is the
+        same on the device."""
+        means, measured = self.step_means(distributed)
+        return {layer: row for layer, row, seen in zip(self.layers, means.tolist(), measured.tolist()) if seen}
+
+    def step_means(self, distributed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean head entropies of the forwards since the last call, on the device, no
+        host read: ``means`` [layers, heads] float64 (per head in the original numbering),
+        and ``measured`` [layers] bool (the layers that ran; their rows of ``means`` are 0
+        otherwise). Resets the accumulators. float64 division of the float32 sums: the same
+        numbers a host division of the read-back sums gives."""
         totals = torch.cat([self.sums, self.counts[:, None]], dim=1)
         if distributed:
             dist.all_reduce(totals)
-        values = totals.tolist()
         self.sums.zero_()
         self.counts.zero_()
-        out = {}
-        for layer, loop, row in zip(self.layers, self.loops, values):
-            if row[-1] > 0:
-                by_slot = [s / row[-1] for s in row[:-1]]
-                out[layer] = by_slot if loop is None else [by_slot[p] for p in loop.slot_of]
-        return out
+        totals = totals.double()
+        counts = totals[:, -1:]
+        means = (totals[:, :-1] / counts.clamp(min=1.0)).gather(1, self._original_order())
+        return means, counts[:, 0] > 0
+
+    def _original_order(self) -> torch.Tensor:
+        """[layers, heads] storage slot of each original head (``head_loop.slot_of`` of a
+        grown block whose heads are arranged; the identity otherwise), on the device, built
+        again only when an arrangement changed it."""
+        key = tuple(None if loop is None else tuple(loop.slot_of) for loop in self.loops)
+        if getattr(self, "_order_key", None) != key:
+            n_heads = self.sums.shape[1]
+            rows = [list(range(n_heads)) if slots is None else list(slots) for slots in key]
+            self._order = torch.tensor(rows, dtype=torch.long).reshape(len(rows), n_heads).to(self.sums.device)
+            self._order_key = key
+        return self._order
 
     def detach(self) -> None:
         """Remove the hooks (growth is frozen: nothing more to measure)."""

@@ -67,6 +67,11 @@ class GrowthSchedule:
     def is_decision_step(self, step: int) -> bool:
         return step >= self.cfg.start and (step - self.cfg.start) % self.cfg.interval == 0
 
+    def reads_entropies_at(self, step: int) -> bool:
+        """Whether :meth:`advance` at ``step`` reads the EMA (a decision while not frozen);
+        fade-out completions do not."""
+        return not self.frozen and self.is_decision_step(step)
+
     def advance(self, step: int) -> list[dict]:
         """Apply step ``step``'s decision (if it is one) and report what happened: a list of
         events {action, layer, heads, depth, ...}; fade-out completions are events too."""
