@@ -57,9 +57,8 @@ def assert_static_decodes_like_full_forward(model, x: torch.Tensor, ends: Sequen
     return None
 
 
-#: what may have no static cache yet: NSA's states (also inside a head-looped block),
-#: multi-resolution chunk states (NotStatic's messages)
-NOT_STATIC_YET = ("NSAState", "multi-resolution")
+#: what may have no static cache yet: multi-resolution chunk states (NotStatic's messages)
+NOT_STATIC_YET = ("multi-resolution",)
 
 
 def error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -23,9 +23,10 @@ from looplm.generation import STOP_CHECK_EVERY
 from tests.conftest import random_ids, tiny_config
 
 #: presets whose every state has a static form: attention (full, window, gated), the linear
-#: mixers, DSA, hybrids, MeSH, a dense model, a loop with (non-stopping) ACT
+#: mixers, DSA, NSA, hybrids, MeSH, a dense model, a loop with (non-stopping) ACT
 STATIC_PRESETS = ["tiny-lt2-transformer", "tiny-lt2-gdn", "tiny-lt2-hybrid-full-gdn", "tiny-lt2-hybrid-full-window",
-                  "tiny-lt2-retnet", "tiny-lt2-mamba2", "tiny-lt2-dsa", "tiny-lt2-hybrid-gdn-dsa", "tiny-mesh",
+                  "tiny-lt2-retnet", "tiny-lt2-mamba2", "tiny-lt2-dsa", "tiny-lt2-nsa", "tiny-lt2-hybrid-gdn-dsa",
+                  "tiny-mesh",
                   "tiny-dense", "ladder-ut-act"]
 
 
@@ -94,7 +95,7 @@ def test_stopped_rows_trim_the_columns_decoded_after_the_last_stop():
     assert stopped.sequences.shape[1] == 7 + first + 1 and bool(stopped.finished.all())
 
 
-@pytest.mark.parametrize("preset,reason", [("tiny-lt2-nsa", "NSAState"), ("spiralformer-b-tiny", "multi-resolution")])
+@pytest.mark.parametrize("preset,reason", [("spiralformer-b-tiny", "multi-resolution")])
 def test_models_without_a_static_cache_decode_eagerly_and_say_why(preset, reason, caplog):
     model = _model(preset)
     ids = random_ids(1, 9, vocab=model.cfg.vocab_size)

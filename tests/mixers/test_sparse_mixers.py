@@ -92,6 +92,43 @@ def test_left_padded_rows_equal_unpadded_rows_in_prefill_and_decoding(name, mixe
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("name,mixer,topology,layout,kv", GRID, ids=[g[0] for g in GRID])
+def test_left_padded_rows_decode_alike_on_the_static_cache(name, mixer, topology, layout, kv):
+    """The static cache (preallocated, written in place, no host read per token) from a
+    left-padded prefill: single tokens and a chunk equal each row decoded alone. NSA's rows
+    complete their compressed blocks at different steps; DSA's pick among valid columns."""
+    model = _model(mixer, topology, layout, kv)
+    rows = [random_ids(1, 10 - p, seed=p + 1)[0] for p in (0, 3, 6)]
+    batch = torch.stack([F.pad(r, (10 - len(r), 0)) for r in rows])
+    mask = torch.stack([F.pad(torch.ones_like(r), (10 - len(r), 0)) for r in rows])
+    more = random_ids(3, 9, seed=9)
+    cache = LoopCache(full_loop=True)
+    model(batch, attention_mask=mask, cache=cache)
+    static = cache.static(24)
+    steps = [model(more[:, i : i + 1], cache=static).logits for i in range(5)]
+    steps.append(model(more[:, 5:9], cache=static).logits)  # a chunk: eager against the static cache
+    decoded = torch.cat(steps, dim=1)
+    for b, row in enumerate(rows):
+        alone = model(torch.cat([row, more[b]])[None]).logits[0]
+        torch.testing.assert_close(decoded[b], alone[len(row):], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", [NSA_MEAN, NSA_MLP], ids=["nsa-mean", "nsa-mlp"])
+def test_nsa_static_decoding_step_reads_nothing_back(mixer):
+    """A captured decoding step must not depend on the data's shapes: NSA's step on the
+    static cache dispatches no host sync (the growing cache's step reads block counts)."""
+    from looplm.accounting.dispatch import count_dispatch
+
+    model = _model(mixer)
+    cache = LoopCache(full_loop=True)
+    model(random_ids(2, 9), cache=cache)
+    static = cache.static(32)
+    counts, _ = count_dispatch(lambda: model(random_ids(2, 1, seed=4), cache=static))
+    assert counts.syncs == 0, counts.by_op
+    growing, _ = count_dispatch(lambda: model(random_ids(2, 1, seed=4), cache=cache))
+    assert growing.syncs > 0  # the eager path's shapes follow the data
+
+
 @pytest.mark.parametrize("mixer", [NSA_MLP, DSA], ids=["nsa", "dsa"])
 def test_cache_crop_and_select_batch(mixer):
     model = _model(mixer, "anchor", kv=2)

@@ -31,7 +31,8 @@ from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
-from looplm.ops.sparse.nsa import compressed_block_count, nsa_attention
+from looplm.ops.sparse.common import gather_rows
+from looplm.ops.sparse.nsa import compressed_block_count, nsa_attention, nsa_static_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,56 @@ class NSAState:
             self.keys[index], self.values[index], self.valid[index], self.k_cmp[index], self.v_cmp[index]
         )
 
+    def static(self, capacity: int) -> "StaticNSAState":
+        """The keys, values and compressed blocks in buffers preallocated for ``capacity``
+        columns (:mod:`looplm.cache`), and each row's map from its own positions to columns."""
+        B, Hkv, S, D = self.keys.shape
+        keys, values = self.keys.new_zeros(B, Hkv, capacity, D), self.values.new_zeros(B, Hkv, capacity, D)
+        keys[:, :, :S], values[:, :, :S] = self.keys, self.values
+        n_cmp = compressed_block_count(capacity, self.block_size, self.block_stride)
+        k_cmp, v_cmp = (x.new_zeros(B, Hkv, n_cmp + 1, D) for x in (self.k_cmp, self.v_cmp))
+        N = self.k_cmp.shape[2]
+        k_cmp[:, :, :N], v_cmp[:, :, :N] = self.k_cmp, self.v_cmp
+        column_of = torch.zeros(B, capacity + 1, dtype=torch.long, device=keys.device)
+        column_of[:, :S] = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices  # real first
+        return StaticNSAState(keys, values, column_of, k_cmp, v_cmp, self.block_size, self.block_stride)
+
+
+@dataclasses.dataclass
+class StaticNSAState:
+    """NSA's state in a static cache of C columns, written in place (no host read, so one
+    captured decoding step serves every step).
+
+    keys, values: [B, H_kv, C, D] by column, as the growing state (padding columns never
+    read). column_of: [B, C + 1] long, row b's column of its position c (its c-th real
+    token); entry C takes the writes of padding tokens. k_cmp, v_cmp: [B, H_kv, N + 1, D],
+    compressed block j of each row's own positions (N = the blocks C positions complete);
+    entry N takes the writes of positions that complete no block. Every index is derived from
+    the cache's validity, so a crop needs nothing undone (``rewind = None``): the entries
+    past the new length are written again when their positions come back."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    column_of: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+    block_size: int
+    block_stride: int
+
+    rewind = None
+
+    def crop(self, length: int) -> "StaticNSAState":
+        return self
+
+    def select(self, index: torch.Tensor) -> "StaticNSAState":
+        """Reorder the rows in place (beam search keeps the batch size)."""
+        buffers = (self.keys, self.values, self.column_of, self.k_cmp, self.v_cmp)
+        if index.shape[0] != self.keys.shape[0]:
+            return StaticNSAState(*(b[index] for b in buffers), self.block_size, self.block_stride)
+        for buffer in buffers:
+            buffer.copy_(buffer[index])
+        return self
+
 
 class BlockCompressor(nn.Module):
     """NSA's learned φ (Eq. (7)): an MLP over the l keys (or values) of a block, each plus
@@ -205,6 +256,9 @@ class NativeSparseAttention(nn.Module):
         v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         gates = torch.sigmoid(self.g_proj(x)).view(B, T, Hkv, G, 3).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, T, 3]
+        if isinstance(state, StaticNSAState):
+            o = self._attend_static(q.view(B, Hkv, G, T, D), k, v, gates, ctx, state)
+            return self._output(o, x), state
         spare = (None, None, None, None) if state is None else state.spare
         if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
             (k, k_spare), (v, v_spare) = (extend(state.keys, k, 2, spare[0]),
@@ -235,11 +289,49 @@ class NativeSparseAttention(nn.Module):
             block_size=self.block_size, stride=self.block_stride, select_size=self.select_block_size,
             n_select=self.select_blocks, window=self.window, scale=D**-0.5,
         )
-        y = o.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+        new_state = NSAState(k, v, ctx.valid, k_cmp, v_cmp, self.block_size, self.block_stride, spare)
+        return self._output(o, x), new_state
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, H_kv, G, T, D] -> [B, T, d]: heads merged, the output gate, o_proj."""
+        B, T, _ = x.shape
+        y = o.reshape(B, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))  # LT2 §4.4: head-specific elementwise output gate
-        new_state = NSAState(k, v, ctx.valid, k_cmp, v_cmp, self.block_size, self.block_stride, spare)
-        return self.o_proj(y), new_state
+        return self.o_proj(y)
+
+    def _attend_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor,
+                       ctx: MixerContext, state: StaticNSAState) -> torch.Tensor:
+        """NSA against a static cache, with no host read: write the new keys and values at
+        their columns, record each new real token's column under its position, compress the
+        blocks the new positions complete, then the three branches with fixed widths
+        (:func:`~looplm.ops.sparse.nsa.nsa_static_attention`)."""
+        B, Hkv, T, D = k.shape
+        C = state.keys.shape[2]
+        l, d = self.block_size, self.block_stride
+        state.keys.index_copy_(2, ctx.slots, k)
+        state.values.index_copy_(2, ctx.slots, v)
+        new_valid = ctx.new_valid  # [B, T]
+        before = ctx.valid.sum(dim=1, keepdim=True) - new_valid.sum(dim=1, keepdim=True)  # [B, 1] real tokens before
+        rank = before + new_valid.long().cumsum(dim=1) - 1
+        positions = torch.where(new_valid, rank, torch.full_like(rank, -1))  # [B, T] each row in its own positions
+        state.column_of.scatter_(1, torch.where(new_valid, rank, torch.full_like(rank, C)), ctx.slots.expand(B, T))
+        # block j = (p - l + 1) / d ends at position p: compress it from its l keys (Eq. (7))
+        start = positions - (l - 1)
+        complete = new_valid & (start >= 0) & (torch.remainder(start, d) == 0)
+        n_cmp = state.k_cmp.shape[2] - 1
+        block = torch.where(complete, start.div(d, rounding_mode="floor"), torch.full_like(start, n_cmp))
+        members = (start.clamp(min=0)[..., None] + torch.arange(l, device=k.device)).view(B, T * l)
+        columns = state.column_of.gather(1, members.clamp(max=C)).clamp(max=C - 1)
+        target = block[:, None, :, None].expand(B, Hkv, T, D)
+        for keys, cmp, phi in ((state.keys, state.k_cmp, self.k_compress), (state.values, state.v_cmp, self.v_compress)):
+            blocks = gather_rows(keys, columns).view(B, Hkv, T, l, D)
+            cmp.scatter_(2, target, blocks.mean(dim=-2) if phi is None else phi(blocks))
+        return nsa_static_attention(
+            q, state.keys, state.values, state.column_of, state.k_cmp[:, :, :n_cmp], state.v_cmp[:, :, :n_cmp],
+            gates, positions, block_size=l, stride=d, select_size=self.select_block_size,
+            n_select=self.select_blocks, window=self.window, scale=D**-0.5,
+        )
 
     def _compress(
         self, x: torch.Tensor, n_past: torch.Tensor, n_now: torch.Tensor,

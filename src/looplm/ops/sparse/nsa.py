@@ -37,7 +37,7 @@ from typing import Union
 
 import torch
 
-from looplm.ops.sparse.common import grouped_attention, masked_softmax, topk_mask
+from looplm.ops.sparse.common import gathered_attention, grouped_attention, masked_softmax, topk_mask
 
 
 def compressed_block_count(n: Union[int, torch.Tensor], block_size: int, stride: int) -> Union[int, torch.Tensor]:
@@ -110,6 +110,55 @@ def nsa_attention(
     if window > 0:
         o = o + gates[..., 2:3] * _window_branch(q, k, v, positions, window, scale)
     return o, selected
+
+
+def nsa_static_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    column_of: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    gates: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block_size: int,
+    stride: int,
+    select_size: int,
+    n_select: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`nsa_attention` over a static cache, with shapes that never depend on the data
+    (no host read: a captured decoding step). The keys stay in their columns: k, v [B, H_kv,
+    C, D]; ``column_of`` [B, ≥ C] long maps row b's position c to its column; k_cmp, v_cmp
+    [B, H_kv, N, D] hold the compressed blocks of every row's own positions (those not yet
+    complete are never read). Each query gathers only what it reads: the ``n_select`` selected
+    blocks (a fixed width; unpicked slots masked) and its last ``window`` positions. Equal to
+    :func:`nsa_attention` on the compacted keys to rounding. Returns o [B, H_kv, G, T, D]."""
+    B, Hkv, G, T, D = q.shape
+    C = k.shape[2]
+    o_cmp, selected = _compressed_and_selection(q, k_cmp, v_cmp, positions, C, block_size=block_size, stride=stride,
+                                                select_size=select_size, n_select=n_select, scale=scale)
+    n = min(n_select, selected.shape[-1])
+    picked, index = torch.topk(selected.to(torch.uint8), n, dim=-1)  # [B, H_kv, T, n]
+    L = select_size
+    key = (index[..., None] * L + torch.arange(L, device=q.device)).view(B, Hkv, T, n * L)  # positions
+    keep = (picked.bool()[..., None].expand(-1, -1, -1, -1, L).reshape(B, Hkv, T, n * L)
+            & (key <= positions[:, None, :, None]))
+    columns = column_of.gather(1, key.clamp(max=C).view(B, Hkv * T * n * L)).view(B, Hkv, T, n * L)
+    # a selection differs per KV head: each (row, head) pair gathers from its own keys
+    o_slc = gathered_attention(
+        q.reshape(B * Hkv, 1, G, T, D), k.reshape(B * Hkv, 1, C, D), v.reshape(B * Hkv, 1, C, v.shape[-1]),
+        columns.clamp(max=C - 1).reshape(B * Hkv, T, n * L), keep.reshape(B * Hkv, T, n * L), scale,
+    ).view(B, Hkv, G, T, v.shape[-1])
+    o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc
+    if window > 0:
+        recent = positions[..., None] - (window - 1) + torch.arange(window, device=q.device)  # [B, T, w]
+        near = (recent >= 0) & (positions[..., None] >= 0)
+        rows = column_of.gather(1, recent.clamp(min=0).view(B, T * window)).view(B, T, window).clamp(max=C - 1)
+        o = o + gates[..., 2:3] * gathered_attention(q, k, v, rows, near, scale)
+    return o
 
 
 def _compressed_and_selection(
