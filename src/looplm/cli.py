@@ -15,7 +15,7 @@ probe, flops, ladder, study, config, presets.
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
     looplm flops CONFIG [key=value ...] [--seq-len N] [--convention NAME]
     looplm ladder --task {addition,copy,reverse} --budget C [--quick] [--rungs RUNG ...] [key=value ...]
-    looplm study NAME [--quick | --paper] [--seeds N] [--out DIR] [--threads N] [--variants A,B] [key=value ...]
+    looplm study NAME [--quick | --paper | --size NAME] [--seeds N] [--out DIR] [--threads N] [--variants A,B] [key=value ...]
     looplm config [CONFIG] [key=value ...]
     looplm presets
 
@@ -333,7 +333,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
     from looplm.study import results_table, run_study
 
-    size = "quick" if args.quick else "paper" if args.paper else "default"
+    size = "quick" if args.quick else "paper" if args.paper else args.size or "default"
     command = shlex.join(["looplm", *sys.argv[1:]]) if sys.argv[1:2] == ["study"] else None
     result = run_study(args.name, args.out, size=size, seeds=args.seeds, overrides=args.overrides,
                        threads=args.threads, command=command, progress=not args.no_progress,
@@ -627,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a seconds-scale smoke version (2 seeds)")
     size.add_argument("--paper", action="store_true", help="the paper's size (GPUs; see README 'Reproductions')")
+    size.add_argument("--size", default=None, metavar="NAME",
+                      help="a size by name: default, quick, paper, or stdlib (the unrepeated standard-library "
+                           "corpus: a learning-rate sweep, then 3 paired seeds, up to 5 while undecided)")
     p.add_argument("--seeds", type=int, default=None, metavar="N", help="seeds 0 … N-1 (default: the size's, 3)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/study-NAME[-quick|-paper])")
     p.add_argument("--threads", type=_POSITIVE, default=None, metavar="N", help="torch threads (torch.set_num_threads)")

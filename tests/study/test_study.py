@@ -21,8 +21,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
-@pytest.mark.parametrize("size", ["quick", "default", "paper"])
+@pytest.mark.parametrize("size", ["quick", "default", "paper", "stdlib"])
 def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
+    if size not in get_study(name, "quick").sizes:
+        pytest.skip(f"study {name} has no {size} size")
     study = get_study(name, size)
     configs = study.configs(size, tmp_path, seed=5)
     assert set(configs) == set(study.size(size).runs) and len(configs) >= 4
@@ -36,6 +38,14 @@ def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
         assert study.size(size).seeds >= 3 and "min" in study.size(size).wall_time
     if size == "paper":
         assert study.size(size).wall_time
+    if size == "stdlib":  # single epoch on the unrepeated corpus, each run's rate from a sweep
+        from looplm.study.studies import STDLIB_BATCH, STDLIB_SEQ, STDLIB_STEPS
+
+        spec = study.size(size)
+        assert spec.sweep is not None and spec.max_seeds == 5 and spec.seeds == 3
+        assert {c.data.source for c in configs.values()} == {"python-stdlib"}
+        assert all(c.train.max_steps * c.train.batch_size * c.data.seq_len <= 8_200_000 for c in configs.values())
+        assert STDLIB_STEPS * STDLIB_BATCH * STDLIB_SEQ <= 8_200_000
 
 
 def test_matched_comparisons() -> None:
@@ -296,3 +306,42 @@ def test_cli(quick, tmp_path, capsys, caplog, monkeypatch) -> None:
     printed = capsys.readouterr().out
     assert printed.startswith("| variant | tie |") and f"{out}/results.md" in printed
     assert f"looplm study ladder --out {out} --quick --seeds 2 --threads 1" in (out / "results.md").read_text()
+
+
+def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(tmp_path, monkeypatch) -> None:
+    """A size's learning-rate sweep trains every run at seed 0 at each rate, records the
+    table, and the seeds train at each run's best rate; with max_seeds, seeds are added while
+    the primary metric's paired difference is under two standard deviations."""
+    import dataclasses
+
+    from looplm.study import runner
+    from looplm.study.definition import Metric, Sweep
+    from looplm.study.studies import VAL_LOSS
+
+    quick = dataclasses.replace(TINY.sizes["quick"], seeds=2, max_seeds=3,
+                                sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
+    study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,))
+    verdicts = iter([True])  # after seeds 0, 1: undecided; after seed 2: max_seeds reached anyway
+    monkeypatch.setattr(runner, "undecided", lambda result: next(verdicts))
+    result = run_study(study, tmp_path, size="quick")
+    sweep = list(csv.DictReader(open(tmp_path / "lr-sweep.csv")))
+    assert {(r["run"], float(r["lr"])) for r in sweep} == {(n, lr) for n in ("a", "b") for lr in (1e-3, 3e-2)}
+    for name in ("a", "b"):
+        rows = [r for r in sweep if r["run"] == name]
+        best = min(rows, key=lambda r: float(r["value"]))
+        assert [r["chosen"] for r in rows].count("True") == 1 and best["chosen"] == "True"
+        assert all(run.config.train.lr == float(best["lr"]) for run in result.runs[name])
+        assert (tmp_path / "lr-sweep" / f"lr-{float(best['lr']):g}" / name / "seed-0" / "summary.json").is_file()
+    assert result.seeds == [0, 1, 2] and len(result.runs["a"]) == 3
+    assert "**" in (tmp_path / "lr-sweep.md").read_text()
+    # rerun: the sweep and the seeds are read back, nothing trains
+    monkeypatch.setattr(runner, "undecided", lambda result: False)
+    trained = []
+    monkeypatch.setattr(runs_module, "Trainer", lambda *a, **k: trained.append(a) or pytest.fail("trained again"))
+    again = run_study(study, tmp_path, size="quick", seeds=[0, 1, 2])
+    assert not trained and again.seeds == [0, 1, 2]
+    with pytest.raises(ConfigError, match="sweep.lrs"):
+        Sweep((1e-3,))
+    with pytest.raises(ConfigError, match="size.max_seeds"):
+        dataclasses.replace(quick, max_seeds=1)
+    assert Metric("x", "x").better is None and study.primary is VAL_LOSS

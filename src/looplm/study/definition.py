@@ -84,14 +84,40 @@ class RunSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A learning-rate sweep run before a size's seeds: every run at seed 0 at each of
+    ``lrs`` under ``overrides`` (a shorter budget); each run then trains every seed at the
+    rate with the best primary metric (the study's first metric with a direction), and the
+    sweep's table is written beside the results (lr-sweep.md, lr-sweep.csv)."""
+
+    lrs: tuple[float, ...]
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.lrs) < 2 or any(not (isinstance(x, (int, float)) and x > 0) for x in self.lrs) \
+                or len(set(self.lrs)) != len(self.lrs):
+            raise ConfigError("sweep.lrs", list(self.lrs), "two or more distinct learning rates > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class Size:
     """One size of a study: its runs, the overrides they share, the seeds it is meant for and
-    its expected wall time (how it was estimated)."""
+    its expected wall time (how it was estimated). ``sweep``: a learning-rate sweep that
+    picks each run's rate first. ``max_seeds``: when the seeds were not given explicitly,
+    seeds are added one at a time up to this many while a row's paired difference to the
+    reference on the primary metric is under two standard deviations (a sign those seeds
+    do not settle)."""
 
     runs: Mapping[str, RunSpec]
     shared: tuple[str, ...] = ()
     seeds: int = 3
     wall_time: str = ""
+    sweep: Optional[Sweep] = None
+    max_seeds: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_seeds is not None and self.max_seeds < self.seeds:
+            raise ConfigError("size.max_seeds", self.max_seeds, f"null or an integer >= seeds={self.seeds}")
 
 
 Builder = Callable[["Study", str, Path, int, Sequence[str]], dict[str, RunConfig]]
@@ -119,6 +145,11 @@ class Study:
     notes: Optional[Callable[[Any], str]] = None
     build: Optional[Builder] = None
     reference: Optional[str] = None
+
+    @property
+    def primary(self) -> Optional[Metric]:
+        """The metric a sweep and the seed extension decide by: the first with a direction."""
+        return next((m for m in self.metrics if m.better is not None), None)
 
     def size(self, name: str) -> Size:
         if name not in self.sizes:

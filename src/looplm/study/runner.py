@@ -14,7 +14,13 @@ writes into ``out_dir``:
 - ``runs.csv``: one row per run × seed with everything measured;
 - ``paired.csv``: every variant against the reference variant, per metric, paired by seed
   (the per-seed differences, how many favour the variant, whether they are under 2 sd);
-- the study's figures (``*.png``) when matplotlib is installed.
+- the study's figures (``*.png``) when matplotlib is installed;
+- ``lr-sweep.md`` / ``lr-sweep.csv`` when the size sweeps learning rates first
+  (:mod:`looplm.study.sweep`).
+
+A size with ``max_seeds`` adds seeds one at a time (when none were given explicitly) while
+a row's paired difference to the reference on the primary metric is under two standard
+deviations.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from looplm.study.results import (
     SUMMARY_FIELDS,
     StudyResult,
     csv_text,
+    paired,
     paired_rows,
     results_markdown,
     run_rows,
@@ -50,6 +57,7 @@ from looplm.study.results import (
 )
 from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse
 from looplm.study.studies import get_study, ladder_study
+from looplm.study.sweep import run_lr_sweep, with_lr
 
 if TYPE_CHECKING:
     from looplm.config import RunConfig
@@ -108,34 +116,62 @@ def run_study(
     ``looplm study`` call). variants: train and tabulate only these (default: all)."""
     study = get_study(study, size) if isinstance(study, str) else study
     spec = study.size(size)
+    extend = seeds is None and spec.max_seeds is not None  # seeds given explicitly are run as given
     seeds = resolve_seeds(spec.seeds if seeds is None else seeds)
     set_threads(threads)
     out_dir = Path(out_dir if out_dir is not None else default_out(study.name, size))
-    configs = {seed: study.configs(size, out_dir, seed, overrides) for seed in seeds}  # validated up front
-    if variants is not None:
-        configs = {seed: select_variants(by_run, variants) for seed, by_run in configs.items()}
-    finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
+
+    def configs_at(seed: int) -> dict[str, "RunConfig"]:
+        by_run = study.configs(size, out_dir, seed, overrides)
+        by_run = select_variants(by_run, variants) if variants is not None else by_run
+        return {name: with_lr(cfg, chosen[name]) if name in chosen else cfg for name, cfg in by_run.items()}
+
+    chosen: dict[str, float] = {}
+    configs = {seed: configs_at(seed) for seed in seeds}  # validated up front
     if command is None:
-        command = equivalent_command(study.name, size, out_dir, seeds, overrides, threads, variants)
+        command = equivalent_command(study.name, size, out_dir, None if extend else seeds, overrides, threads, variants)
     start = time.perf_counter()
+    if spec.sweep is not None:
+        chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]),
+                              lambda name, seed, cfg: train_or_reuse(name, seed, cfg, finished_run(cfg),
+                                                                     progress=progress),
+                              lambda run: measure_run(study, run))
+        configs = {seed: configs_at(seed) for seed in seeds}
+    finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
     runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
     measures: dict[str, list[Measures]] = {name: [] for name in runs}
-    total, done = len(seeds) * len(runs), 0
-    for i, seed in enumerate(seeds):
+    done, i = 0, 0
+    while i < len(seeds):
+        seed = seeds[i]
         for name, cfg in configs[seed].items():
             done += 1
-            logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, total, name, seed)
+            logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, len(seeds) * len(runs), name,
+                        seed)
             run = train_or_reuse(name, seed, cfg, finished[(name, seed)], progress=progress)
             runs[name].append(run)
             measures[name].append(measure_run(study, run))
         result = StudyResult(study=study, size=size, out_dir=out_dir, seeds=seeds[:i + 1], runs=runs,
                              measures=measures, command=command, overrides=tuple(overrides),
                              machine=machine_info(next(iter(runs.values()))[0].device))
-        last = i == len(seeds) - 1
-        written = write_results(result, figures=last)  # an interrupted study leaves the tables of its whole seeds
+        i += 1
+        if i == len(seeds) and extend and len(seeds) < spec.max_seeds and undecided(result):
+            seed = max(seeds) + 1
+            logger.info("study %s (%s): a difference is under two standard deviations after %d seeds: adding seed %d",
+                        study.name, size, len(seeds), seed)
+            seeds.append(seed)
+            configs[seed] = configs_at(seed)
+            finished.update({(run, seed): finished_run(cfg) for run, cfg in configs[seed].items()})
+        written = write_results(result, figures=i == len(seeds))  # an interrupted study leaves whole seeds' tables
     logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
                 ", ".join(str(p) for p in written))
     return result
+
+
+def undecided(result: StudyResult) -> bool:
+    """Whether some row's paired difference to the reference on the primary metric is under
+    two standard deviations (or has too few seeds to tell)."""
+    metric = result.study.primary
+    return any(p.undecided for p in paired(result) if metric is not None and p.metric.key == metric.key)
 
 
 def measure_run(study: Study, run: Run) -> Measures:
@@ -172,17 +208,21 @@ def default_out(name: str, size: str) -> str:
 
 
 def equivalent_command(name, size, out_dir, seeds, overrides, threads, variants=None) -> str:
+    """The ``looplm study`` call of these arguments (seeds None: the size's own, extended as it says)."""
     args = ["looplm", "study", name, "--out", str(out_dir)]
     if variants is not None:
         args += ["--variants", ",".join(variants)]
-    if size != "default":
+    if size in ("quick", "paper"):
         args.append(f"--{size}")
-    if seeds == list(range(len(seeds))):
+    elif size != "default":
+        args += ["--size", size]
+    consecutive = seeds is None or seeds == list(range(len(seeds)))
+    if seeds is not None and consecutive:
         args += ["--seeds", str(len(seeds))]
     if threads is not None:
         args += ["--threads", str(threads)]
     text = shlex.join([*args, *overrides])
-    return text if seeds == list(range(len(seeds))) else f"{text}  # Python: run_study(..., seeds={seeds})"
+    return text if consecutive else f"{text}  # Python: run_study(..., seeds={seeds})"
 
 
 def write_results(result: StudyResult, figures: bool = True) -> list[Path]:

@@ -32,6 +32,7 @@ from looplm.study.definition import (
     RunSpec,
     Size,
     Study,
+    Sweep,
     check_overrides,
     run_dir,
 )
@@ -48,6 +49,33 @@ def _cpu_lm(steps: int, *, seq_len: int = 128, batch: int = 16, lr: float = 2e-3
             f"train.batch_size={batch}", f"train.lr={lr:g}", "train.warmup_fraction=0.05", f"train.max_steps={steps}",
             f"train.eval_every={steps // 8}", f"train.save_every={steps // 4}", "train.keep_last=1",
             "train.log_every=50", "train.sample_tokens=0", "train.device=cpu")
+
+
+#: The ``stdlib`` sizes' corpus: the Python standard library's sources (``python-stdlib``, 1,758
+#: files, 31.5 M characters on Python 3.11) in ``bpe:8192`` tokens: 8.65 M tokens, about
+#: 8.2 M in the training split. 1000 steps of 16 × 256 tokens read 4.1 M of them: no token
+#: is trained on twice, where the pydoc sizes repeat their corpus 3-4 times.
+STDLIB_STEPS, STDLIB_BATCH, STDLIB_SEQ = 1000, 16, 256
+#: Learning rates swept per run at seed 0 (a third of the budget) before the seeds.
+STDLIB_SWEEP = Sweep((1e-3, 2e-3, 4e-3, 8e-3), (f"train.max_steps={STDLIB_STEPS // 3}",
+                                                f"train.eval_every={STDLIB_STEPS // 3}",
+                                                f"train.save_every={STDLIB_STEPS // 3}"))
+
+
+def _cpu_stdlib(d_model: int = 128, heads: int = 4) -> tuple[str, ...]:
+    """A single-epoch CPU budget on the standard-library corpus (issue 28): every token new."""
+    steps = STDLIB_STEPS
+    return (f"model.d_model={d_model}", f"model.n_heads={heads}", "model.vocab_size=8192",
+            "data.source=python-stdlib", "data.tokenizer=bpe:8192", f"data.seq_len={STDLIB_SEQ}",
+            "data.val_batches=16", f"train.batch_size={STDLIB_BATCH}", "train.lr=2e-3", "train.warmup_fraction=0.05",
+            f"train.max_steps={steps}", f"train.eval_every={steps // 8}", f"train.save_every={steps // 4}",
+            "train.keep_last=1", "train.log_every=50", "train.sample_tokens=0", "train.device=cpu")
+
+
+def _stdlib_size(runs: dict[str, RunSpec], wall_time: str) -> Size:
+    """The unrepeated-corpus size: the sweep picks each run's rate, 3 paired seeds, up to 5
+    while a difference to the reference is under two standard deviations."""
+    return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=wall_time)
 
 
 def _runs(preset: str, variants: dict[str, Sequence[str]]) -> dict[str, RunSpec]:
@@ -86,6 +114,9 @@ MESH = Study(
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 45 min on one thread (18 runs; ≈ 0.22 s per step measured, "
                                   "probes ≈ 2 s per run)"),
+        "stdlib": _stdlib_size(_runs("tiny-base", _mesh_variants("6", "1+2R2+1")),
+                               "not yet timed: 6 runs × 4 rates × 333 steps, then 18-30 runs × 1000 steps of "
+                               "16 × 256 tokens at d = 128"),
         "paper": Size(_runs("pythia-160m", _mesh_variants("12", "2+4R2+2")), seeds=3,
                       wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
                                 "paper's 250B tokens: ≈ 2.4e20 training FLOPs per run, about a week per run on one "
@@ -134,6 +165,9 @@ SPIRALFORMER = Study(
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(700)), seeds=3,
                         wall_time="≈ 45 min on one thread (12 runs; ≈ 0.30 s per step measured, "
                                   "the T = 4 loop 0.45)"),
+        "stdlib": _stdlib_size(_runs("tiny-mesh", _spiral_variants(1, 2, 1, 2, 2)),
+                               "not yet timed: 4 runs × 4 rates × 333 steps, then 12-20 runs × 1000 steps of "
+                               "16 × 256 tokens at d = 128"),
         "paper": Size(_runs("spiralformer-b-160m", _spiral_variants(2, 4, 2, 4, 4)), seeds=3,
                       wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
                                 "paper's 250B tokens: about a week per run on one H100 at 40 % MFU (12 runs)"),
@@ -192,6 +226,9 @@ SGT = Study(
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(800)), seeds=3,
                         wall_time="≈ 50 min on one thread (15 runs; ≈ 0.22 s per step measured before growth, "
                                   "+5-25 % once grown)"),
+        "stdlib": _stdlib_size(_runs("sgt-tiny-vanilla", _sgt_variants(125, 60)),
+                               "not yet timed: 5 runs × 4 rates × 333 steps, then 15-25 runs × 1000 steps of "
+                               "16 × 256 tokens at d = 128"),
         "paper": Size(_runs("sgt-275m-vanilla", _sgt_variants(250, 250)), seeds=3,
                       wall_time="SGT 275M (Table 8; 5035 steps of 128 × 4096 tokens; set data.source / "
                                 "data.tokenizer): ≈ 4.3e19 FLOPs per run (Table 1), about 30 hours per run on one "
