@@ -14,6 +14,7 @@ from typing import ClassVar, Optional
 from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting
+from looplm.halting.convergence import ConvergenceExit
 from looplm.halting.exit_gate import ExitGateHalting
 from looplm.halting.qhalt import QHalting
 
@@ -214,10 +215,40 @@ class ExitGateHaltingConfig(HaltingConfig):
         return d_model + 1  # the gate: d -> 1 with bias
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvergenceExitConfig(HaltingConfig):
+    """Zero-shot adaptive exit (Huginn, Geiping et al. 2025 §6; :class:`ConvergenceExit`): a
+    position stops looping once ``criterion`` says its output distribution has converged,
+    ``kl``: KL(p_{t-1} ‖ p_t) < ``threshold`` (Huginn's default 5e-4), ``entropy``: H(p_t) <
+    ``threshold`` nats. No parameters: set it on a trained fixed-depth loop at load time
+    (``looplm eval --exit kl:5e-4``) to trade loss for block passes."""
+
+    kind: str = "convergence"
+    criterion: str = "kl"
+    threshold: float = 5e-4
+
+    CRITERIA: ClassVar[tuple[str, ...]] = ("kl", "entropy")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.criterion in self.CRITERIA, "model.halting.criterion", self.criterion,
+              f"one of {', '.join(self.CRITERIA)}")
+        check(isinstance(self.threshold, (int, float)) and self.threshold > 0, "model.halting.threshold",
+              self.threshold, "a number > 0 (nats)")
+
+    @property
+    def label(self) -> str:
+        return f"model.halting.kind={self.kind} criterion={self.criterion} threshold={self.threshold:g}"
+
+    def build(self, d_model: int) -> Halting:
+        return ConvergenceExit(self.criterion, float(self.threshold))
+
+
 #: The halting rules: ``kind`` -> config class. One line per kind.
 HALTING_CONFIGS: dict[str, type[KindConfig]] = {
     "none": NoHaltingConfig,
     "act": ACTHaltingConfig,
     "qhalt": QHaltingConfig,
     "exit_gate": ExitGateHaltingConfig,
+    "convergence": ConvergenceExitConfig,
 }
