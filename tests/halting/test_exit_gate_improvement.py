@@ -100,3 +100,19 @@ def test_stage_two_trains_the_gate_only_and_resumes_exactly(tmp_path):
 def test_bad_stage_two_settings_are_refused_naming_the_field(model, field):
     with pytest.raises(ConfigError, match=field):
         tiny_config("base", **OURO_AXES, **model)
+
+
+def test_stage_two_starts_from_a_stage_one_run_and_keeps_its_lm(tmp_path):
+    """train.init_from takes a Stage I checkpoint although the objective differs (the
+    exit gate's weight-free fields); another difference is still refused."""
+    stage_one = {"layout": "2R2", **OURO_AXES, "halting": {"kind": "exit_gate", "objective": "expected"}}
+    Trainer(run_config(tmp_path / "one", model=stage_one, max_steps=2, save_every=2), progress=False).fit()
+    two = {**stage_one, "halting": {**STAGE_II, "improvement_threshold": 0.01}}
+    Trainer(run_config(tmp_path / "two", model=two, max_steps=2, save_every=2,
+                       init_from=str(tmp_path / "one")), progress=False).fit()
+    before, after = checkpoint_weights(tmp_path / "one", 2), checkpoint_weights(tmp_path / "two", 2)
+    assert {name for name in after if not torch.equal(before[name], after[name])} == {
+        "halting.gate.weight", "halting.gate.bias"}
+    with pytest.raises(ConfigError, match="model.d_model"):
+        Trainer(run_config(tmp_path / "wide", model={**two, "d_model": 64}, init_from=str(tmp_path / "one")),
+                progress=False)

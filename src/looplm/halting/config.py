@@ -36,6 +36,9 @@ class HaltingConfig(KindConfig):
     needs_no_coda: ClassVar[bool] = False
     #: the fewest loop steps the rule's training objective needs
     min_iterations: ClassVar[int] = 1
+    #: fields that say how the rule trains or reads out, not what its weights are:
+    #: ``train.init_from`` takes weights saved under other values (Ouro's Stage II from Stage I)
+    WEIGHT_FREE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def kinds(cls) -> dict[str, type[KindConfig]]:
@@ -199,6 +202,8 @@ class ExitGateHaltingConfig(HaltingConfig):
     improvement_threshold: float = 0.005
 
     OBJECTIVES: ClassVar[tuple[str, ...]] = ("readout", "expected", "improvement")
+    WEIGHT_FREE_FIELDS = ("threshold", "exit_at_step", "objective", "entropy_weight", "improvement_slope",
+                          "improvement_threshold")
 
     def __post_init__(self) -> None:
         super().__post_init__()
