@@ -208,6 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         step_embeddings=not args.no_step_embeddings,
         verify=not args.no_verify,
         compile=args.compile,
+        exit=args.exit,
     )
     sys.stdout.write(text + "\n")
     return 0
@@ -533,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="decode through one captured step over a static cache (CUDA graphs on a GPU)")
+    p.add_argument("--exit", type=_exit_spec, default=None, metavar="CRITERION:THRESHOLD",
+                   help="decode with a zero-shot adaptive exit (kl:5e-4, entropy:NATS); logs the block passes per token")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
 
