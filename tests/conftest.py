@@ -87,6 +87,17 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                                  norm_placement="sandwich", loop_input_norm=True,
                                                  halting={"kind": "exit_gate", "exit_at_step": 1,
                                                           "objective": "expected"})),
+        # Ouro's Stage II: the gate trained alone on a frozen LM (the objective acts on the loss)
+        ("ouro-stage-two", tiny_config("base", layout="2R3", norm="rmsnorm", mlp="swiglu", bias=False,
+                                       norm_placement="sandwich", loop_input_norm=True,
+                                       halting={"kind": "exit_gate", "threshold": 0.5, "objective": "improvement"})),
+        # zero-shot exit (Huginn's KL criterion, and entropy): init_std 0.3 sharpens the
+        # distributions so that positions exit at different steps, none near the threshold
+        ("zero-shot-exit-kl", tiny_config("anchor", layout="1+1R3+1", init_std=0.3,
+                                          halting={"kind": "convergence", "criterion": "kl", "threshold": 0.02})),
+        ("zero-shot-exit-entropy-two-streams", tiny_config(
+            "base", layout="1R3", init_std=0.3, streams={"kind": "two", "outer": 1, "inner": 1},
+            step_embeddings=True, halting={"kind": "convergence", "criterion": "entropy", "threshold": 2.6})),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

@@ -86,14 +86,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise LoopLMError("--stride and --window apply to --corpus NAME=PATH evaluation; add --corpus")
     result = evaluate_run(args.run, overrides=args.overrides, batches=args.batches, iterations=args.iterations,
                           batch_size=args.batch_size, step_embeddings=not args.no_step_embeddings,
-                          verify=not args.no_verify)
+                          verify=not args.no_verify, exits=args.exit)
     finite = math.isfinite(result["val_loss"])
     if args.json:
         finite_only = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
         sys.stdout.write(json.dumps(finite_only, indent=2) + "\n")  # NaN is not JSON: null
     else:
         for key, value in result.items():
-            sys.stdout.write(f"{key:<16} {value}\n")
+            if key != "exits":
+                sys.stdout.write(f"{key:<16} {value}\n")
+        for row in result.get("exits", ()):  # compute saved against loss paid, per zero-shot exit
+            sys.stdout.write(f"exit {row['exit']:<11} val_loss {row['val_loss']:.4f}  loss_paid {row['loss_paid']:+.4f}  "
+                             f"block_passes/token {row['block_passes_per_token']:.2f}  "
+                             f"compute_saved {100 * row['compute_saved']:.1f} %\n")
     if not finite:
         log.error("error: val_loss is %s, not a usable evaluation (see the warning above)", result["val_loss"])
         return 2
@@ -203,6 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         step_embeddings=not args.no_step_embeddings,
         verify=not args.no_verify,
         compile=args.compile,
+        exit=args.exit,
     )
     sys.stdout.write(text + "\n")
     return 0
@@ -394,6 +400,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _exit_spec(text: str):
+    """``--exit CRITERION:THRESHOLD`` (checked by the halting rule's config)."""
+    from looplm.eval.adaptive_exit import ExitSpec
+
+    try:
+        return ExitSpec.parse(text)
+    except ValueError as error:  # a ConfigError naming the field, value and what is allowed
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _loop_options(p: argparse.ArgumentParser) -> None:
     """Test-time compute options of every command that runs a trained model."""
     p.add_argument("--iterations", type=_POSITIVE, default=None, metavar="T", help="loop iterations at inference")
@@ -449,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --corpus: sliding-window step, <= window (default window: disjoint windows)")
     p.add_argument("--batch-size", type=_POSITIVE, default=8, help="sequences per forward (default 8)")
     _loop_options(p)
+    p.add_argument("--exit", action="append", default=[], type=_exit_spec, metavar="CRITERION:THRESHOLD",
+                   help="also evaluate with a zero-shot adaptive exit (repeatable): kl:5e-4 (Huginn's KL between "
+                   "successive steps) or entropy:NATS; prints its loss paid and compute saved against the full loop")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_eval)
@@ -515,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="decode through one captured step over a static cache (CUDA graphs on a GPU)")
+    p.add_argument("--exit", type=_exit_spec, default=None, metavar="CRITERION:THRESHOLD",
+                   help="decode with a zero-shot adaptive exit (kl:5e-4, entropy:NATS); logs the block passes per token")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     p.set_defaults(func=cmd_generate)
 

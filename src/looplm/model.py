@@ -128,6 +128,9 @@ class LoopLM(nn.Module):
         self.recompute: Optional[Callable[[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor],
                                           torch.Tensor]] = None
         self.reset_parameters()
+        if self.halting is not None and not self.halting.trains_lm:  # Ouro's Stage II: the gate alone trains
+            self.requires_grad_(False)
+            self.halting.requires_grad_(True)
 
     def reset_parameters(self) -> None:
         """The init pass (:mod:`looplm.init`), then every axis initialises its own parameters."""

@@ -189,6 +189,9 @@ class ModelConfig(Config):
             check(layout.coda == 0, "model.layout", self.layout,
                   f"a layout ending in the loop (no coda) with {self.halting.label}: its target "
                   "reads logits straight from the solution stream")
+        if layout.is_looped:
+            check(layout.iterations >= self.halting.min_iterations, "model.layout", self.layout,
+                  f"a loop of at least {self.halting.min_iterations} iterations with {self.halting.label}")
         exit_at = self.halting.exit_at_step
         if exit_at is not None:
             check(exit_at < layout.iterations, "model.halting.exit_at_step", exit_at,

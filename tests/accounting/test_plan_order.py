@@ -43,7 +43,9 @@ TOPOLOGIES = [{"kind": k} for k in ("base", "residual", "anchor", "anchor_embedd
                                     "static_combination", "dynamic_combination", "mesh")] + [
     {"kind": "additive", "supplements": ["residual", "anchor_embedding"]}]
 HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qhalt", "full_compute": True},
-           {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"}]
+           {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"},
+           {"kind": "exit_gate", "objective": "improvement"},
+           {"kind": "convergence", "criterion": "entropy", "threshold": 1e-9}]  # never fires: every step runs
 STREAMS = [{"kind": "single"}, {"kind": "two", "outer": 2, "inner": 1},
            {"kind": "two", "outer": 2, "inner": 2, "no_grad_cycles": True, "init": "zeros"}]
 RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "router"}]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shutil
 
 import pytest
@@ -158,6 +159,15 @@ def test_study_specific_measures(quick) -> None:
         spiral["looped-T4-full-res"]["forward_flops_per_token"])
 
 
+def test_depth_study_evaluates_the_fixed_loop_with_the_zero_shot_exits(quick) -> None:
+    runs = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(quick["depth"].out_dir / "runs.csv"))}
+    row = runs[("fixed", "0")]
+    assert float(row["block_passes"]) == 6.0  # 1+1R4+1: the full loop
+    for i in (1, 2):
+        assert 0.0 <= float(row[f"exit{i}_saved"]) < 1.0 and math.isfinite(float(row[f"exit{i}_loss_paid"]))
+    assert "Δloss exit kl:5e-4" in (quick["depth"].out_dir / "results.md").read_text()
+
+
 def test_sgt_flops_follow_the_growth_events(quick) -> None:
     """Block Loop activates its layers at the first decision (step 1 of the quick size): step 1
     runs the plain model, steps 2 … 4 the grown one (SGT Tables 1-2 sum each step's FLOPs)."""
@@ -269,7 +279,7 @@ def test_cli_variants_select_a_part_of_a_two_part_study(tmp_path, caplog) -> Non
 
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("kwargs, field, hint", [
-    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, ladder"),
+    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, depth, ladder"),
     (dict(seeds=0), "seeds", ">= 1"),
     (dict(seeds=[1, 1]), "seeds", "distinct"),
     (dict(size="huge"), "size", "quick, default, paper"),

@@ -61,6 +61,10 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     trained = model.halting is None or model.halting.trains_readout
     plan.append(Step("final_norm", "norm", model.norm, full, grad=trained))
     plan.append(Step("head", "head", model.head, full, grad=trained))
+    if model.halting is not None and not model.halting.trains_lm:
+        # the LM frozen (Ouro's Stage II): no input needs a gradient, so the backward runs
+        # through the halting rule's own calls alone (its weight gradient)
+        plan = [dataclasses.replace(s, grad=s.grad and s.module is model.halting) for s in plan]
     return plan
 
 

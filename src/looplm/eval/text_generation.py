@@ -7,13 +7,17 @@ decodes through it), and this one loads a run directory and its tokenizer.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from looplm.data import data_tokenizer
+from looplm.eval.adaptive_exit import ExitSpec, with_zero_shot_exit
 from looplm.eval.load import load_run, set_step_embeddings
+
+log = logging.getLogger("looplm")
 
 
 def generate_text(
@@ -28,14 +32,18 @@ def generate_text(
     step_embeddings: bool = True,
     verify: bool = True,
     compile: bool = False,
+    exit: Optional[ExitSpec] = None,
 ) -> str:
     """Prompt plus continuation, decoded with the run's tokenizer (``compile``: through the
-    captured static-cache step, :func:`looplm.generation.generate`)."""
+    captured static-cache step, :func:`looplm.generation.generate`). ``exit``: decode with a
+    zero-shot adaptive exit (:func:`~looplm.eval.adaptive_exit.with_zero_shot_exit`) and log
+    the realised block passes per token against the full loop's."""
     run = load_run(path, verify=verify)
     set_step_embeddings(run.model, step_embeddings)
+    model = run.model if exit is None else with_zero_shot_exit(run.model, exit)
     tokenizer = data_tokenizer(run.config.data)
     ids = tokenizer.encode(prompt)
-    out = run.model.generate(
+    out = model.generate(
         [ids] if ids else [[tokenizer.eos_id]],
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -47,4 +55,7 @@ def generate_text(
         generator=torch.Generator().manual_seed(seed),
         compile=compile,
     )
+    if exit is not None:
+        log.info("exit %s: %.2f block passes per token (full loop %d)", exit.label, out.block_passes_per_token,
+                 run.config.model.block_passes)
     return prompt + tokenizer.decode(out.new_tokens[0])

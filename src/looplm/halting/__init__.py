@@ -5,6 +5,7 @@
 | none | every macro step | last state | |
 | act | Σ σ(wᵀh) ≥ 1 − ε | Σ_τ w_τ h^(τ), ponder cost N + R | Graves 2016; LT2 App. ACT |
 | qhalt | σ(wᵀY) > 0.5 | terminal solution, BCE on correctness | TRM; autoregressive-trm App. B.1 |
+| convergence | KL(p_{t-1} ‖ p_t) or H(p_t) below a threshold (no parameters: zero-shot, at load time) | the exit step's state (frozen) | Huginn (Geiping et al. 2025 §6) |
 | exit_gate | step ``exit_at_step``, else CDF of λ_t ∏(1 − λ_s) ≥ threshold (every step still runs) | the exit step's state; trained on it, or on Σ_t p_t L^(t) − β H(p) (``objective: expected``) | Ouro (modeling_ouro.py; paper §3.2-3.3) |
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting, HaltState, Readout
+from looplm.halting.convergence import ConvergenceExit
 from looplm.halting.exit_gate import ExitGateHalting
 from looplm.halting.config import HALTING_CONFIGS, HaltingConfig
 from looplm.halting.qhalt import QHalting
@@ -22,5 +24,5 @@ def build_halting(cfg: HaltingConfig, d_model: int) -> Halting:
     return cfg.build(d_model)
 
 
-__all__ = ["ACTHalting", "ExitGateHalting", "HALTING_CONFIGS", "Halting", "HaltState", "HaltingConfig", "QHalting",
+__all__ = ["ACTHalting", "ConvergenceExit", "ExitGateHalting", "HALTING_CONFIGS", "Halting", "HaltState", "HaltingConfig", "QHalting",
            "Readout", "build_halting"]

@@ -63,6 +63,9 @@ class Halting(nn.Module):
     #: whether the LM loss of the readout is the task term of the training loss; false where
     #: the rule's own losses hold the task loss (the exit gate's expected objective)
     trains_readout = True
+    #: whether training updates the LM (every parameter outside the rule); false where the
+    #: rule trains alone on a frozen LM (the exit gate's improvement objective, Ouro's Stage II)
+    trains_lm = True
 
     def reads_logits(self, targets: bool) -> bool:
         """Whether ``observe`` reads the solution's logits (final norm and head; under

@@ -14,6 +14,7 @@ from typing import ClassVar, Optional
 from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting
+from looplm.halting.convergence import ConvergenceExit
 from looplm.halting.exit_gate import ExitGateHalting
 from looplm.halting.qhalt import QHalting
 
@@ -33,6 +34,11 @@ class HaltingConfig(KindConfig):
     adaptive: ClassVar[bool] = True
     #: whether the rule reads its target straight from the loop's output (no coda after it).
     needs_no_coda: ClassVar[bool] = False
+    #: the fewest loop steps the rule's training objective needs
+    min_iterations: ClassVar[int] = 1
+    #: fields that say how the rule trains or reads out, not what its weights are:
+    #: ``train.init_from`` takes weights saved under other values (Ouro's Stage II from Stage I)
+    WEIGHT_FREE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def kinds(cls) -> dict[str, type[KindConfig]]:
@@ -178,15 +184,26 @@ class ExitGateHaltingConfig(HaltingConfig):
     distribution (a KL to a uniform prior up to a constant). Default β = 0.1, the Stage I
     value as far as is known; the summaries found say only that β was lowered for
     stability during pre-training (one re-implementation uses 0.05), so set it explicitly
-    to reproduce a given recipe."""
+    to reproduce a given recipe.
+
+    ``improvement`` is Ouro's Stage II (§3.4): the LM frozen, the gate alone trained by a
+    BCE of its continuation probability 1 − λ_t against w = σ(k (I − γ)), I the loss
+    improvement the next step brings, k = ``improvement_slope`` (50), γ =
+    ``improvement_threshold`` (0.005) (:class:`~looplm.halting.exit_gate.ExitGateHalting`
+    resolves the indexing); it needs at least two loop steps. Start it from a Stage I run
+    (``train.init_from``)."""
 
     kind: str = "exit_gate"
     threshold: Optional[float] = 1.0
     exit_at_step: Optional[int] = None
     objective: str = "readout"
     entropy_weight: float = 0.1
+    improvement_slope: float = 50.0
+    improvement_threshold: float = 0.005
 
-    OBJECTIVES: ClassVar[tuple[str, ...]] = ("readout", "expected")
+    OBJECTIVES: ClassVar[tuple[str, ...]] = ("readout", "expected", "improvement")
+    WEIGHT_FREE_FIELDS = ("threshold", "exit_at_step", "objective", "entropy_weight", "improvement_slope",
+                          "improvement_threshold")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -197,6 +214,9 @@ class ExitGateHaltingConfig(HaltingConfig):
         check(self.objective in self.OBJECTIVES, "model.halting.objective", self.objective,
               f"one of {', '.join(self.OBJECTIVES)}")
         check(self.entropy_weight >= 0.0, "model.halting.entropy_weight", self.entropy_weight, "a number >= 0")
+        check(self.improvement_slope > 0.0, "model.halting.improvement_slope", self.improvement_slope, "a number > 0")
+        check(self.improvement_threshold >= 0.0, "model.halting.improvement_threshold", self.improvement_threshold,
+              "a number >= 0 (nats)")
 
     @property
     def label(self) -> str:
@@ -204,14 +224,49 @@ class ExitGateHaltingConfig(HaltingConfig):
 
     @property
     def needs_no_coda(self) -> bool:  # type: ignore[override]
-        """The expected objective reads every step's logits straight from the loop."""
-        return self.objective == "expected"
+        """The expected and improvement objectives read every step's logits straight from the loop."""
+        return self.objective != "readout"
+
+    @property
+    def min_iterations(self) -> int:  # type: ignore[override]
+        """The improvement objective labels a step by the next one's loss: two steps at least."""
+        return 2 if self.objective == "improvement" else 1
 
     def build(self, d_model: int) -> Halting:
-        return ExitGateHalting(d_model, self.threshold, self.exit_at_step, self.objective, self.entropy_weight)
+        return ExitGateHalting(d_model, self.threshold, self.exit_at_step, self.objective, self.entropy_weight,
+                               self.improvement_slope, self.improvement_threshold)
 
     def parameter_count(self, d_model: int) -> int:
         return d_model + 1  # the gate: d -> 1 with bias
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvergenceExitConfig(HaltingConfig):
+    """Zero-shot adaptive exit (Huginn, Geiping et al. 2025 §6; :class:`ConvergenceExit`): a
+    position stops looping once ``criterion`` says its output distribution has converged,
+    ``kl``: KL(p_{t-1} ‖ p_t) < ``threshold`` (Huginn's default 5e-4), ``entropy``: H(p_t) <
+    ``threshold`` nats. No parameters: set it on a trained fixed-depth loop at load time
+    (``looplm eval --exit kl:5e-4``) to trade loss for block passes."""
+
+    kind: str = "convergence"
+    criterion: str = "kl"
+    threshold: float = 5e-4
+
+    CRITERIA: ClassVar[tuple[str, ...]] = ("kl", "entropy")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.criterion in self.CRITERIA, "model.halting.criterion", self.criterion,
+              f"one of {', '.join(self.CRITERIA)}")
+        check(isinstance(self.threshold, (int, float)) and self.threshold > 0, "model.halting.threshold",
+              self.threshold, "a number > 0 (nats)")
+
+    @property
+    def label(self) -> str:
+        return f"model.halting.kind={self.kind} criterion={self.criterion} threshold={self.threshold:g}"
+
+    def build(self, d_model: int) -> Halting:
+        return ConvergenceExit(self.criterion, float(self.threshold))
 
 
 #: The halting rules: ``kind`` -> config class. One line per kind.
@@ -220,4 +275,5 @@ HALTING_CONFIGS: dict[str, type[KindConfig]] = {
     "act": ACTHaltingConfig,
     "qhalt": QHaltingConfig,
     "exit_gate": ExitGateHaltingConfig,
+    "convergence": ConvergenceExitConfig,
 }

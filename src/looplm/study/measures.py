@@ -197,3 +197,31 @@ def character_task(run: Run, reference: str = "1") -> Measures:
         },
         "notes": [],
     }
+
+
+#: the zero-shot exits the depth study evaluates every trained loop with (Huginn's KL criterion
+#: at its default threshold, 5e-4, and ten times looser)
+ZERO_SHOT_EXITS = ("kl:5e-4", "kl:5e-3")
+
+
+def zero_shot_exit(run: Run, exits: tuple[str, ...] = ZERO_SHOT_EXITS) -> Measures:
+    """The full loop's realised block passes per token on the run's held-out split, and for
+    each zero-shot exit (:mod:`looplm.eval.adaptive_exit`; Huginn, Geiping et al. 2025 §6)
+    the loss it pays against the full loop (``exitN_loss_paid``) and the share of block
+    passes it saves (``exitN_saved``), N = 1, 2, … in ``exits`` order. None where the run
+    cannot take the exit (no loop, a halting rule with parameters, a topology that cannot
+    freeze a position)."""
+    from looplm.config_base import ConfigError
+    from looplm.eval.adaptive_exit import ExitSpec
+    from looplm.eval.validation import evaluate_run
+
+    names = [key for i in range(1, len(exits) + 1) for key in (f"exit{i}_loss_paid", f"exit{i}_saved")]
+    try:
+        result = evaluate_run(run.run_dir, exits=[ExitSpec.parse(spec) for spec in exits],
+                              batch_size=run.config.train.batch_size)
+    except ConfigError:
+        return {"scalars": {"block_passes": None, **dict.fromkeys(names)}, "series": {}, "notes": []}
+    scalars = {"block_passes": result["block_passes_per_token"]}
+    for i, row in enumerate(result["exits"], start=1):
+        scalars.update({f"exit{i}_loss_paid": row["loss_paid"], f"exit{i}_saved": row["compute_saved"]})
+    return {"scalars": scalars, "series": {}, "notes": []}

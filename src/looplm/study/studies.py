@@ -465,6 +465,58 @@ def _paper_ladder_budget() -> Study:
     return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
 
 
+# ----------------------------------------------------------------------------- depth
+# Depth that adapts (issue 27): fixed depth against the peers' recurrent-depth recipes at
+# matched training FLOPs. Each recipe adds its rows (variants) in its own block below.
+def _depth_measure(run) -> dict:
+    """Validation loss and FLOPs (:func:`measures.lm`), and every trained loop evaluated with
+    the zero-shot exits (:func:`measures.zero_shot_exit`)."""
+    lm, exit_ = measures.lm(run), measures.zero_shot_exit(run)
+    return {**lm, "scalars": {**lm["scalars"], **exit_["scalars"]}}
+
+
+DEPTH_FIXED = {"fixed": ["model.layout=1+1R4+1", "model.topology={kind: anchor}"]}
+
+# --- zero-shot exit (Huginn's criterion, Geiping et al. 2025 §6) on the fixed-depth loop: no
+# variant of its own, columns on every trained loop: the loss it pays and the passes it saves
+# at two thresholds (measures.ZERO_SHOT_EXITS), one evaluation of each trained run
+DEPTH_EXIT_METRICS = (
+    Metric("block_passes", "passes/token", 2),
+    Metric("exit1_loss_paid", f"Δloss exit {measures.ZERO_SHOT_EXITS[0]}", 4, better="lower"),
+    Metric("exit1_saved", f"saved exit {measures.ZERO_SHOT_EXITS[0]}", 1, percent=True, better="higher"),
+    Metric("exit2_loss_paid", f"Δloss exit {measures.ZERO_SHOT_EXITS[1]}", 4, better="lower"),
+    Metric("exit2_saved", f"saved exit {measures.ZERO_SHOT_EXITS[1]}", 1, percent=True, better="higher"),
+)
+DEPTH_EXIT_DEVIATIONS = (
+    "Zero-shot exit: the paper (Huginn §6) exits per token while generating, reading p_t through its coda; "
+    "here the exit is evaluated as a halting rule on the held-out split in one parallel forward, p_t read "
+    "from the loop state (final norm and head: the logit lens when the layout has a coda), which keeps "
+    "decoding equal to the full forward. Passes/token are realised block evaluations per token; the per-step "
+    "LM head the criterion needs is in the FLOP count (looplm flops), not in the passes.",
+)
+# --- end of zero-shot exit
+
+DEPTH = Study(
+    name="depth",
+    title="Depth that adapts: fixed depth against the peers' recurrent-depth recipes (issue 27, CPU size)",
+    paper="Geiping et al. 2025 (Huginn, arXiv 2502.05171) §6; Zhu et al. 2025 (Ouro, arXiv 2510.25741) §3.4",
+    claim="a fixed-depth loop can stop converged tokens early at inference (zero-shot exit) and save block "
+          "passes for a small loss",
+    sizes={
+        "quick": Size(_runs("tiny-base", DEPTH_FIXED), QUICK + ("data.seq_len=16",), seeds=1),
+        "default": Size(_runs("tiny-base", DEPTH_FIXED), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)),
+                        seeds=3, wall_time="≈ 5 min per fixed-depth run on one thread (estimated from the mesh "
+                                           "study's 1+2R2+1 at ≈ 0.22 s per step: the same 6 block passes)"),
+    },
+    metrics=(VAL_LOSS, Metric("train_flops", "train FLOPs", 3, sci=True), *DEPTH_EXIT_METRICS),
+    measure=_depth_measure,
+    figures=_lm_figures(),
+    deviations=(
+        "Shrunk: d = 96, pydoc bytes, 600 steps of 16 × 128 tokens; the papers train billions of parameters.",
+        *DEPTH_EXIT_DEVIATIONS,
+    ),
+)
+
 STUDIES: dict[str, Study] = {}
 
 
@@ -472,7 +524,7 @@ def _register(study: Study) -> None:
     STUDIES[study.name] = study
 
 
-for _s in (MESH, SPIRALFORMER, SGT, LT2):
+for _s in (MESH, SPIRALFORMER, SGT, LT2, DEPTH):
     _register(_s)
 
 

@@ -525,12 +525,15 @@ def _console_logging() -> None:
 
 def _load_initial_weights(model: nn.Module, path: str, model_cfg: Any, device: torch.device) -> None:
     """train.init_from: copy the weights of a save_pretrained directory or checkpoint (verified
-    against its manifest) into ``model``; a different model config is refused, fields named."""
+    against its manifest) into ``model``; a different model config is refused, fields named,
+    except the halting rule's weight-free fields (its objective: Ouro's Stage II starts from
+    a Stage I run)."""
     from looplm.artifacts import MODEL_FILE, load_weights, read_weights_dir
 
     directory, config = read_weights_dir(path)
     saved = with_defaults(config["model"] if "model" in config else config, type(model_cfg), "model")
-    differences = config_differences(saved, model_cfg.to_dict(), "model")
+    free = tuple(f"model.halting.{field}:" for field in model_cfg.halting.WEIGHT_FREE_FIELDS)  # same weights
+    differences = [d for d in config_differences(saved, model_cfg.to_dict(), "model") if not d.startswith(free)]
     if differences:
         raise ConfigError("train.init_from", path, "weights of this run's model config; they differ in:\n  "
                           + "\n  ".join(differences))
