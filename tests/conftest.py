@@ -141,7 +141,8 @@ def relax_adapters(model, seed: int = 1) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, IterationLoRA):
-                module.B.copy_(torch.randn(module.B.shape, generator=g) * 0.3)
+                for B in module.B:
+                    B.copy_(torch.randn(B.shape, generator=g) * 0.3)
 
 
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:

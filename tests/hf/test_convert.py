@@ -261,7 +261,7 @@ def test_low_rank_adapters_are_the_truncated_svd_of_the_residual(tmp_path):
         for t, i in enumerate(layers):
             for linear, lora in (("attn.qkv", "lora.attn.0.qkv"), ("ffn.down", "lora.ffn.down")):
                 residual = dense[f"prelude.{i}.{linear}.weight"] - state[f"core.0.{j}.{linear}.weight"]
-                A, B = state[f"core.0.{j}.{lora}.A"][t], state[f"core.0.{j}.{lora}.B"][t]
+                A, B = state[f"core.0.{j}.{lora}.A.{t}"], state[f"core.0.{j}.{lora}.B.{t}"]
                 assert A.shape[0] == B.shape[1] == 3
                 S = torch.linalg.svdvals(residual.double())
                 # Eckart–Young: the rank-3 truncation leaves exactly the tail of the spectrum

@@ -207,8 +207,8 @@ def convert_dense(
 def _adapters(dense_state: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], mapping: LayerMap,
               cfg: ModelConfig, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every core adapter (A_t, B_t) from the truncated SVD of W_{P+tC+j} - W'_j (Bae et al.
-    2024 §3.2), t = 0..T-1: ``core.0.j.lora.attn.0.NAME.{A,B}`` for the linear
-    ``core.0.j.attn.NAME``, ``core.0.j.lora.ffn.NAME.{A,B}`` for ``core.0.j.ffn.NAME``."""
+    2024 §3.2), t = 0..T-1: ``core.0.j.lora.attn.0.NAME.{A,B}.t`` for the linear
+    ``core.0.j.attn.NAME``, ``core.0.j.lora.ffn.NAME.{A,B}.t`` for ``core.0.j.ffn.NAME``."""
     T, C, L = cfg.iterations, len(mapping.core), mapping.dense_layers
     middle = L - len(mapping.prelude) - len(mapping.coda)
     if middle // C < T:
@@ -218,16 +218,15 @@ def _adapters(dense_state: dict[str, torch.Tensor], shared: dict[str, torch.Tens
                           f"(it has {middle})")
     out = {}
     for j, layers in enumerate(mapping.unrolled(T)):
+        prefix = f"core.0.{j}.lora."
         for key in target:
-            prefix = f"core.0.{j}.lora."
-            if not (key.startswith(prefix) and key.endswith(".A")):
+            if not (key.startswith(prefix) and key.endswith(".A.0")):
                 continue
-            part, *index, name, _ = key[len(prefix):].split(".")  # attn.0.qkv.A or ffn.up.A
+            part, *_, name, _, _ = key[len(prefix):].split(".")  # attn.0.qkv.A.0 or ffn.up.A.0
             linear = f"{part}.{name}.weight"
-            factors = [svd_init(dense_state[f"prelude.{i}.{linear}"] - shared[f"core.0.{j}.{linear}"], cfg.lora.rank)
-                       for i in layers]
-            out[key] = torch.stack([a for a, _ in factors])
-            out[key[:-1] + "B"] = torch.stack([b for _, b in factors])
+            for t, i in enumerate(layers):
+                A, B = svd_init(dense_state[f"prelude.{i}.{linear}"] - shared[f"core.0.{j}.{linear}"], cfg.lora.rank)
+                out[f"{key[:-4]}.A.{t}"], out[f"{key[:-4]}.B.{t}"] = A, B
     return out
 
 

@@ -92,22 +92,26 @@ class LoRAConfig(Config):
 
 
 class IterationLoRA(nn.Module):
-    """A_t [T, r, in] and B_t [T, out, r] of one linear, one pair per loop iteration."""
+    """A_t [r, in] and B_t [out, r] of one linear, one pair per loop iteration t (``A[t]``,
+    ``B[t]``). Separate parameters, not one [T, r, in] tensor: iteration t's gradient is
+    then its parameter's own, with no per-use select-backward into a T-sized zero tensor
+    and no sum over iterations (tests/modules/test_lora.py keeps the operator count)."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, iterations: int):
         super().__init__()
-        self.A = nn.Parameter(torch.empty(iterations, rank, in_features))
-        self.B = nn.Parameter(torch.empty(iterations, out_features, rank))
+        self.A = nn.ParameterList(torch.empty(rank, in_features) for _ in range(iterations))
+        self.B = nn.ParameterList(torch.empty(out_features, rank) for _ in range(iterations))
         self.reset_parameters()
 
     def extra_repr(self) -> str:
-        T, r, i = self.A.shape
-        return f"iterations={T}, rank={r}, in={i}, out={self.B.shape[1]}"
+        r, i = self.A[0].shape
+        return f"iterations={len(self.A)}, rank={r}, in={i}, out={self.B[0].shape[0]}"
 
     def reset_parameters(self) -> None:
         """A_t ~ N(0, 1/in), B_t = 0: the adapted linear starts as the shared one (Hu et al. 2021 §4.1)."""
-        nn.init.normal_(self.A, std=1 / math.sqrt(self.A.shape[-1]))
-        nn.init.zeros_(self.B)
+        for A, B in zip(self.A, self.B, strict=True):
+            nn.init.normal_(A, std=1 / math.sqrt(A.shape[-1]))
+            nn.init.zeros_(B)
 
     def forward(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """x: [..., in] -> B_t A_t x [..., out]."""
@@ -115,8 +119,8 @@ class IterationLoRA(nn.Module):
 
     def flop_cost(self, call: Call) -> Cost:
         """r·in + out·r MACs per row, and the add onto W'x as a bias-like term."""
-        _, r, i = self.A.shape
-        o = self.B.shape[1]
+        r, i = self.A[0].shape
+        o = self.B[0].shape[0]
         return Cost(mac=call.rows * r * (i + o), bias=call.rows * o)
 
 
