@@ -183,8 +183,18 @@ def convert_dense(
             f"a dense checkpoint: one of {', '.join(DENSE_MODEL_TYPES)} (a looped checkpoint is imported, not converted)",
         )
     # The map (and its errors) before reading any weights.
-    mapping = layer_map(config_from_hf(hf_config).parsed_layout.prelude, layout, init)
-    dense = load_hf_checkpoint(hf_dir)
+    layer_map(config_from_hf(hf_config).parsed_layout.prelude, layout, init)
+    return convert_model(load_hf_checkpoint(hf_dir), layout, init, overrides)
+
+
+def convert_model(
+    dense: LoopLM, layout: str, init: str, overrides: Sequence[tuple[str, Any]] = ()
+) -> tuple[LoopLM, LayerMap, list[str]]:
+    """:func:`convert_dense` of a dense LoopLM (a layout with no loop: an imported checkpoint,
+    or a looplm run trained dense, as the ``conversion`` study's)."""
+    if dense.cfg.parsed_layout.is_looped:
+        raise ConfigError("model.layout", dense.cfg.layout, "a dense layout (no loop): only dense models are converted")
+    mapping = layer_map(dense.cfg.parsed_layout.prelude, layout, init)
     cfg = looped_config(dense.cfg, layout, overrides)
     model = LoopLM(cfg)
     state = _combine(dense.state_dict(), mapping)

@@ -121,6 +121,8 @@ def run_study(
         for name, cfg in configs[seed].items():
             done += 1
             logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, total, name, seed)
+            if study.prepare is not None and finished[(name, seed)] is None:
+                study.prepare(name, cfg)  # e.g. a converted start made from an earlier run of this seed
             run = train_or_reuse(name, seed, cfg, finished[(name, seed)], progress=progress)
             runs[name].append(run)
             measures[name].append(measure_run(study, run))
