@@ -459,7 +459,7 @@ SHARING = Study(
     claim="per-iteration LoRA on the tied core lowers the loss of the tied loop at a small cost in parameters "
           "and FLOPs, more with a higher rank",
     sizes={
-        "quick": Size(_runs("tiny-base", _sharing_variants("1+1R2+1", (2,))), QUICK + ("data.seq_len=16",), seeds=1),
+        "quick": Size(_runs("tiny-base", _sharing_variants("1+1R2+1", (2, 4))), QUICK + ("data.seq_len=16",), seeds=1),
         "default": Size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, (4, 16))),
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 40 min on one thread (9 runs of 600 steps; estimated from the mesh study's "
