@@ -288,3 +288,23 @@ def test_cli_lora_rank_writes_adapters_and_their_layers(tmp_path):
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_relaxed_conversion_exports_to_transformers_with_the_dense_logits(tmp_path):
+    """``looplm convert --lora-rank`` then ``looplm export``: transformers loads the relaxed
+    loop, and at full rank (tied norms and biases agreeing) it computes the dense logits."""
+    pytest.importorskip("safetensors")
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, out, exported = tmp_path / "hf", tmp_path / "out", tmp_path / "exported"
+    _tie_norms_and_biases(hf_dir, "llama", layers=6, seed=5)
+    assert main(["convert", str(hf_dir), str(out), "--layout", "1+2R2+1", "--init", "average",
+                 "--lora-rank", "32"]) == 0
+    assert main(["export", str(out), str(exported)]) == 0
+    relaxed = AutoModelForCausalLM.from_pretrained(exported).eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(relaxed(ids, use_cache=False).logits, load_hf_checkpoint(hf_dir)(ids).logits,
+                                   atol=2e-5, rtol=1e-5)
+        generated = relaxed.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 9)
