@@ -133,9 +133,11 @@ class ModelConfig(Config):
                 self.head_loop, structure=self.structure, n_heads=self.n_heads,
                 parallel_residual=self.parallel_residual, softmax=any(s.is_softmax for s in specs)))
         self._check_loop_axes(layout)
-        self.lora.validate(looped=layout.is_looped, shared=self.share_core, head_loop=self.head_loop is not None,
-                           core_softmax=all(s.is_softmax for j in range(self.structure.core)
-                                            for s in self.block_mixers()[("core", j)]), layout=self.layout)
+        if self.lora.enabled:
+            core = self.block_mixers()
+            self.lora.validate(looped=layout.is_looped, shared=self.share_core, head_loop=self.head_loop is not None,
+                               core_softmax=all(s.is_softmax for j in range(self.structure.core) for s in core[("core", j)]),
+                               layout=self.layout)
         if not layout.is_looped:
             check(
                 self.resolution == ResolutionConfig(),
