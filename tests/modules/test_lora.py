@@ -91,14 +91,18 @@ def test_gradients_reach_every_iterations_adapters():
     ({"rank": 1}, dict(mixer={"kind": "attention", "output_gate": True})),
     ({"rank": 2, "targets": ["mlp"]}, dict(mixer={"kind": "gated_deltanet"})),
     ({"rank": 2, "targets": ["attention"]}, dict(layout="1+1x{1/2,1}+1")),
+    ({"rank": 2, "targets": ["qkv"]}, dict(mixer={"kind": "attention", "output_gate": True})),
+    ({"rank": 3, "targets": ["o_proj", "mlp"]}, dict(n_kv_heads=2)),
 ])
 def test_parameters_are_T_times_r_in_plus_out_per_adapted_linear(lora, overrides):
     cfg = tiny_config("anchor", **{"layout": "1+2R3+1", **overrides, "lora": lora})
     tied = dataclasses.replace(cfg, lora={"rank": 0})
     d, H, Hkv, D, F_ = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden
-    mixer = [(d, (H + 2 * Hkv) * D), (H * D, d)] + ([(d, H * D)] if getattr(cfg.mixer, "output_gate", False) else [])
+    mixer = {"qkv": (d, (H + 2 * Hkv) * D), "o_proj": (H * D, d),
+             **({"gate": (d, H * D)} if getattr(cfg.mixer, "output_gate", False) else {})}
     mlp = [(d, F_), (F_, d)] + ([(d, F_)] if cfg.mlp == "swiglu" else [])
-    shapes = (mixer if "attention" in cfg.lora.targets else []) + (mlp if "mlp" in cfg.lora.targets else [])
+    targets = cfg.lora.targets
+    shapes = [s for n, s in mixer.items() if "attention" in targets or n in targets] + (mlp if "mlp" in targets else [])
     extra = cfg.iterations * cfg.structure.core * sum(cfg.lora.rank * (i + o) for i, o in shapes)
     counted, before = parameter_counts(LoopLM(cfg)), parameter_counts(LoopLM(tied))
     assert counted["core"] - before["core"] == extra == counted["total"] - before["total"]
@@ -154,7 +158,9 @@ def test_training_step_dispatches_eight_operators_per_adapted_linear_pass():
     (dict(head_loop={"kind": "heads", "heads": 2}), "model.lora.rank"),
     (dict(mixer={"kind": "gated_deltanet"}), "model.lora.targets"),
     (dict(lora={"rank": -1}), "model.lora.rank"),
-    (dict(lora={"rank": 2, "targets": ["qkv"]}), "model.lora.targets"),
+    (dict(lora={"rank": 2, "targets": ["q"]}), "model.lora.targets"),
+    (dict(lora={"rank": 2, "targets": ["attention", "qkv"]}), "model.lora.targets"),
+    (dict(mixer={"kind": "gated_deltanet"}, lora={"rank": 2, "targets": ["o_proj"]}), "model.lora.targets"),
     (dict(lora={"rank": 2, "targets": []}), "model.lora.targets"),
 ])
 def test_refusals_name_the_field(overrides, field):

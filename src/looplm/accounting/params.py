@@ -66,10 +66,11 @@ def _lora(cfg: ModelConfig, specs) -> int:
     if not cfg.lora.enabled:
         return 0
     d, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    mixer = []
-    for spec in specs if "attention" in cfg.lora.targets else ():  # softmax attention only (the config checks)
-        mixer += [(d, (H + 2 * Hkv) * D), (H * D, d)] + ([(d, H * D)] if spec.output_gate else [])
-    return cfg.lora.parameter_count(cfg.lora.linear_shapes(mixer, _ffn_linears(cfg)), cfg.iterations)
+    shapes = _ffn_linears(cfg) if "mlp" in cfg.lora.targets else []
+    for spec in specs if cfg.lora.adapts_mixer else ():  # softmax attention only (the config checks)
+        mixer = {"qkv": (d, (H + 2 * Hkv) * D), "o_proj": (H * D, d), **({"gate": (d, H * D)} if spec.output_gate else {})}
+        shapes += cfg.lora.linear_shapes(mixer, [])
+    return cfg.lora.parameter_count(shapes, cfg.iterations)
 
 
 def mixer_parameters(spec, cfg: ModelConfig) -> int:

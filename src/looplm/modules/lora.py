@@ -43,18 +43,21 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.config_base import Config, check
 
-#: Which linears of a core block get adapters: the token mixer's, the FFN's.
-TARGETS = ("attention", "mlp")
+#: Which linears of a core block get adapters: every projection of the token mixer
+#: (``attention``: q/k/v, W_O and an output gate), its fused q/k/v or its W_O alone, the FFN's.
+TARGETS = ("attention", "qkv", "o_proj", "mlp")
+#: The targets that name single projections of softmax attention.
+PROJECTIONS = ("qkv", "o_proj")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig(Config):
     """rank: r of every adapter (0: none; the model holds no adapter parameters).
     targets: which of the core blocks' linears are adapted, a subset of ``attention``
-    (the mixer's projections) and ``mlp`` (the FFN's)."""
+    (every projection of the mixer), ``qkv`` / ``o_proj`` (one of them) and ``mlp`` (the FFN's)."""
 
     rank: int = 0
-    targets: tuple[str, ...] = TARGETS
+    targets: tuple[str, ...] = ("attention", "mlp")
 
     def __post_init__(self) -> None:
         check(isinstance(self.rank, int) and self.rank >= 0, "model.lora.rank", self.rank, "an integer >= 0 (0: no adapters)")
@@ -62,6 +65,8 @@ class LoRAConfig(Config):
         object.__setattr__(self, "targets", targets)
         check(len(targets) > 0 and set(targets) <= set(TARGETS) and len(set(targets)) == len(targets),
               "model.lora.targets", list(targets), f"a non-empty list of distinct values among {', '.join(TARGETS)}")
+        check(not ("attention" in targets and set(PROJECTIONS) & set(targets)), "model.lora.targets", list(targets),
+              "either 'attention' (every projection of the mixer) or some of 'qkv', 'o_proj', not both")
 
     @property
     def enabled(self) -> bool:
@@ -78,13 +83,22 @@ class LoRAConfig(Config):
               "0 with model.share_core=false (each iteration already has its own weights)")
         check(not head_loop, "model.lora.rank", self.rank,
               "0 with model.head_loop set (SGT's head passes slice the shared projections' weights)")
-        if "attention" in self.targets:
+        if self.adapts_mixer:
             check(core_softmax, "model.lora.targets", list(self.targets),
-                  "['mlp'] unless every core block's mixer is softmax attention (attention / sliding_window)")
+                  "['mlp'] unless every core block's mixer is softmax attention (attention / sliding_window): "
+                  "a linear mixer's kernels read their projections' weights directly")
 
-    def linear_shapes(self, mixer: Sequence[tuple[int, int]], mlp: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The (in, out) of every adapted linear of one block, given its mixer's and FFN's."""
-        return [*(mixer if "attention" in self.targets else ()), *(mlp if "mlp" in self.targets else ())]
+    @property
+    def adapts_mixer(self) -> bool:
+        return any(t != "mlp" for t in self.targets)
+
+    def adapts(self, name: str) -> bool:
+        """Whether the mixer's linear ``name`` (``qkv``, ``o_proj``, ``gate``) gets adapters."""
+        return "attention" in self.targets or name in self.targets
+
+    def linear_shapes(self, mixer: dict[str, tuple[int, int]], mlp: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The (in, out) of every adapted linear of one block, given its mixer's (by name) and FFN's."""
+        return [*(shape for name, shape in mixer.items() if self.adapts(name)), *(mlp if "mlp" in self.targets else ())]
 
     def parameter_count(self, shapes: Sequence[tuple[int, int]], iterations: int) -> int:
         """T · Σ r·(in + out) over the adapted linears (A_t: r × in, B_t: out × r)."""
@@ -149,10 +163,10 @@ def adapted_linears(module: nn.Module) -> dict[str, nn.Linear]:
     return {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
 
 
-def build_adapters(module: nn.Module, rank: int, iterations: int) -> nn.ModuleDict:
-    """One :class:`IterationLoRA` per linear of :func:`adapted_linears`, keyed by its name."""
+def build_adapters(module: nn.Module, rank: int, iterations: int, adapts=lambda name: True) -> nn.ModuleDict:
+    """One :class:`IterationLoRA` per linear of :func:`adapted_linears` that ``adapts``, keyed by its name."""
     return nn.ModuleDict({name: IterationLoRA(lin.in_features, lin.out_features, rank, iterations)
-                          for name, lin in adapted_linears(module).items()})
+                          for name, lin in adapted_linears(module).items() if adapts(name)})
 
 
 def iteration_view(module: nn.Module, adapters: nn.ModuleDict, t: int) -> nn.Module:
@@ -173,9 +187,8 @@ class BlockLoRA(nn.Module):
 
     def __init__(self, cfg: LoRAConfig, iterations: int, mixer_layers: Sequence[nn.Module], ffn: nn.Module):
         super().__init__()
-        adapt = "attention" in cfg.targets
-        self.attn = nn.ModuleList(build_adapters(m, cfg.rank, iterations) if adapt else nn.ModuleDict()
-                                  for m in mixer_layers)
+        self.attn = nn.ModuleList(build_adapters(m, cfg.rank, iterations, cfg.adapts) if cfg.adapts_mixer
+                                  else nn.ModuleDict() for m in mixer_layers)
         self.ffn = build_adapters(ffn, cfg.rank, iterations) if "mlp" in cfg.targets else nn.ModuleDict()
         self.iterations = iterations
 
