@@ -238,7 +238,7 @@ def _tie_norms_and_biases(path, family: str, layers: int, seed: int = 3):
 @pytest.mark.parametrize("family", ["gpt_neox", "llama"])
 @pytest.mark.parametrize("init", ["average", "stepwise"])
 def test_full_rank_adapters_reproduce_the_dense_logits(tmp_path, family, init):
-    """Bae et al. §3.2: B_t A_t = W_{P+tC+j} - W'_j at full rank, so the relaxed loop runs the
+    """Bae et al. §2.3: B_t A_t = W_{P+tC+j} - W'_j at full rank, so the relaxed loop runs the
     dense model's layers in the dense order (32 >= min(in, out) of every linear here)."""
     _tie_norms_and_biases(tmp_path, family, layers=6)
     ids = _ids()

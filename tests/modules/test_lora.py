@@ -31,7 +31,7 @@ def _relaxed(rank: int = 2, **overrides) -> LoopLM:
 
 
 def test_iteration_view_adds_that_iterations_low_rank_update():
-    """h = W' x + b + B_t A_t x on every adapted linear, t picking the pair (§3)."""
+    """h = W' x + b + B_t A_t x on every adapted linear, t picking the pair (§2.3)."""
     model = _relaxed()
     block = model.core[0][1]
     for t in range(3):

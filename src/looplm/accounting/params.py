@@ -60,7 +60,7 @@ def _ffn_linears(cfg: ModelConfig) -> list[tuple[int, int]]:
 
 
 def _lora(cfg: ModelConfig, specs) -> int:
-    """Per-iteration adapters of one core block (Bae et al. 2024 §3): T·r·(in + out) per
+    """Per-iteration adapters of one core block (Bae et al. 2024 §2.3): T·r·(in + out) per
     adapted linear, softmax attention's qkv d -> (H + 2H_kv)·D, output gate d -> H·D and
     W_O H·D -> d per mixer layer, and the FFN's (:mod:`looplm.modules.lora`)."""
     if not cfg.lora.enabled:

@@ -27,9 +27,9 @@ coda.0..3      20, 21, 22, 23            20, 21, 22, 23        20, 21, 22, 23
 =============  ========================  ====================  =====================
 
 With per-iteration LoRA (``model.lora.rank`` r > 0, ``looplm convert --lora-rank r``; the
-paper's *Relaxed* Recursive Transformer, §3) the unrolled layer at iteration t, position j
+paper's *Relaxed* Recursive Transformer, §2.3) the unrolled layer at iteration t, position j
 is dense layer P + t·C + j, the one the dense model runs there, and each adapted linear's
-(A_t, B_t) starts from the truncated SVD of its residual W_{P+tC+j} - W'_j (§3.2, under
+(A_t, B_t) starts from the truncated SVD of its residual W_{P+tC+j} - W'_j (§2.3, under
 either shared init): B_t = U_r Σ_r, A_t = V_rᵀ. A full-rank adapter (r >= min(in, out) of
 every adapted linear) then reproduces the dense model's linears exactly, so the converted
 model equals the dense one wherever the tied norms and biases agree (the adapters relax
@@ -217,7 +217,7 @@ def convert_model(
 def _adapters(dense_state: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], mapping: LayerMap,
               cfg: ModelConfig, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every core adapter (A_t, B_t) from the truncated SVD of W_{P+tC+j} - W'_j (Bae et al.
-    2024 §3.2), t = 0..T-1: ``core.0.j.lora.attn.0.NAME.{A,B}.t`` for the linear
+    2024 §2.3), t = 0..T-1: ``core.0.j.lora.attn.0.NAME.{A,B}.t`` for the linear
     ``core.0.j.attn.NAME``, ``core.0.j.lora.ffn.NAME.{A,B}.t`` for ``core.0.j.ffn.NAME``."""
     T, C, L = cfg.iterations, len(mapping.core), mapping.dense_layers
     middle = L - len(mapping.prelude) - len(mapping.coda)

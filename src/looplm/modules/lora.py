@@ -1,7 +1,7 @@
 """Per-iteration low-rank adapters on the shared core's linears (Relaxed Recursive Transformers).
 
 Bae et al. 2024, "Relaxed Recursive Transformers: Effective Parameter Sharing with
-Layer-wise LoRA" (arXiv 2410.20672), §3: a recursive (tied) model relaxes its sharing by
+Layer-wise LoRA" (arXiv 2410.20672), §2.3: a recursive (tied) model relaxes its sharing by
 giving every unrolled layer its own LoRA module, so the shared weight W' of a core block
 runs at loop iteration t as
 
@@ -15,17 +15,20 @@ linears add B_t A_t x; the stored layers and their state-dict names are unchange
 adapters live in the block (``core.0.j.lora``), so sharding or checkpointing the block
 takes them along.
 
-Resolved where the paper leaves room:
+Sections as in the paper's ICLR 2025 version (§2.2 initialisation of the tied weights, §2.3
+the relaxation and its SVD initialisation, §2.4 continuous depth-wise batching); its method
+was read from the abstract and secondary summaries, not the full text. Resolved where the
+paper leaves room:
 
 * looplm fuses q, k and v into one projection (``qkv``); it gets one rank-r adapter over
   the fused output (the paper's three rank-r adapters on q, k, v hold 3r·(d + out/3)
   parameters, this one r·(d + out)). A full-rank adapter (r >= min(in, out)) reproduces any
   per-iteration weight either way.
 * No α/r scaling: B_t A_t is added as is, so the SVD initialisation of a converted model
-  (:func:`svd_init`, §3.2) is exact.
+  (:func:`svd_init`, §2.3) is exact.
 * Trained from scratch, A_t starts Gaussian and B_t at zero (Hu et al. 2021 §4.1): the
   relaxed model starts as the tied one.
-* The paper's continuous depth-wise batching (§4, batched inference across loop depths)
+* The paper's continuous depth-wise batching (§2.4, batched inference across loop depths)
   is out of scope.
 """
 
@@ -139,7 +142,7 @@ class IterationLoRA(nn.Module):
 
 
 class AdaptedLinear(nn.Module):
-    """The linear ``base`` at iteration ``t``: W' x (+ b) + B_t A_t x (Bae et al. §3).
+    """The linear ``base`` at iteration ``t``: W' x (+ b) + B_t A_t x (Bae et al. §2.3).
     A view: it holds the stored linear and adapter, not copies, so a parameter swapped in
     under them (loading, FSDP2's gathers) is what it reads."""
 
@@ -209,7 +212,7 @@ class BlockLoRA(nn.Module):
 
 def svd_init(residual: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A, B of rank ``rank`` with B A the best rank-r approximation of ``residual`` [out, in]
-    (Bae et al. §3.2: truncated SVD of W_l - W', B = U_r Σ_r, A = V_rᵀ); columns beyond
+    (Bae et al. §2.3: truncated SVD of W_l - W', B = U_r Σ_r, A = V_rᵀ); columns beyond
     min(out, in) are zero, so a rank at least min(out, in) gives B A = residual."""
     U, S, Vh = torch.linalg.svd(residual.double(), full_matrices=False)
     k = min(rank, S.shape[0])

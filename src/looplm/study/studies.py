@@ -437,7 +437,7 @@ SHARING_LOOP = "1+2R3+1"
 
 def _sharing_variants(loop: str, lora_ranks: Sequence[int]) -> dict[str, list[str]]:
     variants: dict[str, list[str]] = {"tied": [f"model.layout={loop}"]}
-    # --- per-iteration LoRA (Relaxed Recursive Transformers, Bae et al. 2024 §3) ---
+    # --- per-iteration LoRA (Relaxed Recursive Transformers, Bae et al. 2024 §2.3) ---
     for rank in lora_ranks:
         variants[f"lora-r{rank}"] = [f"model.layout={loop}", f"model.lora.rank={rank}"]
     # --- end of per-iteration LoRA ---
@@ -455,7 +455,7 @@ def _sharing_describe(variant: str, runs: list) -> dict[str, str]:
 SHARING = Study(
     name="sharing",
     title="Relaxed sharing of the looped core: tied against per-iteration adapters",
-    paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §3; issue 29",
+    paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §2.3; issue 29",
     claim="per-iteration LoRA on the tied core lowers the loss of the tied loop at a small cost in parameters "
           "and FLOPs, more with a higher rank",
     sizes={
@@ -533,7 +533,7 @@ def _convert_dense_run(name: str, cfg: RunConfig) -> None:
 CONVERSION = Study(
     name="conversion",
     title="Dense into loop: average / stepwise init, with and without per-iteration LoRA",
-    paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §2.2 (init), §3 (LoRA, SVD init); "
+    paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §2.2 (init), §2.3 (LoRA, SVD init); "
           "issue 29",
     claim="average init up-trains better than stepwise; SVD-initialised per-iteration LoRA recovers much of the gap "
           "to the dense model",
