@@ -5,7 +5,8 @@ Linear and embedding weights ~ N(0, init_std²), biases 0, norms 1. With
 use std = init_std / sqrt(2 · N_compute), N_compute being the number of blocks on the
 unrolled computation path (MeSH Appendix B; GPT-2's residual scaling applied to the
 unrolled depth, since a shared block adds to the residual stream once per iteration).
-Per-iteration adapters start with B_t = 0 (:mod:`looplm.modules.lora`). Topologies, streams, halting rules and step embeddings initialise their own parameters
+Per-iteration adapters start with B_t = 0 (:mod:`looplm.modules.lora`). Topologies,
+streams, halting rules and step embeddings initialise their own parameters
 (``reset_parameters``; :meth:`looplm.model.LoopLM.reset_parameters` calls them after this pass).
 """
 

@@ -65,7 +65,7 @@ class Block(nn.Module):
         self.attn_out_norm = output_norm(cfg)
         self.ffn_out_norm = output_norm(cfg)
         self.lora: Optional[BlockLoRA] = None
-        self.ffn_per_iteration: list[nn.Module] = [self.ffn]  # views, not registered
+        self.ffn_per_iteration: list[nn.Module] = []  # views, not registered; empty: the FFN itself
         if lora is not None and lora[0].enabled:
             self.lora = BlockLoRA(lora[0], lora[1], self.mixer_layers(), self.ffn)
             groups = list(owners)
@@ -85,7 +85,8 @@ class Block(nn.Module):
     def ffn_at(self, iteration: int) -> nn.Module:
         """The FFN view that runs at loop iteration ``iteration`` (the FFN itself without
         per-iteration adapters)."""
-        return self.ffn_per_iteration[iteration if len(self.ffn_per_iteration) > 1 else 0]
+        views = self.ffn_per_iteration
+        return views[iteration if len(views) > 1 else 0] if views else self.ffn
 
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0

@@ -204,9 +204,9 @@ class BlockLoRA(nn.Module):
         return [iteration_view(views[pick(t)], self.attn[owners[pick(t)]], t) for t in range(self.iterations)]
 
     def ffn_views(self, ffn: nn.Module) -> list[nn.Module]:
-        """Iteration t's FFN with its linears adapted (the FFN alone when it has no adapters)."""
+        """Iteration t's FFN with its linears adapted (none when it has no adapters)."""
         if not len(self.ffn):
-            return [ffn]
+            return []
         return [iteration_view(ffn, self.ffn, t) for t in range(self.iterations)]
 
 
