@@ -99,6 +99,19 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
             "base", layout="1R3", init_std=0.3, streams={"kind": "two", "outer": 1, "inner": 1},
             step_embeddings=True, halting={"kind": "convergence", "criterion": "entropy", "threshold": 2.6})),
     ]
+    # per-iteration LoRA on the shared core (Relaxed Recursive Transformers; ``grow`` moves B_t off zero)
+    grid += [
+        ("lora-anchor", tiny_config("anchor", layout="1+2R3+1", lora={"rank": 2})),
+        ("lora-llama-gqa-loop-windows", tiny_config("residual", layout="1R3", norm="rmsnorm", mlp="swiglu", bias=False,
+                                                    n_kv_heads=2, lora={"rank": 3}, loop_mixers=[
+            {"kind": "attention"}, {"kind": "sliding_window", "window": 4}, {"kind": "attention"}])),
+        ("lora-mlp-gdn-mesh", tiny_config("mesh", mixer={"kind": "gated_deltanet"},
+                                          lora={"rank": 2, "targets": ["mlp"]})),
+        ("lora-spiral-gated", tiny_config("anchor", layout="1+1x{1/2,1}+1", mixer={"kind": "attention", "output_gate": True},
+                                          lora={"rank": 1})),
+        ("lora-nested-act", tiny_config("base", layout="1+1R2+1", streams={"kind": "two", "inner": 2},
+                                        halting={"kind": "act"}, lora={"rank": 2})),
+    ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid
 
@@ -120,12 +133,27 @@ GROWN = {
 def grow(name: str, model) -> None:
     """Set the grown SGT structure of ``all_configs`` entry ``name`` (no-op for others), with
     the looping heads arranged in consecutive slots as growth leaves them (narrow passes;
-    tests/head_loop covers the gathering passes of unarranged heads)."""
+    tests/head_loop covers the gathering passes of unarranged heads); and any per-iteration
+    adapters away from their zero init (:func:`relax_adapters`)."""
     blocks = model.blocks()
     for layer, (depth, weights) in GROWN.get(name, {}).items():
         blocks[layer].head_loop.set(depth, weights)
         if weights is not None and hasattr(blocks[layer], "arrange_heads"):
             blocks[layer].arrange_heads([h for h, w in enumerate(weights) if w > 0])
+    relax_adapters(model)
+
+
+def relax_adapters(model, seed: int = 1) -> None:
+    """Move every per-iteration LoRA B_t off its zero init (no-op without adapters), so that
+    iteration t's view of a core linear really differs from the shared weight."""
+    from looplm.modules.lora import IterationLoRA
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, IterationLoRA):
+                for B in module.B:
+                    B.copy_(torch.randn(B.shape, generator=g) * 0.3)
 
 
 def random_ids(batch: int, length: int, vocab: int = 61, seed: int = 0) -> torch.Tensor:

@@ -9,7 +9,7 @@ probe, flops, ladder, study, config, presets.
     looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--compile] [--no-verify]
     looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
     looplm import HF_DIR OUT [--tokenizer SPEC]
-    looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [model.key=value ...]
+    looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [--lora-rank R] [model.key=value ...]
     looplm distill TEACHER [STUDENT_CONFIG] [key=value ...] [--stage {1,select,2,3,all}] [--resume]
     looplm info CONFIG_OR_RUN [key=value ...] [--json] [--no-verify]
     looplm probe RUN_OR_CHECKPOINT --probe NAME [--data key=value ...] [--samples N] [--out DIR] [--no-verify]
@@ -235,7 +235,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from looplm.config import parse_overrides
     from looplm.hf.convert import MAP_FILE, TRAIN_FILE, convert_checkpoint
 
-    mapping = convert_checkpoint(args.hf_dir, args.out, args.layout, args.init, parse_overrides(args.overrides))
+    overrides = parse_overrides(args.overrides)
+    if args.lora_rank:  # the Relaxed Recursive Transformer: per-iteration adapters from the residuals' SVD
+        overrides = [*overrides, ("model.lora.rank", args.lora_rank)]
+    mapping = convert_checkpoint(args.hf_dir, args.out, args.layout, args.init, overrides)
     sys.stdout.write(f"converted {args.hf_dir} -> {args.out} ({mapping.init}, {mapping.layout}); layer map in "
                      f"{args.out}/{MAP_FILE}; up-train with: looplm train {args.out}/{TRAIN_FILE} data.tokenizer=SPEC\n")
     return 0
@@ -565,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", required=True, metavar="P+CRT+Q", help="looped layout, e.g. 4+8R2+4")
     p.add_argument("--init", required=True, metavar="{average,select,stepwise}",
                    help="average the tied layers, take every k-th (stepwise) or the first core-many (select)")
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="per-iteration LoRA of rank R on the core's linears, from the truncated SVD of each "
+                        "dense layer's residual to its tied weight (Relaxed Recursive Transformers; 0: none)")
     p.add_argument("overrides", nargs="*", metavar="model.key=value", help="e.g. model.topology.kind=anchor")
     p.set_defaults(func=cmd_convert, trailing_overrides=True)
 

@@ -5,7 +5,8 @@ Linear and embedding weights ~ N(0, init_std²), biases 0, norms 1. With
 use std = init_std / sqrt(2 · N_compute), N_compute being the number of blocks on the
 unrolled computation path (MeSH Appendix B; GPT-2's residual scaling applied to the
 unrolled depth, since a shared block adds to the residual stream once per iteration).
-Topologies, streams, halting rules and step embeddings initialise their own parameters
+Per-iteration adapters start with B_t = 0 (:mod:`looplm.modules.lora`). Topologies,
+streams, halting rules and step embeddings initialise their own parameters
 (``reset_parameters``; :meth:`looplm.model.LoopLM.reset_parameters` calls them after this pass).
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from looplm.modules.block import Block
+from looplm.modules.lora import IterationLoRA
 from looplm.modules.norm import RMSNorm
 
 
@@ -40,6 +42,8 @@ def init_weights(model: nn.Module, blocks: Iterable[Block], std: float, output_s
             nn.init.zeros_(module.bias)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, IterationLoRA):
+            module.reset_parameters()  # A_t Gaussian, B_t zero: the core starts tied
     for block in blocks:
         for mixer in block.mixer_layers():
             nn.init.normal_(mixer.o_proj.weight, std=output_std)  # every mixer names its W_O o_proj

@@ -99,7 +99,8 @@ class LoopLM(nn.Module):
 
         def block(part: str, j: int) -> Block:
             mixers = plan[(part, j)]
-            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers))
+            lora = (cfg.lora, cfg.iterations) if part == "core" else None  # per-iteration adapters: the core's
+            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers), lora)
 
         self.prelude = nn.ModuleList(block("prelude", j) for j in range(structure.prelude))
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
@@ -345,6 +346,9 @@ class LoopLM(nn.Module):
                     f"{trained}: topology {self.cfg.topology.kind!r} has per-iteration parameters for "
                     f"the {trained} trained iterations only",
                 )
+            if self.cfg.lora.enabled and n_iter > trained:
+                raise ConfigError("iterations", iterations, f"at most {trained}: model.lora has one adapter per "
+                                  "trained iteration (Relaxed Recursive Transformers)")
             if self.resolution is not None:
                 raise ConfigError(
                     "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"

@@ -16,6 +16,7 @@ from looplm.halting.config import HaltingConfig, NoHaltingConfig
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
 from looplm.mixers.pattern import HybridConfig, block_mixers, hybrid_positions
+from looplm.modules.lora import LoRAConfig
 from looplm.modules.shape import BlockShape
 from looplm.resolution.config import ResolutionConfig
 from looplm.resolution import schedule
@@ -66,10 +67,12 @@ class ModelConfig(Config):
     step_embeddings: bool = False  # UT: a learned e_t added to the core's input at macro step t
     streams: StreamsConfig = SingleStreamConfig()  # single state, or solution/reasoning streams (looplm.streams)
     halting: HaltingConfig = NoHaltingConfig()  # none, ACT or Q-halt (looplm.halting)
+    lora: LoRAConfig = LoRAConfig()  # per-iteration adapters on the shared core (Relaxed Recursive Transformers)
 
     def __post_init__(self) -> None:
         for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
-                           ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig)):
+                           ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig),
+                           ("lora", LoRAConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if self.loop_mixers is not None:
@@ -130,6 +133,11 @@ class ModelConfig(Config):
                 self.head_loop, structure=self.structure, n_heads=self.n_heads,
                 parallel_residual=self.parallel_residual, softmax=any(s.is_softmax for s in specs)))
         self._check_loop_axes(layout)
+        if self.lora.enabled:
+            core = self.block_mixers()
+            self.lora.validate(looped=layout.is_looped, shared=self.share_core, head_loop=self.head_loop is not None,
+                               core_softmax=all(s.is_softmax for j in range(self.structure.core) for s in core[("core", j)]),
+                               layout=self.layout)
         if not layout.is_looped:
             check(
                 self.resolution == ResolutionConfig(),

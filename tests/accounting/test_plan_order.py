@@ -49,6 +49,7 @@ HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qh
 STREAMS = [{"kind": "single"}, {"kind": "two", "outer": 2, "inner": 1},
            {"kind": "two", "outer": 2, "inner": 2, "no_grad_cycles": True, "init": "zeros"}]
 RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "router"}]
+LORAS = [{"rank": 2}, {"rank": 1, "targets": ["mlp"]}]
 HEAD_LOOPS = [None, {"kind": "heads", "heads": 2, "max_depth": 2, "layers": 1, "start": 10, "interval": 10},
               {"kind": "block", "max_depth": 1, "layers": 1, "start": 10, "interval": 10}]
 
@@ -154,9 +155,11 @@ def check_plan_order(cfg) -> None:
 
 
 def _config(layout="looped", topology=None, halting=None, streams=None, resolution=None, step_embeddings=False,
-            loop_input_norm=False, head_loop=None):
+            loop_input_norm=False, head_loop=None, lora=None):
     fields = dict(LAYOUTS[layout], step_embeddings=step_embeddings, loop_input_norm=loop_input_norm,
                   head_loop=head_loop)
+    if lora is not None:
+        fields["lora"] = lora
     if layout != "dense":
         fields.update(topology=topology or {"kind": "base"}, halting=halting or {"kind": "none"},
                       streams=streams or {"kind": "single"})
@@ -180,6 +183,10 @@ AXIS_VALUES = {
     "step_embeddings+loop_input_norm": dict(layout="unshared", step_embeddings=True, loop_input_norm=True),
     "mesh-unshared": dict(layout="unshared", topology={"kind": "mesh"}, loop_input_norm=True),
     "qhalt-step-embeddings": dict(topology={"kind": "anchor"}, halting=HALTING[2], step_embeddings=True),
+    **{f"lora={i}-{layout}": dict(layout=layout, topology=None if layout == "looped" else {"kind": "anchor"},
+                                  lora=lora, step_embeddings=True,
+                                  streams=STREAMS[1] if layout == "looped" else None)
+       for i, lora in enumerate(LORAS) for layout in ("prelude-coda", "multires", "looped")},
 }
 
 

@@ -217,3 +217,94 @@ def test_init_from_refuses_another_model_config_and_resume(tmp_path):
         Trainer(_run_config(out, run, "train.max_steps=3"), resume=True, progress=False)
     assert err.value.field == "train.init_from"
     Trainer(_run_config(out, run, "train.max_steps=3", "train.init_from=null"), resume=True, progress=False).fit()
+
+
+# ------------------------------------------------------- per-iteration LoRA (Relaxed)
+def _tie_norms_and_biases(path, family: str, layers: int, seed: int = 3):
+    """A dense checkpoint whose layers share their norms and biases (random, so they are not
+    trivially 1 and 0): the adapters relax the linears only, so full rank is exact here."""
+    hf = _checkpoint(path, family, layers=layers, seed=seed)
+    first = hf.gpt_neox.layers[0] if family == "gpt_neox" else hf.model.layers[0]
+    shared = {n: p for n, p in first.named_parameters() if p.ndim == 1}
+    with torch.no_grad():
+        for layer in (hf.gpt_neox.layers if family == "gpt_neox" else hf.model.layers):
+            for name, p in layer.named_parameters():
+                if name in shared:
+                    p.copy_(shared[name])
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+@pytest.mark.parametrize("init", ["average", "stepwise"])
+def test_full_rank_adapters_reproduce_the_dense_logits(tmp_path, family, init):
+    """Bae et al. §2.3: B_t A_t = W_{P+tC+j} - W'_j at full rank, so the relaxed loop runs the
+    dense model's layers in the dense order (32 >= min(in, out) of every linear here)."""
+    _tie_norms_and_biases(tmp_path, family, layers=6)
+    ids = _ids()
+    dense = load_hf_checkpoint(tmp_path)
+    model, mapping, fresh = convert_dense(tmp_path, "1+2R2+1", init, [("model.lora.rank", 32)])
+    assert fresh == [] and mapping.unrolled(2) == ((1, 3), (2, 4))
+    tied, _, _ = convert_dense(tmp_path, "1+2R2+1", init)
+    with torch.no_grad():
+        want = dense(ids).logits
+        torch.testing.assert_close(model(ids).logits, want, atol=2e-5, rtol=1e-5)
+        assert (tied(ids).logits - want).abs().max() > 1e-2  # the tied loop alone is not the dense model
+
+
+def test_low_rank_adapters_are_the_truncated_svd_of_the_residual(tmp_path):
+    _checkpoint(tmp_path, "llama", layers=6, seed=4)
+    dense = load_hf_checkpoint(tmp_path).state_dict()
+    model, _, _ = convert_dense(tmp_path, "1+2R2+1", "stepwise", [("model.lora.rank", 3)])
+    state = model.state_dict()
+    for j, layers in enumerate(((1, 3), (2, 4))):
+        for t, i in enumerate(layers):
+            for linear, lora in (("attn.qkv", "lora.attn.0.qkv"), ("ffn.down", "lora.ffn.down")):
+                residual = dense[f"prelude.{i}.{linear}.weight"] - state[f"core.0.{j}.{linear}.weight"]
+                A, B = state[f"core.0.{j}.{lora}.A.{t}"], state[f"core.0.{j}.{lora}.B.{t}"]
+                assert A.shape[0] == B.shape[1] == 3
+                S = torch.linalg.svdvals(residual.double())
+                # Eckart–Young: the rank-3 truncation leaves exactly the tail of the spectrum
+                err = torch.linalg.matrix_norm((residual - B @ A).double())
+                torch.testing.assert_close(err, S[3:].norm(), atol=1e-5, rtol=1e-5)
+
+
+def test_lora_conversion_refuses_a_middle_without_T_groups(tmp_path):
+    _checkpoint(tmp_path, "llama", layers=5)  # middle of 3 layers, 1+2R2+1 needs 4
+    with pytest.raises(ConfigError) as err:
+        convert_dense(tmp_path, "1+2R2+1", "average", [("model.lora.rank", 2)])
+    assert err.value.field == "model.lora.rank" and "T·C = 4" in str(err.value)
+
+
+def test_cli_lora_rank_writes_adapters_and_their_layers(tmp_path):
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    _checkpoint(hf_dir, "gpt_neox", layers=6)
+    assert main(["convert", str(hf_dir), str(out), "--layout", "1+2R2+1", "--init", "average", "--lora-rank", "4"]) == 0
+    saved = json.loads((out / MAP_FILE).read_text())
+    assert saved["lora"] == {"rank": 4, "iterations": [[1, 3], [2, 4]]} and saved["fresh"] == []
+    loaded = LoopLM.from_pretrained(out)
+    assert loaded.cfg.lora.rank == 4
+    model, _, _ = convert_dense(hf_dir, "1+2R2+1", "average", [("model.lora.rank", 4)])
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_relaxed_conversion_exports_to_transformers_with_the_dense_logits(tmp_path):
+    """``looplm convert --lora-rank`` then ``looplm export``: transformers loads the relaxed
+    loop, and at full rank (tied norms and biases agreeing) it computes the dense logits."""
+    pytest.importorskip("safetensors")
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, out, exported = tmp_path / "hf", tmp_path / "out", tmp_path / "exported"
+    _tie_norms_and_biases(hf_dir, "llama", layers=6, seed=5)
+    assert main(["convert", str(hf_dir), str(out), "--layout", "1+2R2+1", "--init", "average",
+                 "--lora-rank", "32"]) == 0
+    assert main(["export", str(out), str(exported)]) == 0
+    relaxed = AutoModelForCausalLM.from_pretrained(exported).eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(relaxed(ids, use_cache=False).logits, load_hf_checkpoint(hf_dir)(ids).logits,
+                                   atol=2e-5, rtol=1e-5)
+        generated = relaxed.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 9)

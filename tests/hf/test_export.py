@@ -33,7 +33,7 @@ ATOL = 1e-5
 # resolution schedule, head loops, two streams with Q-halt, ACT halting, a loop-level hybrid
 REPRESENTATIVE = ["topology=anchor", "topology=mesh", "residual-tied", "swa-anchor", "hybrid-full-gdn-gated",
                   "mamba2-anchor", "nsa-residual", "loop-level-kinds", "spiral-mesh", "sgt-heads-grown",
-                  "ut-act-adaptive-anchor", "ar-trm-adaptive", "nested-act-prelude-coda"]
+                  "ut-act-adaptive-anchor", "ar-trm-adaptive", "nested-act-prelude-coda", "lora-anchor"]
 
 UNPADDED = {"spiral-mesh"}  # multi-resolution iterations cut chunks by position: no left padding
 

@@ -9,6 +9,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from looplm.cli import main
 from looplm.config_base import ConfigError
@@ -21,14 +22,15 @@ from looplm.train import Trainer, train_losses
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder", "sharing"])
 @pytest.mark.parametrize("size", ["quick", "default", "paper", "stdlib"])
 def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
     if size not in get_study(name, "quick").sizes:
         pytest.skip(f"study {name} has no {size} size")
     study = get_study(name, size)
     configs = study.configs(size, tmp_path, seed=5)
-    assert set(configs) == set(study.size(size).runs) and len(configs) >= 4
+    rows = 3 if name == "sharing" else 4  # sharing: the tied core and two LoRA ranks (issue 29 adds its MoE row)
+    assert set(configs) == set(study.size(size).runs) and len(configs) >= rows
     for run, cfg in configs.items():
         assert cfg.train.out_dir == str(tmp_path / run / "seed-5")
         assert cfg.train.seed == 5 and cfg.data.seed == 5
@@ -65,6 +67,29 @@ def test_matched_comparisons() -> None:
             # the learned per-loop residual gate adds a vector or two of width d, nothing else
             diff = analytic_parameter_counts(looped)["total"] - analytic_parameter_counts(flat)["total"]
             assert 0 < diff <= 2 * looped.iterations * looped.d_model
+
+
+@pytest.mark.parametrize("size", ["quick", "default"])
+def test_conversion_study_up_trains_every_loop_from_its_converted_start(size, tmp_path) -> None:
+    """The dense run pretrains; each converted run has its own start (``<run dir>-converted``)
+    and the same up-training budget and optimiser as the others."""
+    study = get_study("conversion", size)
+    configs = study.configs(size, tmp_path, seed=2)
+    assert configs["dense"].model.layout == "6" and configs["dense"].train.init_from is None
+    converted = {name: c for name, c in configs.items() if name != "dense"}
+    assert {c.model.layout for c in converted.values()} == {"1+2R2+1"}
+    assert {c.model.lora.rank for c in converted.values()} == {0, 16}
+    for name, c in converted.items():
+        assert c.train.init_from == str(tmp_path / name / "seed-2-converted")
+    budgets = {json.dumps({k: v for k, v in c.to_dict()["train"].items() if k not in ("out_dir", "init_from")},
+                          sort_keys=True) for c in converted.values()}
+    assert len(budgets) == 1
+
+
+def test_sharing_study_compares_the_tied_core_with_two_lora_ranks() -> None:
+    configs = get_study("sharing").configs("default", "unused", 0)
+    assert {c.model.layout for c in configs.values()} == {"1+2R3+1"}
+    assert sorted(c.model.lora.rank for c in configs.values()) == [0, 4, 16]
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +191,18 @@ def test_depth_study_evaluates_the_fixed_loop_with_the_zero_shot_exits(quick) ->
     for i in (1, 2):
         assert 0.0 <= float(row[f"exit{i}_saved"]) < 1.0 and math.isfinite(float(row[f"exit{i}_loss_paid"]))
     assert "Δloss exit kl:5e-4" in (quick["depth"].out_dir / "results.md").read_text()
+def test_conversion_study_starts_from_the_converted_dense_run(quick) -> None:
+    """Each converted run's start is hf/convert.py's conversion of this seed's dense run."""
+    from looplm.hf.convert import convert_model
+    from looplm.model import LoopLM
+
+    result = quick["conversion"]
+    dense = LoopLM.from_pretrained(result.runs["dense"][0].run_dir)
+    for name, init, rank in (("tied-stepwise", "stepwise", 0), ("lora-average", "average", 16)):
+        start = LoopLM.from_pretrained(result.out_dir / name / "seed-0-converted")
+        want, _, _ = convert_model(dense, "1+2R2+1", init, [("model.lora.rank", rank)])
+        assert start.state_dict().keys() == want.state_dict().keys()
+        assert all(torch.equal(v, want.state_dict()[k]) for k, v in start.state_dict().items())
 
 
 def test_sgt_flops_follow_the_growth_events(quick) -> None:
@@ -279,7 +316,7 @@ def test_cli_variants_select_a_part_of_a_two_part_study(tmp_path, caplog) -> Non
 
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("kwargs, field, hint", [
-    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, depth, ladder"),
+    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, depth, sharing, conversion, ladder"),
     (dict(seeds=0), "seeds", ">= 1"),
     (dict(seeds=[1, 1]), "seeds", "distinct"),
     (dict(size="huge"), "size", "quick, default, paper"),

@@ -34,6 +34,7 @@ RUNS = {
     "mesh": dict(topology="mesh", grad_accum=2, max_steps=4, save_every=2),
     "gdn": dict(model={"mixer": {"kind": "gated_deltanet"}, "tie_embeddings": True}, max_steps=3, sample_tokens=6),
     "sgt": dict(model={"layout": "4", "head_loop": HEAD_LOOP}, max_steps=5),
+    "lora": dict(model={"lora": {"rank": 2}}, max_steps=3),  # per-iteration adapters in the core's unit
 }
 
 

@@ -35,7 +35,9 @@ RESUME_GRID = (
        # Stage I objective (expected loss under the exit distribution, entropy bonus)
        ("base", {"layout": "2R2", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "norm_placement": "sandwich",
                  "loop_input_norm": True, "halting": {"kind": "exit_gate", "threshold": 0.5,
-                                                      "objective": "expected"}}, 1)]
+                                                      "objective": "expected"}}, 1),
+       # per-iteration LoRA on the shared core (Relaxed Recursive Transformers)
+       ("anchor", {"layout": "1+1R3+1", "lora": {"rank": 2}}, 2)]
 )
 
 

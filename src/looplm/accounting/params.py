@@ -53,6 +53,26 @@ def _ffn(cfg: ModelConfig) -> int:
     return 3 * d * F + (2 * F + d) * b
 
 
+def _ffn_linears(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of the FFN's linears: up, down (and SwiGLU's gate)."""
+    d, F = cfg.d_model, cfg.ffn_hidden
+    return [(d, F), (F, d)] + ([(d, F)] if cfg.mlp == "swiglu" else [])
+
+
+def _lora(cfg: ModelConfig, specs) -> int:
+    """Per-iteration adapters of one core block (Bae et al. 2024 §2.3): T·r·(in + out) per
+    adapted linear, softmax attention's qkv d -> (H + 2H_kv)·D, output gate d -> H·D and
+    W_O H·D -> d per mixer layer, and the FFN's (:mod:`looplm.modules.lora`)."""
+    if not cfg.lora.enabled:
+        return 0
+    d, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    shapes = _ffn_linears(cfg) if "mlp" in cfg.lora.targets else []
+    for spec in specs if cfg.lora.adapts_mixer else ():  # softmax attention only (the config checks)
+        mixer = {"qkv": (d, (H + 2 * Hkv) * D), "o_proj": (H * D, d), **({"gate": (d, H * D)} if spec.output_gate else {})}
+        shapes += cfg.lora.linear_shapes(mixer, [])
+    return cfg.lora.parameter_count(shapes, cfg.iterations)
+
+
 def mixer_parameters(spec, cfg: ModelConfig) -> int:
     """Parameters of one mixer layer. Softmax attention (full / windowed, optionally with
     the output gate) by formula; other kinds from their layer built on the meta device."""
@@ -109,23 +129,25 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     embedding V·d (+ max_seq_len·d with learned positions); head V·d (0 when tied); final
     norm; per block two norms (four under ``norm_placement: sandwich``), the FFN and the
     mixer layer(s) (one per parameter group of its mixer schedule); the core once per
-    stack (one stack when shared, T otherwise); topology parameters (MeSH:
+    stack (one stack when shared, T otherwise), with its per-iteration adapters
+    (:func:`_lora`); topology parameters (MeSH:
     (T + 1)·2·(d·B + B), Appendix E.4); ``resolution`` (only when it holds parameters):
     SpiralFormer's scorers d + 1 and routers (d + 1)·g_t per iteration with g_t > 1; the
     loop axes' parameters (:func:`_loop_axes`). SGT's grown loop adds no parameters (its
     structure is extra state)."""
     layout, d, V = cfg.parsed_layout, cfg.d_model, cfg.vocab_size
 
-    def block(specs) -> int:
+    def block(specs, adapted: bool = False) -> int:
         groups = {}
         for spec in specs:
             groups.setdefault(spec.parameter_group(), spec)
         norms = cfg.block_shape.norms_per_block * _norm(cfg)
-        return norms + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values())
+        adapters = _lora(cfg, list(groups.values())) if adapted else 0
+        return norms + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values()) + adapters
 
     plan = cfg.block_mixers()
     prelude = sum(block(plan[("prelude", j)]) for j in range(layout.prelude))
-    core = cfg.structure.stacks * sum(block(plan[("core", j)]) for j in range(cfg.structure.core))
+    core = cfg.structure.stacks * sum(block(plan[("core", j)], True) for j in range(cfg.structure.core))
     coda = sum(block(plan[("coda", j)]) for j in range(layout.coda))
     topology = cfg.topology.parameter_count(d, cfg.iterations) if layout.is_looped else 0
     counts = {

@@ -26,6 +26,16 @@ core.0.j       mean(4+j, 12+j): (4,12),  4+2j: 4, 6, 8, 10,    4+j: 4, 5, 6, 7,
 coda.0..3      20, 21, 22, 23            20, 21, 22, 23        20, 21, 22, 23
 =============  ========================  ====================  =====================
 
+With per-iteration LoRA (``model.lora.rank`` r > 0, ``looplm convert --lora-rank r``; the
+paper's *Relaxed* Recursive Transformer, §2.3) the unrolled layer at iteration t, position j
+is dense layer P + t·C + j, the one the dense model runs there, and each adapted linear's
+(A_t, B_t) starts from the truncated SVD of its residual W_{P+tC+j} - W'_j (§2.3, under
+either shared init): B_t = U_r Σ_r, A_t = V_rᵀ. A full-rank adapter (r >= min(in, out) of
+every adapted linear) then reproduces the dense model's linears exactly, so the converted
+model equals the dense one wherever the tied norms and biases agree (the adapters relax
+the linear weights only, as in the paper; norms and biases stay averaged/selected). This
+needs the middle to hold T groups of C layers (k >= T).
+
 Embedding, final norm and head are copied. Parameters with no dense counterpart (step
 embeddings, topology gates, halting heads, ...) keep looplm's own init and are listed in
 the map as ``fresh``. The map is logged and written to ``OUT/layer_map.json``.
@@ -46,6 +56,7 @@ from looplm.hf.import_model import DENSE_MODEL_TYPES, config_from_hf, load_hf_ch
 from looplm.layout import Layout, parse_layout
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
+from looplm.modules.lora import svd_init
 from looplm.structure import LoopStructure
 
 log = logging.getLogger("looplm")
@@ -87,6 +98,12 @@ class LayerMap:
             "coda": [list(s) for s in self.coda],
             "unused": list(self.unused),
         }
+
+    def unrolled(self, iterations: int) -> tuple[tuple[int, ...], ...]:
+        """For each core block j, the dense layer the unrolled loop runs at each iteration t:
+        P + t·C + j (the layer whose residual initialises iteration t's adapters)."""
+        P, C = len(self.prelude), len(self.core)
+        return tuple(tuple(P + t * C + j for t in range(iterations)) for j in range(C))
 
     def describe(self) -> str:
         """One line per block: ``core.0.3 <- mean(7, 15)``."""
@@ -166,8 +183,18 @@ def convert_dense(
             f"a dense checkpoint: one of {', '.join(DENSE_MODEL_TYPES)} (a looped checkpoint is imported, not converted)",
         )
     # The map (and its errors) before reading any weights.
-    mapping = layer_map(config_from_hf(hf_config).parsed_layout.prelude, layout, init)
-    dense = load_hf_checkpoint(hf_dir)
+    layer_map(config_from_hf(hf_config).parsed_layout.prelude, layout, init)
+    return convert_model(load_hf_checkpoint(hf_dir), layout, init, overrides)
+
+
+def convert_model(
+    dense: LoopLM, layout: str, init: str, overrides: Sequence[tuple[str, Any]] = ()
+) -> tuple[LoopLM, LayerMap, list[str]]:
+    """:func:`convert_dense` of a dense LoopLM (a layout with no loop: an imported checkpoint,
+    or a looplm run trained dense, as the ``conversion`` study's)."""
+    if dense.cfg.parsed_layout.is_looped:
+        raise ConfigError("model.layout", dense.cfg.layout, "a dense layout (no loop): only dense models are converted")
+    mapping = layer_map(dense.cfg.parsed_layout.prelude, layout, init)
     cfg = looped_config(dense.cfg, layout, overrides)
     model = LoopLM(cfg)
     state = _combine(dense.state_dict(), mapping)
@@ -180,9 +207,37 @@ def convert_dense(
                 f"overrides that keep the dense block's parameters ({key}: dense {tuple(tensor.shape)}, "
                 f"looped {shape})",
             )
+    if cfg.lora.enabled:
+        state.update(_adapters(dense.state_dict(), state, mapping, cfg, target))
     fresh = sorted(set(target) - set(state))
     model.load_state_dict(state, strict=False)
     return model.eval(), mapping, fresh
+
+
+def _adapters(dense_state: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], mapping: LayerMap,
+              cfg: ModelConfig, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every core adapter (A_t, B_t) from the truncated SVD of W_{P+tC+j} - W'_j (Bae et al.
+    2024 §2.3), t = 0..T-1: ``core.0.j.lora.attn.0.NAME.{A,B}.t`` for the linear
+    ``core.0.j.attn.NAME``, ``core.0.j.lora.ffn.NAME.{A,B}.t`` for ``core.0.j.ffn.NAME``."""
+    T, C, L = cfg.iterations, len(mapping.core), mapping.dense_layers
+    middle = L - len(mapping.prelude) - len(mapping.coda)
+    if middle // C < T:
+        raise ConfigError("model.lora.rank", cfg.lora.rank,
+                          f"0 for layout {mapping.layout!r} of a {L}-layer model: per-iteration adapters start from "
+                          f"the dense layer each iteration replaces, so the middle needs T·C = {T * C} layers "
+                          f"(it has {middle})")
+    out = {}
+    for j, layers in enumerate(mapping.unrolled(T)):
+        prefix = f"core.0.{j}.lora."
+        for key in target:
+            if not (key.startswith(prefix) and key.endswith(".A.0")):
+                continue
+            part, *_, name, _, _ = key[len(prefix):].split(".")  # attn.0.qkv.A.0 or ffn.up.A.0
+            linear = f"{part}.{name}.weight"
+            for t, i in enumerate(layers):
+                A, B = svd_init(dense_state[f"prelude.{i}.{linear}"] - shared[f"core.0.{j}.{linear}"], cfg.lora.rank)
+                out[f"{key[:-4]}.A.{t}"], out[f"{key[:-4]}.B.{t}"] = A, B
+    return out
 
 
 def _combine(dense_state: dict[str, torch.Tensor], mapping: LayerMap) -> dict[str, torch.Tensor]:
@@ -209,10 +264,15 @@ def convert_checkpoint(
     model, mapping, fresh = convert_dense(hf_dir, layout, init, overrides)
     out = Path(out)
     model.save_pretrained(out)
-    (out / MAP_FILE).write_text(json.dumps({**mapping.to_dict(), "fresh": fresh}, indent=2) + "\n")
+    adapters = {"lora": {"rank": model.cfg.lora.rank, "iterations": [list(u) for u in mapping.unrolled(model.cfg.iterations)]}
+                } if model.cfg.lora.enabled else {}
+    (out / MAP_FILE).write_text(json.dumps({**mapping.to_dict(), **adapters, "fresh": fresh}, indent=2) + "\n")
     train = {"model": model.cfg.to_dict(), "train": {"init_from": str(out.resolve())}}
     (out / TRAIN_FILE).write_text(json.dumps(train, indent=2) + "\n")  # JSON is YAML
     log.info("%s", mapping.describe())
+    if adapters:
+        log.info("  per-iteration LoRA (rank %d) from the SVD of each residual W_l - W'_j, l per core block and "
+                 "iteration: %s", model.cfg.lora.rank, adapters["lora"]["iterations"])
     if fresh:
         log.info("  fresh (looplm init, no dense counterpart): %s", ", ".join(fresh))
     return mapping

@@ -6,7 +6,9 @@ residual add (Ouro, modeling_ouro.py ``OuroDecoderLayer``). Under ``pre`` the ou
 norms are ``nn.Identity`` (no parameters, no state-dict entries, the same numbers).
 
 SGT's grown passes (``model.head_loop``) extend this block from outside
-(:mod:`looplm.head_loop.block`): :func:`build_block` builds either."""
+(:mod:`looplm.head_loop.block`): :func:`build_block` builds either. Per-iteration LoRA
+(``model.lora``, :mod:`looplm.modules.lora`) is a per-iteration view of a core block's
+linears: :meth:`Block.mixer_at` and :meth:`Block.ffn_at` return iteration t's."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.mixers import MixerConfig, MixerContext, MixerState
+from looplm.modules.lora import BlockLoRA, LoRAConfig
 from looplm.modules.mlp import build_mlp
 from looplm.modules.norm import build_norm
 from looplm.modules.shape import BlockShape
@@ -39,9 +42,13 @@ class Block(nn.Module):
     spec, or one per loop iteration (a loop-level hybrid). One layer is
     built per parameter group (``MixerConfig.parameter_group``) and held in ``attn`` (a
     ModuleList when there are several); each iteration runs its spec's view of it.
+    ``lora`` (a core block of a model with ``model.lora.rank`` > 0): the config and the
+    trained iterations T; the block then holds ``lora`` (:class:`BlockLoRA`) and iteration
+    t's mixer and FFN add B_t A_t x to their linears. Otherwise ``lora`` is None.
     """
 
-    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig],
+                 lora: Optional[tuple[LoRAConfig, int]] = None):
         super().__init__()
         mixers = tuple(mixers)
         self.parallel_residual = cfg.parallel_residual
@@ -57,6 +64,14 @@ class Block(nn.Module):
         self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
         self.attn_out_norm = output_norm(cfg)
         self.ffn_out_norm = output_norm(cfg)
+        self.lora: Optional[BlockLoRA] = None
+        self.ffn_per_iteration: list[nn.Module] = []  # views, not registered; empty: the FFN itself
+        if lora is not None and lora[0].enabled:
+            self.lora = BlockLoRA(lora[0], lora[1], self.mixer_layers(), self.ffn)
+            groups = list(owners)
+            self.per_iteration = self.lora.mixer_views(self.per_iteration,
+                                                       [groups.index(s.parameter_group()) for s in mixers])
+            self.ffn_per_iteration = self.lora.ffn_views(self.ffn)
 
     def mixer_layers(self) -> list[nn.Module]:
         """The distinct mixer layers (parameter owners) of this block."""
@@ -67,28 +82,36 @@ class Block(nn.Module):
         loop-level hybrid)."""
         return self.per_iteration[iteration if len(self.per_iteration) > 1 else 0]
 
+    def ffn_at(self, iteration: int) -> nn.Module:
+        """The FFN view that runs at loop iteration ``iteration`` (the FFN itself without
+        per-iteration adapters)."""
+        views = self.ffn_per_iteration
+        return views[iteration if len(views) > 1 else 0] if views else self.ffn
+
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
     ) -> tuple[torch.Tensor, MixerState]:
         """x: [B, T, d] -> ([B, T, d], the mixer's state after these positions)."""
-        return self._layer(x, ctx, state, self.mixer_at(iteration))
+        return self._layer(x, ctx, state, self.mixer_at(iteration), self.ffn_at(iteration))
 
-    def _layer(self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState], mixer) -> tuple[torch.Tensor, MixerState]:
+    def _layer(self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState], mixer,
+               ffn: Optional[nn.Module] = None) -> tuple[torch.Tensor, MixerState]:
+        ffn = self.ffn if ffn is None else ffn
         mixed, state = mixer(self.attn_norm(x), ctx, state)
         mixed = self.attn_out_norm(mixed)
         if self.parallel_residual:
-            return x + mixed + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
+            return x + mixed + self.ffn_out_norm(ffn(self.ffn_norm(x))), state
         x = x + mixed
-        return x + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
+        return x + self.ffn_out_norm(ffn(self.ffn_norm(x))), state
 
     def sublayer_costs(self, call: Call) -> tuple[Cost, Cost]:
         """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->
         output norm -> residual (the output norms cost nothing under ``norm_placement: pre``)."""
         d = self.attn_norm.weight.shape[0]
-        mixer = self.mixer_at(max(call.iteration, 0))
+        mixer, ffn = self.mixer_at(max(call.iteration, 0)), self.ffn_at(max(call.iteration, 0))
         attention = (module_cost(self.attn_norm, call) + module_cost(mixer, call) + module_cost(self.attn_out_norm, call)
                      + Cost(residual=call.rows * d))
-        ffn = (module_cost(self.ffn_norm, call) + module_cost(self.ffn, call) + module_cost(self.ffn_out_norm, call)
+        ffn = (module_cost(self.ffn_norm, call) + module_cost(ffn, call) + module_cost(self.ffn_out_norm, call)
                + Cost(residual=call.rows * d))
         return attention, ffn
 
@@ -98,9 +121,13 @@ class Block(nn.Module):
         return attention + ffn
 
 
-def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None) -> Block:
+def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None,
+                lora: Optional[tuple[LoRAConfig, int]] = None) -> Block:
     """The block of one position with ``mixers`` (one, or one per loop iteration): the plain
     :class:`Block`, or ``grown``, a subclass an axis that grows blocks picked for it (the
     same parameters under the same names plus its extra state: SGT's head loop,
-    :func:`looplm.head_loop.block.grown_block_type`)."""
+    :func:`looplm.head_loop.block.grown_block_type`). ``lora``: per-iteration adapters
+    (config, T) for a core block (never with a grown block: the config refuses it)."""
+    if lora is not None and lora[0].enabled:
+        return Block(shape, mixers, lora)
     return (Block if grown is None else grown)(shape, mixers)

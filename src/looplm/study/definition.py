@@ -128,8 +128,11 @@ class Study:
     """A named study (``looplm study NAME``). ``measure`` reads one finished run; ``describe``
     gives a row's descriptive cells from its runs (layout, parameters); ``notes`` adds markdown
     after the table; ``build`` replaces the preset-based configuration builder (the ladder's
-    rungs are model fields, not presets). ``reference``: the variant every other row is
-    compared with seed by seed in results.md and paired.csv (default: the size's first)."""
+    rungs are model fields, not presets); ``prepare(run, config)`` runs before a run trains
+    (not when a finished run is reused) and writes what its config reads (the ``conversion``
+    study's converted start, ``train.init_from``, made from an earlier run). ``reference``:
+    the variant every other row is compared with seed by seed in results.md and paired.csv
+    (default: the size's first)."""
 
     name: str
     title: str
@@ -144,6 +147,7 @@ class Study:
     describe: Optional[Callable[[str, list], dict[str, str]]] = None
     notes: Optional[Callable[[Any], str]] = None
     build: Optional[Builder] = None
+    prepare: Optional[Callable[[str, RunConfig], None]] = None
     reference: Optional[str] = None
 
     @property

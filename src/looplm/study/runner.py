@@ -132,9 +132,13 @@ def run_study(
         command = equivalent_command(study.name, size, out_dir, None if extend else seeds, overrides, threads, variants)
     start = time.perf_counter()
     if spec.sweep is not None:
-        chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]),
-                              lambda name, seed, cfg: train_or_reuse(name, seed, cfg, finished_run(cfg),
-                                                                     progress=progress),
+        def sweep_run(name: str, seed: int, cfg: "RunConfig") -> Run:
+            summary = finished_run(cfg)
+            if study.prepare is not None and summary is None:
+                study.prepare(name, cfg)
+            return train_or_reuse(name, seed, cfg, summary, progress=progress)
+
+        chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]), sweep_run,
                               lambda run: measure_run(study, run))
         configs = {seed: configs_at(seed) for seed in seeds}
     finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
@@ -147,6 +151,8 @@ def run_study(
             done += 1
             logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, len(seeds) * len(runs), name,
                         seed)
+            if study.prepare is not None and finished[(name, seed)] is None:
+                study.prepare(name, cfg)  # e.g. a converted start made from an earlier run of this seed
             run = train_or_reuse(name, seed, cfg, finished[(name, seed)], progress=progress)
             runs[name].append(run)
             measures[name].append(measure_run(study, run))

@@ -14,6 +14,7 @@ whose data is synthetic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Sequence
@@ -517,6 +518,135 @@ DEPTH = Study(
     ),
 )
 
+# ---------------------------------------------------------------------- sharing
+#: Study ``sharing`` (issue 29): how much to relax the tied core. Each block of rows below
+#: belongs to one mechanism; a new mechanism adds its own block to :func:`_sharing_variants`.
+SHARING_LOOP = "1+2R3+1"
+
+
+def _sharing_variants(loop: str, lora_ranks: Sequence[int]) -> dict[str, list[str]]:
+    variants: dict[str, list[str]] = {"tied": [f"model.layout={loop}"]}
+    # --- per-iteration LoRA (Relaxed Recursive Transformers, Bae et al. 2024 §2.3) ---
+    for rank in lora_ranks:
+        variants[f"lora-r{rank}"] = [f"model.layout={loop}", f"model.lora.rank={rank}"]
+    # --- end of per-iteration LoRA ---
+    return variants
+
+
+def _sharing_describe(variant: str, runs: list) -> dict[str, str]:
+    """Layout, non-embedding parameters and training FLOPs per token of a row's first run:
+    the relaxations add parameters and compute, and the table shows how much."""
+    first = runs[0]
+    flops = first.summary.get("model_flops_per_token")
+    return {**describe_default(variant, runs), "train FLOPs/token": f"{flops:.3g}" if flops else "–"}
+
+
+SHARING = Study(
+    name="sharing",
+    title="Relaxed sharing of the looped core: tied against per-iteration adapters",
+    paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §2.3; issue 29",
+    claim="per-iteration LoRA on the tied core lowers the loss of the tied loop at a small cost in parameters "
+          "and FLOPs, more with a higher rank",
+    sizes={
+        "quick": Size(_runs("tiny-base", _sharing_variants("1+1R2+1", (2, 4))), QUICK + ("data.seq_len=16",), seeds=1),
+        "default": Size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, (4, 16))),
+                        ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 40 min on one thread (9 runs of 600 steps; estimated from the mesh study's "
+                                  "0.22 s per step at the same width and block passes, not timed)"),
+    },
+    metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True)),
+    measure=measures.lm,
+    describe=_sharing_describe,
+    figures=_lm_figures(),
+    deviations=(
+        "From scratch on the byte-level pydoc corpus (the paper converts pretrained Gemma / TinyLlama / Pythia "
+        "and up-trains: see the conversion study): the adapters start at B_t = 0, the tied model.",
+        "Ranks 4 and 16 at d = 96 (the paper: 64-512 at d = 2048); one rank-r adapter on the fused q/k/v "
+        "projection where the paper has one each on q, k and v; no α/r scaling.",
+    ),
+)
+
+
+# ------------------------------------------------------------------- conversion
+#: Study ``conversion`` (issue 29): a dense model, trained here, converted into a loop
+#: (hf/convert.py) with each shared-weight init, with and without per-iteration LoRA from
+#: the SVD of the residuals, then up-trained for the same steps. variant -> (init, rank).
+CONVERSION_LAYOUT = "1+2R2+1"
+_CONVERTED = {"tied-average": ("average", 0), "tied-stepwise": ("stepwise", 0),
+              "lora-average": ("average", 16), "lora-stepwise": ("stepwise", 16)}
+
+
+def _conversion_runs(dense_steps: int, uptrain_steps: int) -> dict[str, RunSpec]:
+    runs = {"dense": RunSpec("tiny-dense", ("model.layout=6", f"train.max_steps={dense_steps}"))}
+    for name, (_, rank) in _CONVERTED.items():
+        runs[name] = RunSpec("tiny-dense", (f"model.layout={CONVERSION_LAYOUT}", f"model.lora.rank={rank}",
+                                            f"train.max_steps={uptrain_steps}", "train.save_every=0"))
+    return runs
+
+
+def _converted_start(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}-converted"
+
+
+def _conversion_build(study: Study, size: str, out_dir: Path, seed: int, overrides: Sequence[str]):
+    """The preset runs; each converted run starts from ``<its run dir>-converted``, which
+    :func:`_convert_dense_run` writes from this seed's dense run before it trains."""
+    from looplm.study.definition import preset_configs
+
+    configs = preset_configs(study.size(size), out_dir, seed, overrides)
+    for name in _CONVERTED:
+        cfg = configs[name]
+        start = _converted_start(Path(cfg.train.out_dir))
+        configs[name] = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(start)))
+    return configs
+
+
+def _convert_dense_run(name: str, cfg: RunConfig) -> None:
+    """Write a converted run's start (``train.init_from``) from the dense run of its seed:
+    hf/convert.py's layer map under its init, adapters from the residuals' truncated SVD."""
+    if name not in _CONVERTED:
+        return
+    from looplm.hf.convert import convert_model
+    from looplm.model import LoopLM
+
+    start = Path(cfg.train.init_from)
+    if (start / "manifest.json").is_file():
+        return
+    run_dir = Path(cfg.train.out_dir)
+    dense = LoopLM.from_pretrained(run_dir.parent.parent / "dense" / run_dir.name)
+    init, rank = _CONVERTED[name]
+    model, _, _ = convert_model(dense, CONVERSION_LAYOUT, init, [("model.lora.rank", rank)])
+    model.save_pretrained(start)
+
+
+CONVERSION = Study(
+    name="conversion",
+    title="Dense into loop: average / stepwise init, with and without per-iteration LoRA",
+    paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §2.2 (init), §2.3 (LoRA, SVD init); "
+          "issue 29",
+    claim="average init up-trains better than stepwise; SVD-initialised per-iteration LoRA recovers much of the gap "
+          "to the dense model",
+    sizes={
+        "quick": Size(_conversion_runs(4, 4), QUICK + ("data.seq_len=16",), seeds=1),
+        "default": Size(_conversion_runs(600, 200), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)),
+                        seeds=3, wall_time="≈ 30 min on one thread (dense 600 steps, four up-trainings of 200; "
+                                           "estimated from the mesh study's per-step time, not timed)"),
+    },
+    metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True)),
+    measure=measures.lm,
+    describe=_sharing_describe,
+    build=_conversion_build,
+    prepare=_convert_dense_run,
+    deviations=(
+        "The dense model is trained here (6 blocks, d = 96, 600 steps of pydoc bytes), standing in for a "
+        "pretrained Pythia; the loop is 1+2R2+1 (the paper's 1+nR2+1 shape at n = 2); the dense row's loss is "
+        "after its pretraining, the others' after 200 more steps from the converted start.",
+        "LoRA rank 16 at d = 96 on every core linear (fused q/k/v: one adapter); the tied norms and biases are "
+        "averaged/selected, so even a full-rank adapter would not start exactly at the dense model.",
+    ),
+)
+
+
 STUDIES: dict[str, Study] = {}
 
 
@@ -524,7 +654,7 @@ def _register(study: Study) -> None:
     STUDIES[study.name] = study
 
 
-for _s in (MESH, SPIRALFORMER, SGT, LT2, DEPTH):
+for _s in (MESH, SPIRALFORMER, SGT, LT2, DEPTH, SHARING, CONVERSION):
     _register(_s)
 
 
