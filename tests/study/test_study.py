@@ -319,7 +319,7 @@ def test_cli_variants_select_a_part_of_a_two_part_study(tmp_path, caplog) -> Non
     (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, depth, sharing, conversion, ladder"),
     (dict(seeds=0), "seeds", ">= 1"),
     (dict(seeds=[1, 1]), "seeds", "distinct"),
-    (dict(size="huge"), "size", "quick, default, paper"),
+    (dict(size="huge"), "size", "quick, default, stdlib, paper"),
     (dict(threads=0), "threads", ">= 1"),
     (dict(overrides=["model.topology.kind=mesh"]), "model.topology.kind", "variants"),
     (dict(overrides=["train.seed=3"]), "train.seed", "--seeds"),
