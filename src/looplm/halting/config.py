@@ -15,6 +15,7 @@ from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting
 from looplm.halting.exit_gate import ExitGateHalting
+from looplm.halting.mor import MoRHalting
 from looplm.halting.qhalt import QHalting
 
 
@@ -61,6 +62,10 @@ class HaltingConfig(KindConfig):
 
     def build(self, d_model: int) -> Halting:
         raise NotImplementedError(f"{type(self).__name__} builds no halting rule")
+
+    def check_loop(self, iterations: int, layout: str) -> None:
+        """Refuse a loop of ``iterations`` macro steps (layout ``layout``) the rule cannot
+        serve (a rule with per-step parameters); the model config asks."""
 
     def parameter_count(self, d_model: int) -> int:
         """Parameters the rule adds, from the config alone (the analytic counter)."""
@@ -214,10 +219,85 @@ class ExitGateHaltingConfig(HaltingConfig):
         return d_model + 1  # the gate: d -> 1 with bias
 
 
+@dataclasses.dataclass(frozen=True)
+class MoRHaltingConfig(HaltingConfig):
+    """Mixture-of-Recursions (Bae et al. 2025, §2.2.1; :mod:`looplm.halting.mor` says how
+    the paper maps onto the loop and how its ambiguities are resolved): a router gives each
+    position its recursion depth, at most ``depths`` (the loop's iterations).
+
+    ``routing``: ``expert_choice`` (a router per step; step r keeps k = ⌊β_r·T⌋ positions,
+    ``capacity`` β, default (N − r)/N) or ``token_choice`` (one router picks the depth up
+    front; Switch balancing loss weighted ``balance_weight``). ``selection`` (expert choice):
+    ``threshold`` (σ(s) > 0.5 in training and inference, causal; the auxiliary BCE toward
+    the top-k, weight ``aux_loss_weight``, teaches the router the capacity) or ``top_k``
+    (the paper's training form: top-k over the sequence in training, not causal; the
+    threshold at inference). ``alpha`` scales the gate g; ``init_bias`` starts the routers
+    at full depth."""
+
+    kind: str = "mor"
+    depths: int = 3
+    routing: str = "expert_choice"
+    selection: str = "threshold"
+    capacity: Optional[tuple[float, ...]] = None
+    alpha: float = 1.0
+    aux_loss_weight: float = 0.01
+    balance_weight: float = 0.01
+    init_bias: float = 1.0  # type: ignore[assignment]
+
+    ROUTINGS: ClassVar[tuple[str, ...]] = ("expert_choice", "token_choice")
+    SELECTIONS: ClassVar[tuple[str, ...]] = ("threshold", "top_k")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.capacity is not None and not isinstance(self.capacity, tuple):
+            object.__setattr__(self, "capacity", tuple(self.capacity))
+        check(isinstance(self.depths, int) and self.depths >= 2, "model.halting.depths", self.depths,
+              "an integer >= 2 (the loop's iterations)")
+        check(self.routing in self.ROUTINGS, "model.halting.routing", self.routing, f"one of {', '.join(self.ROUTINGS)}")
+        check(self.selection in self.SELECTIONS, "model.halting.selection", self.selection,
+              f"one of {', '.join(self.SELECTIONS)}")
+        check(self.routing == "expert_choice" or self.selection == "threshold", "model.halting.selection",
+              self.selection, "threshold with routing=token_choice (top-k selection is expert choice's)")
+        check(self.capacity is None or (self.routing == "expert_choice" and len(self.capacity) == self.depths
+                                        and all(0.0 < b <= 1.0 for b in self.capacity)),
+              "model.halting.capacity", None if self.capacity is None else list(self.capacity),
+              f"null or, with routing=expert_choice, {self.depths} fractions in (0, 1], one per step")
+        check(self.alpha > 0.0, "model.halting.alpha", self.alpha, "a number > 0")
+        check(self.aux_loss_weight >= 0.0, "model.halting.aux_loss_weight", self.aux_loss_weight, "a number >= 0")
+        check(self.balance_weight >= 0.0, "model.halting.balance_weight", self.balance_weight, "a number >= 0")
+
+    @property
+    def capacities(self) -> tuple[float, ...]:
+        """β_r per step: the given ``capacity``, else the hierarchical (N − r)/N."""
+        return self.capacity or tuple((self.depths - r) / self.depths for r in range(self.depths))
+
+    @property
+    def causal(self) -> bool:
+        """Whether the training forward is strictly causal (false for top-k selection, whose
+        choice of a position depends on later positions' scores; inference is causal either way)."""
+        return self.selection != "top_k"
+
+    @property
+    def label(self) -> str:
+        return f"model.halting.kind={self.kind} routing={self.routing} selection={self.selection}"
+
+    def check_loop(self, iterations: int, layout: str) -> None:
+        check(self.depths == iterations, "model.halting.depths", self.depths,
+              f"{iterations}, the iterations of layout {layout!r} (one router step per recursion)")
+
+    def build(self, d_model: int) -> Halting:
+        return MoRHalting(d_model, self.depths, self.routing, self.selection, self.capacities, self.alpha,
+                          self.aux_loss_weight, self.balance_weight, self.init_bias)
+
+    def parameter_count(self, d_model: int) -> int:
+        return self.depths * (d_model + 1)  # N routers d -> 1, or one d -> N, with biases
+
+
 #: The halting rules: ``kind`` -> config class. One line per kind.
 HALTING_CONFIGS: dict[str, type[KindConfig]] = {
     "none": NoHaltingConfig,
     "act": ACTHaltingConfig,
     "qhalt": QHaltingConfig,
     "exit_gate": ExitGateHaltingConfig,
+    "mor": MoRHaltingConfig,
 }
