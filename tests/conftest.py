@@ -87,6 +87,14 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                                  norm_placement="sandwich", loop_input_norm=True,
                                                  halting={"kind": "exit_gate", "exit_at_step": 1,
                                                           "objective": "expected"})),
+        # Mixture-of-Recursions, routers at bias 0 so positions leave at different steps. Not here:
+        # selection=top_k, whose *training* forward is not causal by design (top-k over the
+        # sequence); tests/halting/test_mor.py checks its inference form and shows the leak.
+        ("mor-expert-choice-anchor", tiny_config("anchor", layout="1+1R3+1",
+                                                 halting={"kind": "mor", "depths": 3, "init_bias": 0.0})),
+        ("mor-token-choice-steps", tiny_config("residual", layout="1R3", step_embeddings=True,
+                                               halting={"kind": "mor", "depths": 3, "routing": "token_choice",
+                                                        "init_bias": 0.0})),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

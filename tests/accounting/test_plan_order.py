@@ -43,7 +43,9 @@ TOPOLOGIES = [{"kind": k} for k in ("base", "residual", "anchor", "anchor_embedd
                                     "static_combination", "dynamic_combination", "mesh")] + [
     {"kind": "additive", "supplements": ["residual", "anchor_embedding"]}]
 HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qhalt", "full_compute": True},
-           {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"}]
+           {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"},
+           # Mixture-of-Recursions: its routers start every position at full depth (init_bias)
+           {"kind": "mor", "depths": 3}, {"kind": "mor", "depths": 3, "routing": "token_choice"}]
 STREAMS = [{"kind": "single"}, {"kind": "two", "outer": 2, "inner": 1},
            {"kind": "two", "outer": 2, "inner": 2, "no_grad_cycles": True, "init": "zeros"}]
 RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "router"}]
@@ -167,7 +169,8 @@ def _config(layout="looped", topology=None, halting=None, streams=None, resoluti
 AXIS_VALUES = {
     **{f"layout={k}": dict(layout=k, topology={"kind": "anchor"}) for k in LAYOUTS},
     **{f"topology={t['kind']}": dict(topology=t, step_embeddings=True) for t in TOPOLOGIES},
-    **{f"halting={h['kind']}-{h.get('objective', '')}": dict(halting=h, loop_input_norm=True) for h in HALTING},
+    **{f"halting={h['kind']}-{h.get('objective', h.get('routing', ''))}": dict(halting=h, loop_input_norm=True)
+       for h in HALTING},
     **{f"streams={i}": dict(streams=s, step_embeddings=True, halting=HALTING[1])
        for i, s in enumerate(STREAMS)},
     **{f"resolution={r['down']}-{t}": dict(layout="multires", topology={"kind": t}, resolution=r,
