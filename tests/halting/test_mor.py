@@ -1,0 +1,200 @@
+"""Mixture-of-Recursions (looplm.halting.mor): the gated update and selection against hand
+computations, top-k capacity, the auxiliary BCE and balancing losses, causality of each
+selection form, decoding, realised compute and the FLOP rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplm import LoopLM
+from looplm.accounting.cost import Call, Cost
+from looplm.config_base import ConfigError
+from looplm.halting import HaltingConfig, MoRHalting
+from looplm.topology.base import LoopState
+from tests.conftest import random_ids, tiny_config
+from tests.invariants import assert_decodes_like_full_forward, assert_strictly_causal, prefill_then_tokens
+
+D = 8
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def mor(**fields) -> dict:
+    return {"kind": "mor", "depths": 3, **fields}
+
+
+def model(halting: dict, layout: str = "1+1R3+1", router_std: float = 1.0) -> LoopLM:
+    """A tiny MoR model whose routers have O(1) weights and zero biases, so positions leave
+    at different steps."""
+    m = LoopLM(tiny_config("anchor", layout=layout, halting=halting))
+    with torch.no_grad():
+        for name, p in m.halting.named_parameters():
+            p.normal_(0.0, router_std / D ** 0.5) if name.endswith("weight") else p.zero_()
+    return m
+
+
+def rule(**fields) -> MoRHalting:
+    return HaltingConfig.from_dict(mor(**fields)).build(D)
+
+
+def test_expert_choice_fold_is_the_gated_update_of_the_selected_positions():
+    """Step t's router s = wᵀh + b on the state the step read; σ(s) > 0.5 takes the step with
+    h + α·σ(s)·(h' − h) (Eq. 2 on the step's change); the others keep h exactly."""
+    r = rule(alpha=0.5).eval()
+    old = LoopState(h=torch.randn(2, 5, D), carrier={"h0": torch.randn(2, 5, D)})
+    new = LoopState(h=torch.randn(2, 5, D), carrier={"h0": torch.randn(2, 5, D)})
+    halt = r.begin(old.h, torch.ones(2, 5, dtype=torch.bool))
+    out = r.fold(halt, old, new, 1)
+    s = old.h @ r.routers[1].weight[0] + r.routers[1].bias[0]
+    chosen = s > 0
+    assert chosen.any() and (~chosen).any()
+    expected = old.h + 0.5 * torch.sigmoid(s)[..., None] * (new.h - old.h)
+    torch.testing.assert_close(out.h[chosen], expected[chosen])
+    assert torch.equal(out.h[~chosen], old.h[~chosen])
+    assert torch.equal(out.carrier["h0"][~chosen], old.carrier["h0"][~chosen])
+    assert torch.equal(out.carrier["h0"][chosen], new.carrier["h0"][chosen])
+    assert torch.equal(halt.running, chosen) and torch.equal(halt.steps, chosen.long())
+
+
+def test_a_position_that_left_never_returns():
+    r = rule().eval()
+    h = torch.randn(1, 6, D)
+    halt = r.begin(h, torch.ones(1, 6, dtype=torch.bool))
+    taken = []
+    for t in range(3):
+        r.fold(halt, LoopState(h=h, carrier={}), LoopState(h=torch.randn(1, 6, D), carrier={}), t)
+        taken.append(halt.running.clone())
+    for before, after in zip(taken, taken[1:]):
+        assert not (after & ~before).any()
+
+
+def test_top_k_training_keeps_the_capacity_of_each_step():
+    """selection=top_k in training: step r keeps k_r = ⌊β_r·T⌋ positions per row (hierarchical
+    (N − r)/N by default: 12, 8, 4 of 12), each among those that took step r − 1."""
+    m = model(mor(selection="top_k")).train()
+    out = m(random_ids(2, 12))
+    selected = out.record["mor_selected"]
+    assert [s.sum(dim=1).tolist() for s in selected] == [[12, 12], [8, 8], [4, 4]]
+    assert (out.halt_steps.sum(dim=1) == 24).all()
+    m2 = model(mor(selection="top_k", capacity=[0.5, 0.25, 0.25])).train()
+    assert [s.sum(dim=1).tolist() for s in m2(random_ids(2, 12)).record["mor_selected"]] == [[6, 6], [3, 3], [3, 3]]
+
+
+def test_top_k_training_is_not_causal_and_its_inference_form_is():
+    """Why selection=top_k stays out of the invariant sweep: in training a later token's
+    router score moves an earlier position in or out of the top-k, so its logits change.
+    At inference it selects by σ(s) > 0.5 per position: causal and decoded exactly."""
+    m = model(mor(selection="top_k")).train()
+    x = random_ids(2, 15)
+    base = m(x).logits
+    leaked = False
+    for shift in range(1, 8):
+        y = x.clone()
+        y[:, 14] = (y[:, 14] + shift) % 61
+        leaked |= bool((m(y).logits[:, :14] - base[:, :14]).abs().max() > 1e-4)
+    assert leaked, "top-k over the sequence should let the last token move earlier positions"
+    m.eval()
+    assert_strictly_causal(m, x, (0, 6, 14), shift=7)
+    assert_decodes_like_full_forward(m, random_ids(3, 13), [prefill_then_tokens(2, 13)], atol=2e-5)
+
+
+@pytest.mark.parametrize("halting", [mor(), mor(routing="token_choice")], ids=["expert", "token"])
+def test_threshold_and_token_choice_are_causal_in_training_too(halting):
+    """The causal forms run one rule in training and inference: the training forward is
+    strictly causal as well (the auxiliary losses may read the whole sequence; the logits
+    never do)."""
+    m = model(halting).train()
+    assert_strictly_causal(m, random_ids(2, 15), (0, 6, 14), shift=7)
+
+
+def test_auxiliary_bce_by_hand():
+    """mor_router = w · mean over (step, position still running) of BCE(s, 1[top-k of s])."""
+    m = model(mor(aux_loss_weight=0.5)).train()
+    scores = []
+    hooks = [r.register_forward_hook(lambda mod, args, out: scores.append(out.squeeze(-1).detach()))
+             for r in m.halting.routers]
+    out = m(random_ids(2, 12))
+    for h in hooks:
+        h.remove()
+    eligible = torch.ones(2, 12, dtype=torch.bool)
+    total, count = 0.0, 0
+    for t, s in enumerate(scores):
+        k = int(m.halting.capacity[t] * 12)
+        target = torch.zeros(2, 12, dtype=torch.bool)
+        target.scatter_(1, s.masked_fill(~eligible, float("-inf")).topk(k, dim=1).indices, True)
+        target &= eligible
+        bce = F.binary_cross_entropy_with_logits(s, target.float(), reduction="none")
+        total, count = total + (bce * eligible).sum(), count + eligible.sum()
+        eligible = eligible & (s > 0)
+    torch.testing.assert_close(out.aux_losses["mor_router"], 0.5 * total / count)
+    assert "mor_router" not in m.eval()(random_ids(2, 12)).aux_losses  # training only, as the reference
+
+
+def test_token_choice_depth_and_balancing_loss_by_hand():
+    """depth = argmax softmax(W h⁰ + b) + 1 on the loop's input state; balancing loss
+    w·N·Σ_i f_i P_i over real positions."""
+    m = model(mor(routing="token_choice", balance_weight=0.3), layout="1R3").train()
+    logits = []
+    hook = m.halting.router.register_forward_hook(lambda mod, args, out: logits.append(out.detach()))
+    out = m(random_ids(2, 12))
+    hook.remove()
+    probs = torch.softmax(logits[0], dim=-1)
+    depth = probs.argmax(dim=-1)
+    assert torch.equal(out.halt_steps, depth + 1)
+    assert len(depth.unique()) > 1
+    share = F.one_hot(depth, 3).float().mean(dim=(0, 1))
+    torch.testing.assert_close(out.aux_losses["mor_balance"], 0.3 * 3 * (share * probs.mean(dim=(0, 1))).sum())
+
+
+@pytest.mark.parametrize("halting", [mor(aux_loss_weight=0.0), mor(routing="token_choice", balance_weight=0.0)],
+                         ids=["expert", "token"])
+def test_the_lm_loss_trains_the_routers_through_the_gate(halting):
+    m = model(halting).train()
+    x = random_ids(2, 12)
+    m(x, targets=x).loss.backward()
+    grads = [p.grad for p in m.halting.parameters()]
+    assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
+
+
+def test_realised_block_passes_follow_each_positions_depth():
+    m = model(mor()).eval()
+    out = m(random_ids(2, 12))
+    assert len(out.halt_steps.unique()) > 1
+    assert torch.equal(out.block_passes, 2 + out.halt_steps)  # prelude + core·steps + coda
+
+
+def test_flop_rule_by_hand():
+    """Expert choice, per step: router d -> 1 (d MACs + a bias) and the gated update (3d);
+    token choice, once: router d -> N (N·d MACs + N biases) and N gated updates."""
+    call = Call(2, 5, 5, width=D)
+    assert rule().flop_cost(call) == Cost(mac=10 * D, bias=10, state=30 * D)
+    assert rule(routing="token_choice").flop_cost(call) == Cost(mac=10 * 3 * D, bias=30, state=3 * 30 * D)
+
+
+def test_parameter_count_matches_the_module():
+    for fields in ({}, {"routing": "token_choice"}):
+        cfg = HaltingConfig.from_dict(mor(**fields))
+        assert cfg.parameter_count(D) == sum(p.numel() for p in cfg.build(D).parameters())
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"routing": "token_choice", "selection": "top_k"}, "model.halting.selection"),
+    ({"routing": "sideways"}, "model.halting.routing"),
+    ({"capacity": [1.0, 0.5]}, "model.halting.capacity"),
+    ({"capacity": [1.0, 0.5, 0.0]}, "model.halting.capacity"),
+    ({"depths": 1}, "model.halting.depths"),
+    ({"alpha": 0.0}, "model.halting.alpha"),
+])
+def test_bad_fields_are_refused_by_name(fields, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        HaltingConfig.from_dict(mor(**fields))
+
+
+def test_depths_must_match_the_loop():
+    with pytest.raises(ConfigError, match=r"model\.halting\.depths.*1R4"):
+        tiny_config("anchor", layout="1R4", halting=mor())
