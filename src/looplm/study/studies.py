@@ -306,6 +306,57 @@ LT2 = Study(
 )
 
 
+# ----------------------------------------------------------------------------- depth
+#: Fixed depth: the loop every adaptive-depth variant is compared with (T = 3), and T = 2,
+#: the realised block passes of MoR's hierarchical capacity (3/3, 2/3, 1/3 of the tokens).
+_DEPTH_FIXED = {
+    "fixed-T3": RunSpec("tiny-base", ("model.layout=1+2R3+1",)),
+    "fixed-T2": RunSpec("tiny-base", ("model.layout=1+2R2+1",)),
+}
+
+#: Mixture-of-Recursions (Bae et al. 2025, §2.2.1; looplm.halting.mor): expert choice with the
+#: causal threshold rule, with the paper's top-k training form (not causal in training; its
+#: validation runs the threshold rule), and token choice.
+_DEPTH_MOR = {
+    "mor-expert": RunSpec("mor-tiny"),
+    "mor-expert-topk": RunSpec("mor-tiny", ("model.halting.selection=top_k",)),
+    "mor-token": RunSpec("mor-tiny-token"),
+}
+
+
+def _depth_runs() -> dict[str, RunSpec]:
+    return {**_DEPTH_FIXED, **_DEPTH_MOR}
+
+
+DEPTH = Study(
+    name="depth",
+    title="Depth that adapts: fixed-depth loops against per-token depth (issue 27), at matched training steps",
+    paper="Mixture-of-Recursions (Bae et al. 2025, arXiv 2507.10524), §2.2.1 and §3",
+    claim="per-token depth reaches the loss of the fixed loop it is cut from at the realised block passes of a "
+          "shallower one (MoR: expert choice at 3/3, 2/3, 1/3 capacity ≈ 2 of 3 recursion steps per token)",
+    sizes={
+        "quick": Size(_depth_runs(), QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(_depth_runs(), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 45 min on one thread (15 runs of 600 steps; not yet timed)"),
+    },
+    metrics=(VAL_LOSS, Metric("passes", "block passes/token (realised)", 2, better="lower"),
+             Metric("steps", "loop steps/token", 2),
+             Metric("train_flops", "train FLOPs (as run)", 3, sci=True),
+             Metric("train_flops_realised", "train FLOPs (realised)", 3, sci=True)),
+    measure=measures.realised_depth,
+    figures=_lm_figures(),
+    deviations=(
+        "Shrunk: 1+2R3+1 blocks at d = 96 (MoR's Middle-Cycle sharing, N_r = 3), byte-level pydoc corpus, 600 steps "
+        "of 16 × 128 tokens; the paper trains 135M–1.7B models on FineWeb-Edu at matched training FLOPs.",
+        "Realised passes and FLOPs are measured on 16 held-out sequences in eval mode; looplm's batched forward "
+        "computes every position at every step and freezes the ones that left (train FLOPs as run), MoR's "
+        "reference gathers the selected tokens.",
+        "MoR's KV policy here is looplm's: positions that left keep their keys from their frozen state; the "
+        "paper's recursion-wise caching and recursive KV sharing are not built.",
+    ),
+)
+
+
 # ---------------------------------------------------------------------------- ladder
 def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[str] | None = None, outer: int = 1,
                  inner: int = 2, sizes: dict[str, Size] | None = None, name: str = "ladder",
@@ -435,7 +486,7 @@ def _register(study: Study) -> None:
     STUDIES[study.name] = study
 
 
-for _s in (MESH, SPIRALFORMER, SGT, LT2):
+for _s in (MESH, SPIRALFORMER, SGT, LT2, DEPTH):
     _register(_s)
 
 
