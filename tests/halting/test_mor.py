@@ -198,3 +198,29 @@ def test_bad_fields_are_refused_by_name(fields, field):
 def test_depths_must_match_the_loop():
     with pytest.raises(ConfigError, match=r"model\.halting\.depths.*1R4"):
         tiny_config("anchor", layout="1R4", halting=mor())
+
+
+#: operators and host syncs of one training forward + backward of the 1+1R3+1 model below
+#: (measured: fixed depth 272 ops / 0 syncs; MoR adds per step its router, the gated update
+#: and, in training, the auxiliary loss's top-k target; the syncs are the loop's "all
+#: halted?" check after steps 0 and 1), and of generating 4 tokens after a 4-token prompt
+DISPATCH_BUDGET = {"expert_choice": (429, 2, 682, 22), "token_choice": (393, 2, 702, 22)}
+
+
+@pytest.mark.parametrize("routing", sorted(DISPATCH_BUDGET))
+def test_dispatch_counts_stay_within_budget(routing):
+    from looplm.accounting.dispatch import count_dispatch
+
+    m = LoopLM(tiny_config("base", layout="1+1R3+1", halting=mor(routing=routing))).train()
+    x = random_ids(2, 16)
+
+    def train_step():
+        out = m(x, targets=x)
+        out.loss.backward()
+
+    train, _ = count_dispatch(train_step)
+    m.eval()
+    decode, _ = count_dispatch(lambda: m.generate(x[:, :4], max_new_tokens=4, do_sample=False))
+    ops, syncs, decode_ops, decode_syncs = DISPATCH_BUDGET[routing]
+    assert train.ops <= ops and train.syncs <= syncs, f"training: {train}; by op {dict(train.by_op)}"
+    assert decode.ops <= decode_ops and decode.syncs <= decode_syncs, f"decoding: {decode}; by op {dict(decode.by_op)}"

@@ -102,12 +102,10 @@ class MoRHalting(Halting):
         state.running = chosen
         state.halted = state.halted | ~chosen
         state.record.setdefault("mor_selected", []).append(chosen.detach())
-        frozen = freeze(old, new, chosen)
-        if gate is None:
-            return frozen
-        g = gate.to(old.h.dtype).unsqueeze(-1)
-        h = torch.where(chosen.unsqueeze(-1), old.h + g * (new.h - old.h), old.h)  # Eq. 2, gate on the step's change
-        return LoopState(h=h, carrier=frozen.carrier, record=frozen.record)
+        if gate is not None:  # Eq. 2 with the gate on the step's change: h + g·(h' − h), one lerp
+            new = LoopState(h=torch.lerp(old.h, new.h, gate.to(old.h.dtype).unsqueeze(-1)), carrier=new.carrier,
+                            record=new.record)
+        return freeze(old, new, chosen)
 
     def _expert_choice(self, state: HaltState, h: torch.Tensor, t: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Step t's router s = wᵀh + b; selection by σ(s) > 0.5 (the causal rule the
@@ -146,7 +144,8 @@ class MoRHalting(Halting):
             if self.training and self.balance_weight > 0:
                 valid = state.valid.unsqueeze(-1).float()
                 count = valid.sum().clamp_min(1.0)
-                share = (F.one_hot(depth, self.depths).float() * valid).sum(dim=(0, 1)) / count  # f_i
+                routed = depth.unsqueeze(-1) == torch.arange(self.depths, device=depth.device)  # no host sync
+                share = (routed.float() * valid).sum(dim=(0, 1)) / count  # f_i
                 mean_prob = (probs * valid).sum(dim=(0, 1)) / count  # P_i
                 state.losses["mor_balance"] = self.balance_weight * self.depths * (share * mean_prob).sum()
         depth = state.extra["depth"]
