@@ -89,7 +89,9 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                                           "objective": "expected"})),
         # Mixture-of-Recursions, routers at bias 0 so positions leave at different steps. Not here:
         # selection=top_k, whose *training* forward is not causal by design (top-k over the
-        # sequence); tests/halting/test_mor.py checks its inference form and shows the leak.
+        # sequence); kv=recursion, which refuses the static test's full-loop cache (it keeps no
+        # per-position depth). tests/halting/test_mor.py checks both against the same invariants
+        # (top_k: its inference form, and shows the training leak).
         ("mor-expert-choice-anchor", tiny_config("anchor", layout="1+1R3+1",
                                                  halting={"kind": "mor", "depths": 3, "init_bias": 0.0})),
         ("mor-token-choice-steps", tiny_config("residual", layout="1R3", step_embeddings=True,

@@ -214,7 +214,8 @@ class LoopLM(nn.Module):
         for t in range(n_iter):
             if cache is not None and stops:
                 catch_up = catch_up + self._catch_up(t, ctx, cache)
-            new = streams.step(topology, state, self._passes(t, ctx, cache), t)
+            step_ctx = halting.step_context(halt, ctx, cache, t)  # ctx, unless the rule hides some keys
+            new = streams.step(topology, state, self._passes(t, step_ctx, cache), t)
             state = halting.fold(halt, state, new, t)
             last = t == n_iter - 1
             solution = streams.finish(topology, state) if last else state.h

@@ -189,7 +189,8 @@ class ModelConfig(Config):
             check(layout.coda == 0, "model.layout", self.layout,
                   f"a layout ending in the loop (no coda) with {self.halting.label}: its target "
                   "reads logits straight from the solution stream")
-        self.halting.check_loop(layout.iterations, self.layout)
+        self.halting.check_loop(layout.iterations, self.layout,
+                                sorted({m.kind for mixers in self.block_mixers().values() for m in mixers}))
         exit_at = self.halting.exit_at_step
         if exit_at is not None:
             check(exit_at < layout.iterations, "model.halting.exit_at_step", exit_at,

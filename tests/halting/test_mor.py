@@ -42,33 +42,37 @@ def rule(**fields) -> MoRHalting:
     return HaltingConfig.from_dict(mor(**fields)).build(D)
 
 
-def test_expert_choice_fold_is_the_gated_update_of_the_selected_positions():
-    """Step t's router s = wᵀh + b on the state the step read; σ(s) > 0.5 takes the step with
-    h + α·σ(s)·(h' − h) (Eq. 2 on the step's change); the others keep h exactly."""
+def test_expert_choice_routes_then_gates_the_next_step():
+    """After step 0 the router of step 1, s = wᵀy + b on the state step 1 reads, keeps the
+    positions with σ(s) > 0.5; step 1 gives them h + α·σ(s)·(h' − h) (Eq. 2 on the step's
+    change) and leaves the others' h and carrier exactly as they were."""
     r = rule(alpha=0.5).eval()
-    old = LoopState(h=torch.randn(2, 5, D), carrier={"h0": torch.randn(2, 5, D)})
-    new = LoopState(h=torch.randn(2, 5, D), carrier={"h0": torch.randn(2, 5, D)})
-    halt = r.begin(old.h, torch.ones(2, 5, dtype=torch.bool))
-    out = r.fold(halt, old, new, 1)
-    s = old.h @ r.routers[1].weight[0] + r.routers[1].bias[0]
+    y = torch.randn(2, 5, D)
+    halt = r.begin(y, torch.ones(2, 5, dtype=torch.bool))
+    old = LoopState(h=y, carrier={"h0": torch.randn(2, 5, D)})
+    r.fold(halt, old, old, 0)  # step 0: every position, no gate
+    r.observe(halt, y, 0, False, None, None)
+    s = y @ r.routers[0].weight[0] + r.routers[0].bias[0]
     chosen = s > 0
     assert chosen.any() and (~chosen).any()
-    expected = old.h + 0.5 * torch.sigmoid(s)[..., None] * (new.h - old.h)
+    assert torch.equal(halt.running, chosen) and torch.equal(halt.steps, torch.ones(2, 5, dtype=torch.long))
+    new = LoopState(h=torch.randn(2, 5, D), carrier={"h0": torch.randn(2, 5, D)})
+    out = r.fold(halt, old, new, 1)
+    expected = y + 0.5 * torch.sigmoid(s)[..., None] * (new.h - y)
     torch.testing.assert_close(out.h[chosen], expected[chosen])
-    assert torch.equal(out.h[~chosen], old.h[~chosen])
+    assert torch.equal(out.h[~chosen], y[~chosen])
     assert torch.equal(out.carrier["h0"][~chosen], old.carrier["h0"][~chosen])
     assert torch.equal(out.carrier["h0"][chosen], new.carrier["h0"][chosen])
-    assert torch.equal(halt.running, chosen) and torch.equal(halt.steps, chosen.long())
 
 
 def test_a_position_that_left_never_returns():
     r = rule().eval()
-    h = torch.randn(1, 6, D)
-    halt = r.begin(h, torch.ones(1, 6, dtype=torch.bool))
+    halt = r.begin(torch.randn(1, 6, D), torch.ones(1, 6, dtype=torch.bool))
     taken = []
     for t in range(3):
-        r.fold(halt, LoopState(h=h, carrier={}), LoopState(h=torch.randn(1, 6, D), carrier={}), t)
         taken.append(halt.running.clone())
+        r.observe(halt, torch.randn(1, 6, D), t, t == 2, None, None)
+    assert taken[0].all()
     for before, after in zip(taken, taken[1:]):
         assert not (after & ~before).any()
 
@@ -81,8 +85,8 @@ def test_top_k_training_keeps_the_capacity_of_each_step():
     selected = out.record["mor_selected"]
     assert [s.sum(dim=1).tolist() for s in selected] == [[12, 12], [8, 8], [4, 4]]
     assert (out.halt_steps.sum(dim=1) == 24).all()
-    m2 = model(mor(selection="top_k", capacity=[0.5, 0.25, 0.25])).train()
-    assert [s.sum(dim=1).tolist() for s in m2(random_ids(2, 12)).record["mor_selected"]] == [[6, 6], [3, 3], [3, 3]]
+    m2 = model(mor(selection="top_k", capacity=[0.5, 0.25])).train()
+    assert [s.sum(dim=1).tolist() for s in m2(random_ids(2, 12)).record["mor_selected"]] == [[12, 12], [6, 6], [3, 3]]
 
 
 def test_top_k_training_is_not_causal_and_its_inference_form_is():
@@ -123,7 +127,7 @@ def test_auxiliary_bce_by_hand():
         h.remove()
     eligible = torch.ones(2, 12, dtype=torch.bool)
     total, count = 0.0, 0
-    for t, s in enumerate(scores):
+    for t, s in enumerate(scores, start=1):  # the routers of steps 1 and 2
         k = int(m.halting.capacity[t] * 12)
         target = torch.zeros(2, 12, dtype=torch.bool)
         target.scatter_(1, s.masked_fill(~eligible, float("-inf")).topk(k, dim=1).indices, True)
@@ -136,7 +140,7 @@ def test_auxiliary_bce_by_hand():
 
 
 def test_token_choice_depth_and_balancing_loss_by_hand():
-    """depth = argmax softmax(W h⁰ + b) + 1 on the loop's input state; balancing loss
+    """depth = argmax softmax(W h¹ + b) + 1 on the state after step 0; balancing loss
     w·N·Σ_i f_i P_i over real positions."""
     m = model(mor(routing="token_choice", balance_weight=0.3), layout="1R3").train()
     logits = []
@@ -169,11 +173,11 @@ def test_realised_block_passes_follow_each_positions_depth():
 
 
 def test_flop_rule_by_hand():
-    """Expert choice, per step: router d -> 1 (d MACs + a bias) and the gated update (3d);
-    token choice, once: router d -> N (N·d MACs + N biases) and N gated updates."""
+    """Expert choice, per routed step: router d -> 1 (d MACs + a bias) and the gated update
+    (3d); token choice, once: router d -> N (N·d MACs + N biases) and N − 1 gated updates."""
     call = Call(2, 5, 5, width=D)
     assert rule().flop_cost(call) == Cost(mac=10 * D, bias=10, state=30 * D)
-    assert rule(routing="token_choice").flop_cost(call) == Cost(mac=10 * 3 * D, bias=30, state=3 * 30 * D)
+    assert rule(routing="token_choice").flop_cost(call) == Cost(mac=10 * 3 * D, bias=30, state=2 * 30 * D)
 
 
 def test_parameter_count_matches_the_module():
@@ -185,8 +189,10 @@ def test_parameter_count_matches_the_module():
 @pytest.mark.parametrize("fields,field", [
     ({"routing": "token_choice", "selection": "top_k"}, "model.halting.selection"),
     ({"routing": "sideways"}, "model.halting.routing"),
-    ({"capacity": [1.0, 0.5]}, "model.halting.capacity"),
-    ({"capacity": [1.0, 0.5, 0.0]}, "model.halting.capacity"),
+    ({"capacity": [1.0]}, "model.halting.capacity"),
+    ({"capacity": [0.5, 0.0]}, "model.halting.capacity"),
+    ({"routing": "token_choice", "capacity": [0.5, 0.5]}, "model.halting.capacity"),
+    ({"kv": "sometimes"}, "model.halting.kv"),
     ({"depths": 1}, "model.halting.depths"),
     ({"alpha": 0.0}, "model.halting.alpha"),
 ])
@@ -201,10 +207,10 @@ def test_depths_must_match_the_loop():
 
 
 #: operators and host syncs of one training forward + backward of the 1+1R3+1 model below
-#: (measured: fixed depth 272 ops / 0 syncs; MoR adds per step its router, the gated update
-#: and, in training, the auxiliary loss's top-k target; the syncs are the loop's "all
-#: halted?" check after steps 0 and 1), and of generating 4 tokens after a 4-token prompt
-DISPATCH_BUDGET = {"expert_choice": (429, 2, 682, 22), "token_choice": (393, 2, 702, 22)}
+#: (measured: fixed depth 272 ops / 0 syncs; MoR adds after each step but the last its router,
+#: then the gated update and, in training, the auxiliary loss's top-k target; the syncs are the
+#: loop's "all left?" check after steps 0 and 1), and of generating 4 tokens after a 4-token prompt
+DISPATCH_BUDGET = {"expert_choice": (389, 2, 650, 22), "token_choice": (374, 2, 670, 22)}
 
 
 @pytest.mark.parametrize("routing", sorted(DISPATCH_BUDGET))
@@ -224,3 +230,49 @@ def test_dispatch_counts_stay_within_budget(routing):
     ops, syncs, decode_ops, decode_syncs = DISPATCH_BUDGET[routing]
     assert train.ops <= ops and train.syncs <= syncs, f"training: {train}; by op {dict(train.by_op)}"
     assert decode.ops <= decode_ops and decode.syncs <= decode_syncs, f"decoding: {decode}; by op {dict(decode.by_op)}"
+
+
+def test_recursion_wise_kv_hides_the_keys_of_positions_not_taking_the_step():
+    """kv: recursion (the paper's recursion-wise KV caching): at step t >= 1 a query sees no
+    key of a position that left before t (except itself); step 0 sees every position."""
+    m = model(mor(kv="recursion"), layout="1R3").eval()
+    out = m(random_ids(1, 12), output_attentions=True)
+    selected = out.record["mor_selected"]  # who took step t
+    assert not selected[1].all() and selected[1].any()
+    for t in (1, 2):
+        probs = out.attentions[("core.0", t)][0]  # [H, T, S]
+        hidden = ~selected[t][0]
+        off_diagonal = ~torch.eye(12, dtype=torch.bool)
+        seen = probs.sum(dim=0)[:, hidden] * off_diagonal[:, hidden]
+        assert torch.equal(seen[selected[t][0]], torch.zeros_like(seen[selected[t][0]]))
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    assert (out.attentions[("core.0", 0)][0].sum(dim=0)[causal] > 0).all()
+
+
+@pytest.mark.parametrize("halting", [mor(kv="recursion"), mor(kv="recursion", routing="token_choice")],
+                         ids=["expert", "token"])
+def test_recursion_wise_kv_is_causal_and_decodes_like_the_forward(halting):
+    """Not in the invariant sweep (tests/conftest.py:all_configs) only because its static
+    test prefills into a full-loop cache, which keeps no per-position depth (refused below);
+    the growing cache gives the full forward's logits, prefill + tokens and chunked."""
+    m = model(halting, layout="1+1R3+1").eval()
+    x = random_ids(2, 15)
+    plain = model({**halting, "kv": "all"}, layout="1+1R3+1").eval()
+    plain.load_state_dict(m.state_dict())
+    assert (m(x).logits - plain(x).logits).abs().max() > 1e-4  # the mask changes something
+    assert_strictly_causal(m, x, (0, 6, 14), shift=7)
+    assert_strictly_causal(m.train(), x, (0, 6, 14), shift=7)
+    m.eval()
+    assert_decodes_like_full_forward(m, random_ids(3, 13), [prefill_then_tokens(1, 13), prefill_then_tokens(6, 13),
+                                                            [5, 9, 12, 13]], atol=2e-5)
+
+
+def test_recursion_wise_kv_refuses_what_cannot_serve_it():
+    from looplm import LoopCache
+    from looplm.errors import LoopLMError
+
+    m = model(mor(kv="recursion")).eval()
+    with pytest.raises(LoopLMError, match="growing cache only"):
+        m(random_ids(1, 5), cache=LoopCache(full_loop=True))
+    with pytest.raises(ConfigError, match=r"model\.halting\.kv.*gated_deltanet"):
+        tiny_config("anchor", layout="1R3", mixer={"kind": "gated_deltanet"}, halting=mor(kv="recursion"))

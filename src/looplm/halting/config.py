@@ -9,7 +9,7 @@ When each position stops iterating, and what the loop hands on (its readout).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
 from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
@@ -63,9 +63,9 @@ class HaltingConfig(KindConfig):
     def build(self, d_model: int) -> Halting:
         raise NotImplementedError(f"{type(self).__name__} builds no halting rule")
 
-    def check_loop(self, iterations: int, layout: str) -> None:
-        """Refuse a loop of ``iterations`` macro steps (layout ``layout``) the rule cannot
-        serve (a rule with per-step parameters); the model config asks."""
+    def check_loop(self, iterations: int, layout: str, mixers: Sequence[str] = ()) -> None:
+        """Refuse a loop of ``iterations`` macro steps (layout ``layout``, blocks of the mixer
+        kinds ``mixers``) the rule cannot serve; the model config asks."""
 
     def parameter_count(self, d_model: int) -> int:
         """Parameters the rule adds, from the config alone (the analytic counter)."""
@@ -223,22 +223,27 @@ class ExitGateHaltingConfig(HaltingConfig):
 class MoRHaltingConfig(HaltingConfig):
     """Mixture-of-Recursions (Bae et al. 2025, §2.2.1; :mod:`looplm.halting.mor` says how
     the paper maps onto the loop and how its ambiguities are resolved): a router gives each
-    position its recursion depth, at most ``depths`` (the loop's iterations).
+    position its recursion depth, 1 to ``depths`` (the loop's iterations); every position
+    takes step 0.
 
-    ``routing``: ``expert_choice`` (a router per step; step r keeps k = ⌊β_r·T⌋ positions,
-    ``capacity`` β, default (N − r)/N) or ``token_choice`` (one router picks the depth up
-    front; Switch balancing loss weighted ``balance_weight``). ``selection`` (expert choice):
-    ``threshold`` (σ(s) > 0.5 in training and inference, causal; the auxiliary BCE toward
-    the top-k, weight ``aux_loss_weight``, teaches the router the capacity) or ``top_k``
-    (the paper's training form: top-k over the sequence in training, not causal; the
-    threshold at inference). ``alpha`` scales the gate g; ``init_bias`` starts the routers
-    at full depth."""
+    ``routing``: ``expert_choice`` (a router per later step; step r keeps k = ⌊β_r·T⌋
+    positions, ``capacity`` β_1..β_{N−1}, default the hierarchical (N − r)/N) or
+    ``token_choice`` (one router picks the depth after step 0; Switch balancing loss
+    weighted ``balance_weight``). ``selection`` (expert choice): ``threshold`` (σ(s) > 0.5 in
+    training and inference, causal; the auxiliary BCE toward the top-k, weight
+    ``aux_loss_weight``, teaches the router the capacity) or ``top_k`` (the paper's training
+    form: top-k over the sequence in training, not causal; the threshold at inference).
+    ``kv``: ``all`` (a step's attention sees every position, those that left through their
+    frozen states) or ``recursion`` (only the positions taking the step, the paper's
+    recursion-wise KV caching; softmax-attention mixers, decoded with a growing cache).
+    ``alpha`` scales the gate g; ``init_bias`` starts the routers at full depth."""
 
     kind: str = "mor"
     depths: int = 3
     routing: str = "expert_choice"
     selection: str = "threshold"
     capacity: Optional[tuple[float, ...]] = None
+    kv: str = "all"
     alpha: float = 1.0
     aux_loss_weight: float = 0.01
     balance_weight: float = 0.01
@@ -246,6 +251,9 @@ class MoRHaltingConfig(HaltingConfig):
 
     ROUTINGS: ClassVar[tuple[str, ...]] = ("expert_choice", "token_choice")
     SELECTIONS: ClassVar[tuple[str, ...]] = ("threshold", "top_k")
+    KV: ClassVar[tuple[str, ...]] = ("all", "recursion")
+    #: the mixers that can hide a position's keys from a step (``kv: recursion``)
+    KEY_MASKING_MIXERS: ClassVar[tuple[str, ...]] = ("attention", "sliding_window")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -258,18 +266,20 @@ class MoRHaltingConfig(HaltingConfig):
               f"one of {', '.join(self.SELECTIONS)}")
         check(self.routing == "expert_choice" or self.selection == "threshold", "model.halting.selection",
               self.selection, "threshold with routing=token_choice (top-k selection is expert choice's)")
-        check(self.capacity is None or (self.routing == "expert_choice" and len(self.capacity) == self.depths
+        check(self.capacity is None or (self.routing == "expert_choice" and len(self.capacity) == self.depths - 1
                                         and all(0.0 < b <= 1.0 for b in self.capacity)),
               "model.halting.capacity", None if self.capacity is None else list(self.capacity),
-              f"null or, with routing=expert_choice, {self.depths} fractions in (0, 1], one per step")
+              f"null or, with routing=expert_choice, {self.depths - 1} fractions in (0, 1], one per step after the first")
+        check(self.kv in self.KV, "model.halting.kv", self.kv, f"one of {', '.join(self.KV)}")
         check(self.alpha > 0.0, "model.halting.alpha", self.alpha, "a number > 0")
         check(self.aux_loss_weight >= 0.0, "model.halting.aux_loss_weight", self.aux_loss_weight, "a number >= 0")
         check(self.balance_weight >= 0.0, "model.halting.balance_weight", self.balance_weight, "a number >= 0")
 
     @property
     def capacities(self) -> tuple[float, ...]:
-        """β_r per step: the given ``capacity``, else the hierarchical (N − r)/N."""
-        return self.capacity or tuple((self.depths - r) / self.depths for r in range(self.depths))
+        """β_r for r = 0..N−1: 1 at step 0, then ``capacity``, else the hierarchical (N − r)/N."""
+        later = self.capacity or tuple((self.depths - r) / self.depths for r in range(1, self.depths))
+        return (1.0, *later)
 
     @property
     def causal(self) -> bool:
@@ -279,18 +289,24 @@ class MoRHaltingConfig(HaltingConfig):
 
     @property
     def label(self) -> str:
-        return f"model.halting.kind={self.kind} routing={self.routing} selection={self.selection}"
+        return f"model.halting.kind={self.kind} routing={self.routing} selection={self.selection} kv={self.kv}"
 
-    def check_loop(self, iterations: int, layout: str) -> None:
+    def check_loop(self, iterations: int, layout: str, mixers: Sequence[str] = ()) -> None:
         check(self.depths == iterations, "model.halting.depths", self.depths,
-              f"{iterations}, the iterations of layout {layout!r} (one router step per recursion)")
+              f"{iterations}, the iterations of layout {layout!r} (one recursion per loop step)")
+        if self.kv == "recursion":
+            other = sorted(set(mixers) - set(self.KEY_MASKING_MIXERS))
+            check(not other, "model.halting.kv", self.kv,
+                  f"all with mixer kinds {', '.join(other)}: recursion-wise KV hides keys per step, which "
+                  f"{', '.join(self.KEY_MASKING_MIXERS)} can")
 
     def build(self, d_model: int) -> Halting:
         return MoRHalting(d_model, self.depths, self.routing, self.selection, self.capacities, self.alpha,
-                          self.aux_loss_weight, self.balance_weight, self.init_bias)
+                          self.aux_loss_weight, self.balance_weight, self.init_bias, self.kv)
 
     def parameter_count(self, d_model: int) -> int:
-        return self.depths * (d_model + 1)  # N routers d -> 1, or one d -> N, with biases
+        routers = self.depths - 1 if self.routing == "expert_choice" else self.depths
+        return routers * (d_model + 1)  # N − 1 routers d -> 1, or one d -> N, with biases
 
 
 #: The halting rules: ``kind`` -> config class. One line per kind.
