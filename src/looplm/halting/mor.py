@@ -114,17 +114,14 @@ class MoRHalting(Halting):
         still running, cached ones whose depth (kept with their frozen loop state) exceeds t."""
         if self.kv == "all":
             return ctx
-        if cache is not None and (cache.full_loop or ctx.slots is not None):
+        frozen = None if cache is None else cache.frozen
+        if cache is not None and (cache.full_loop or ctx.slots is not None or (ctx.past and frozen is None)):
             raise LoopLMError("model.halting.kv=recursion decodes with a growing cache only (LoopCache(), "
                               "generate(compile=None)): a full-loop or static cache keeps no per-position depth")
         if t == 0:
             return ctx
         keep = state.running
         if ctx.past:
-            frozen = getattr(cache, "frozen", None)
-            if frozen is None or DEPTH not in frozen.carrier:
-                raise LoopLMError("model.halting.kv=recursion decodes with a growing cache only (LoopCache(), "
-                                  "generate(compile=None)): this cache keeps no per-position depth")
             keep = torch.cat([frozen.carrier[DEPTH] > t, keep], dim=1)
         return dataclasses.replace(ctx, valid=ctx.valid & keep, padded=True, _masks={})
 
