@@ -276,3 +276,41 @@ def test_recursion_wise_kv_refuses_what_cannot_serve_it():
         m(random_ids(1, 5), cache=LoopCache(full_loop=True))
     with pytest.raises(ConfigError, match=r"model\.halting\.kv.*gated_deltanet"):
         tiny_config("anchor", layout="1R3", mixer={"kind": "gated_deltanet"}, halting=mor(kv="recursion"))
+
+
+#: MoR across the other loop axes: topologies, step signal, loop-input norm, two streams,
+#: windowed attention under recursion-wise KV, padding of the batch
+COMBINATIONS = {
+    "expert-residual-steps": (dict(topology="residual", step_embeddings=True), mor()),
+    "expert-gated-kv": (dict(topology="gated_residual", mixer={"kind": "sliding_window", "window": 4}),
+                        mor(kv="recursion")),
+    "token-static-combination": (dict(topology="static_combination"), mor(routing="token_choice")),
+    "token-anchor-embedding-kv": (dict(topology="anchor_embedding", loop_input_norm=True),
+                                  mor(routing="token_choice", kv="recursion")),
+    # the solution stream starts from Y⁰ = 0 and moves little in one step: larger router weights
+    "expert-two-streams": (dict(topology="base", streams={"kind": "two", "outer": 1, "inner": 1, "init": "zeros"}),
+                           mor(), 3.0),
+    "expert-capacity-alpha": (dict(topology="anchor", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2),
+                              mor(capacity=[0.5, 0.25], alpha=0.7)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_invariants_across_the_loop_axes(name):
+    fields, halting, *std = COMBINATIONS[name]
+    fields = dict(fields)
+    m = LoopLM(tiny_config(fields.pop("topology"), layout="1+1R3+1", halting=halting, **fields))
+    with torch.no_grad():
+        for pname, p in m.halting.named_parameters():
+            p.normal_(0.0, std[0] if std else 1.0 / D ** 0.5) if pname.endswith("weight") else p.zero_()
+    x = random_ids(2, 15)
+    assert len(m.eval()(x).halt_steps.unique()) > 1, "positions should leave at different steps"
+    assert_strictly_causal(m, x, (0, 6, 14), shift=7)
+    assert_strictly_causal(m.train(), x, (0, 6, 14), shift=7)
+    m.eval()
+    assert_decodes_like_full_forward(m, random_ids(3, 13), [prefill_then_tokens(1, 13), [5, 9, 12, 13]], atol=2e-5)
+    mask = torch.ones(3, 13, dtype=torch.long)
+    mask[0, :4] = 0  # a left-padded row gives its unpadded logits
+    ids = random_ids(3, 13)
+    padded = m(ids, attention_mask=mask).logits[0, 4:]
+    torch.testing.assert_close(padded, m(ids[:1, 4:]).logits[0], atol=2e-5, rtol=1e-5)
