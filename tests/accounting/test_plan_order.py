@@ -45,7 +45,8 @@ TOPOLOGIES = [{"kind": k} for k in ("base", "residual", "anchor", "anchor_embedd
 HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qhalt", "full_compute": True},
            {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"},
            # Mixture-of-Recursions: its routers start every position at full depth (init_bias)
-           {"kind": "mor", "depths": 3}, {"kind": "mor", "depths": 3, "routing": "token_choice"}]
+           {"kind": "mor", "depths": 3}, {"kind": "mor", "depths": 3, "routing": "token_choice"},
+           {"kind": "mor", "depths": 3, "routing": "expert_choice", "auxiliary": "router"}]
 STREAMS = [{"kind": "single"}, {"kind": "two", "outer": 2, "inner": 1},
            {"kind": "two", "outer": 2, "inner": 2, "no_grad_cycles": True, "init": "zeros"}]
 RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "router"}]

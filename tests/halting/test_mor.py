@@ -52,7 +52,7 @@ def test_expert_choice_routes_then_gates_the_next_step():
     old = LoopState(h=y, carrier={"h0": torch.randn(2, 5, D)})
     r.fold(halt, old, old, 0)  # step 0: every position, no gate
     r.observe(halt, y, 0, False, None, None)
-    s = y @ r.routers[0].weight[0] + r.routers[0].bias[0]
+    s = y @ r.routers[0].score.weight[0] + r.routers[0].score.bias[0]
     chosen = s > 0
     assert chosen.any() and (~chosen).any()
     assert torch.equal(halt.running, chosen) and torch.equal(halt.steps, torch.ones(2, 5, dtype=torch.long))
@@ -120,7 +120,7 @@ def test_auxiliary_bce_by_hand():
     """mor_router = w · mean over (step, position still running) of BCE(s, 1[top-k of s])."""
     m = model(mor(aux_loss_weight=0.5)).train()
     scores = []
-    hooks = [r.register_forward_hook(lambda mod, args, out: scores.append(out.squeeze(-1).detach()))
+    hooks = [r.score.register_forward_hook(lambda mod, args, out: scores.append(out.squeeze(-1).detach()))
              for r in m.halting.routers]
     out = m(random_ids(2, 12))
     for h in hooks:
@@ -178,10 +178,11 @@ def test_flop_rule_by_hand():
     call = Call(2, 5, 5, width=D)
     assert rule().flop_cost(call) == Cost(mac=10 * D, bias=10, state=30 * D)
     assert rule(routing="token_choice").flop_cost(call) == Cost(mac=10 * 3 * D, bias=30, state=2 * 30 * D)
+    assert rule(auxiliary="router").flop_cost(call) == Cost(mac=2 * 10 * D, bias=20, state=30 * D)
 
 
 def test_parameter_count_matches_the_module():
-    for fields in ({}, {"routing": "token_choice"}):
+    for fields in ({}, {"routing": "token_choice"}, {"auxiliary": "router"}):
         cfg = HaltingConfig.from_dict(mor(**fields))
         assert cfg.parameter_count(D) == sum(p.numel() for p in cfg.build(D).parameters())
 
@@ -193,6 +194,8 @@ def test_parameter_count_matches_the_module():
     ({"capacity": [0.5, 0.0]}, "model.halting.capacity"),
     ({"routing": "token_choice", "capacity": [0.5, 0.5]}, "model.halting.capacity"),
     ({"kv": "sometimes"}, "model.halting.kv"),
+    ({"auxiliary": "router", "aux_loss_weight": 0.0}, "model.halting.auxiliary"),
+    ({"auxiliary": "router", "routing": "token_choice"}, "model.halting.auxiliary"),
     ({"depths": 1}, "model.halting.depths"),
     ({"alpha": 0.0}, "model.halting.alpha"),
 ])
@@ -292,6 +295,7 @@ COMBINATIONS = {
                            mor(), 3.0),
     "expert-capacity-alpha": (dict(topology="anchor", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2),
                               mor(capacity=[0.5, 0.25], alpha=0.7)),
+    "expert-auxiliary-router": (dict(topology="residual"), mor(auxiliary="router")),
 }
 
 
@@ -314,3 +318,22 @@ def test_invariants_across_the_loop_axes(name):
     ids = random_ids(3, 13)
     padded = m(ids, attention_mask=mask).logits[0, 4:]
     torch.testing.assert_close(padded, m(ids[:1, 4:]).logits[0], atol=2e-5, rtol=1e-5)
+
+
+def test_the_auxiliary_router_selects_and_learns_the_top_k_on_detached_states():
+    """auxiliary: router (§2.2.1's auxiliary router): a second router per step, on the
+    detached state, chooses by σ > 0.5 and takes the BCE toward the main router's top-k;
+    the main router gates. The BCE reaches the auxiliary router's weights and no others."""
+    m = model(mor(auxiliary="router", aux_loss_weight=1.0)).train()
+    chooser = []
+    hooks = [r.chooser.register_forward_hook(lambda mod, args, out: chooser.append(out.squeeze(-1).detach()))
+             for r in m.halting.routers]
+    out = m(random_ids(2, 12))
+    for h in hooks:
+        h.remove()
+    assert torch.equal(out.record["mor_selected"][1], chooser[0] > 0)
+    out.aux_losses["mor_router"].backward()
+    choosers = [p for n, p in m.named_parameters() if ".chooser." in n]
+    assert len(choosers) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in choosers)
+    others = [p for n, p in m.named_parameters() if ".chooser." not in n]
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in others)

@@ -236,7 +236,10 @@ class MoRHaltingConfig(HaltingConfig):
     ``kv``: ``all`` (a step's attention sees every position, those that left through their
     frozen states) or ``recursion`` (only the positions taking the step, the paper's
     recursion-wise KV caching; softmax-attention mixers, decoded with a growing cache).
-    ``alpha`` scales the gate g; ``init_bias`` starts the routers at full depth."""
+    ``auxiliary`` (expert choice): ``loss`` (the router's own logits take the BCE and the
+    threshold) or ``router`` (a second router per step, on the detached state, does: the
+    paper's auxiliary router). ``alpha`` scales the gate g; ``init_bias`` starts the routers
+    at full depth."""
 
     kind: str = "mor"
     depths: int = 3
@@ -244,6 +247,7 @@ class MoRHaltingConfig(HaltingConfig):
     selection: str = "threshold"
     capacity: Optional[tuple[float, ...]] = None
     kv: str = "all"
+    auxiliary: str = "loss"
     alpha: float = 1.0
     aux_loss_weight: float = 0.01
     balance_weight: float = 0.01
@@ -252,6 +256,7 @@ class MoRHaltingConfig(HaltingConfig):
     ROUTINGS: ClassVar[tuple[str, ...]] = ("expert_choice", "token_choice")
     SELECTIONS: ClassVar[tuple[str, ...]] = ("threshold", "top_k")
     KV: ClassVar[tuple[str, ...]] = ("all", "recursion")
+    AUXILIARIES: ClassVar[tuple[str, ...]] = ("loss", "router")
     #: the mixers that can hide a position's keys from a step (``kv: recursion``)
     KEY_MASKING_MIXERS: ClassVar[tuple[str, ...]] = ("attention", "sliding_window")
 
@@ -271,6 +276,11 @@ class MoRHaltingConfig(HaltingConfig):
               "model.halting.capacity", None if self.capacity is None else list(self.capacity),
               f"null or, with routing=expert_choice, {self.depths - 1} fractions in (0, 1], one per step after the first")
         check(self.kv in self.KV, "model.halting.kv", self.kv, f"one of {', '.join(self.KV)}")
+        check(self.auxiliary in self.AUXILIARIES, "model.halting.auxiliary", self.auxiliary,
+              f"one of {', '.join(self.AUXILIARIES)}")
+        check(self.auxiliary == "loss" or (self.routing == "expert_choice" and self.aux_loss_weight > 0),
+              "model.halting.auxiliary", self.auxiliary,
+              "loss, unless routing=expert_choice and aux_loss_weight > 0 (the BCE is what trains the auxiliary router)")
         check(self.alpha > 0.0, "model.halting.alpha", self.alpha, "a number > 0")
         check(self.aux_loss_weight >= 0.0, "model.halting.aux_loss_weight", self.aux_loss_weight, "a number >= 0")
         check(self.balance_weight >= 0.0, "model.halting.balance_weight", self.balance_weight, "a number >= 0")
@@ -302,11 +312,13 @@ class MoRHaltingConfig(HaltingConfig):
 
     def build(self, d_model: int) -> Halting:
         return MoRHalting(d_model, self.depths, self.routing, self.selection, self.capacities, self.alpha,
-                          self.aux_loss_weight, self.balance_weight, self.init_bias, self.kv)
+                          self.aux_loss_weight, self.balance_weight, self.init_bias, self.kv, self.auxiliary)
 
     def parameter_count(self, d_model: int) -> int:
-        routers = self.depths - 1 if self.routing == "expert_choice" else self.depths
-        return routers * (d_model + 1)  # N − 1 routers d -> 1, or one d -> N, with biases
+        if self.routing == "token_choice":
+            return self.depths * (d_model + 1)  # one router d -> N with biases
+        per_step = 2 if self.auxiliary == "router" else 1  # the router, and the auxiliary router
+        return per_step * (self.depths - 1) * (d_model + 1)
 
 
 #: The halting rules: ``kind`` -> config class. One line per kind.

@@ -31,9 +31,11 @@ How the paper's pieces map onto looplm, and the ambiguities resolved:
   weight ``aux_loss_weight``, still teaches the router the capacity), so training and
   inference run one causal rule. ``selection: top_k`` is the paper's training form (top-k
   in training, the threshold at inference); its training forward is not causal, which the
-  config says (``MoRHaltingConfig.causal``) and tests/halting/test_mor.py shows. The
-  auxiliary-router alternative (a second router on detached states, trained by the same
-  BCE) is not built: the auxiliary loss is the variant the paper carries forward.
+  config says (``MoRHaltingConfig.causal``) and tests/halting/test_mor.py shows.
+  ``auxiliary: router`` is the paper's other remedy (the reference's ``sampling:
+  aux_router``): a second, per-step linear router on the detached state learns the same BCE
+  target and makes the threshold choice (in training under ``threshold``, at inference
+  always); the main router then only gates and ranks the top-k target.
 * **Token choice**: one router, on the state after the first step, gives softmax
   probabilities over depths 1..N; a position takes the argmax depth i + 1 (top-1) and runs
   steps 0..i; its chosen probability gates its last update (the paper's token-choice rule
@@ -78,6 +80,29 @@ from looplm.topology.base import LoopState
 DEPTH = "mor_depth"
 
 
+class StepRouter(nn.Module):
+    """One expert-choice recursion step's routing: ``score`` (d -> 1), the router whose
+    σ gates the update and whose top-k is the BCE target, and with ``auxiliary: router`` a
+    ``chooser`` (d -> 1) on the detached state that makes the threshold choice (§2.2.1's
+    auxiliary router). Returns (score logits, choosing logits) [B, T]."""
+
+    def __init__(self, d_model: int, auxiliary: bool):
+        super().__init__()
+        self.score = nn.Linear(d_model, 1)
+        self.chooser = nn.Linear(d_model, 1) if auxiliary else None
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        score = self.score(h).squeeze(-1).float()
+        if self.chooser is None:
+            return score, score
+        return score, self.chooser(h.detach()).squeeze(-1).float()
+
+    def flop_cost(self, call: Call) -> Cost:
+        """The score router, and the auxiliary router when there is one (each d -> 1 with a bias)."""
+        cost = module_cost(self.score, call)
+        return cost if self.chooser is None else cost + module_cost(self.chooser, call)
+
+
 class MoRHalting(Halting):
     """Per-position recursion depth by a learned router (module docstring: the paper's
     Eq. 2 and §2.2.1, and how each ambiguity is resolved). ``routing``: ``expert_choice``
@@ -89,13 +114,14 @@ class MoRHalting(Halting):
     freezes = True
 
     def __init__(self, d_model: int, depths: int, routing: str, selection: str, capacity: tuple[float, ...],
-                 alpha: float, aux_loss_weight: float, balance_weight: float, init_bias: float, kv: str = "all"):
+                 alpha: float, aux_loss_weight: float, balance_weight: float, init_bias: float, kv: str = "all",
+                 auxiliary: str = "loss"):
         super().__init__()
         self.depths, self.routing, self.selection, self.capacity = depths, routing, selection, capacity
         self.alpha, self.aux_loss_weight, self.balance_weight = alpha, aux_loss_weight, balance_weight
-        self.init_bias, self.kv = init_bias, kv
+        self.init_bias, self.kv, self.auxiliary = init_bias, kv, auxiliary
         if routing == "expert_choice":  # routers[r - 1] decides step r = 1..N-1
-            self.routers = nn.ModuleList(nn.Linear(d_model, 1) for _ in range(depths - 1))
+            self.routers = nn.ModuleList(StepRouter(d_model, auxiliary == "router") for _ in range(depths - 1))
         else:
             self.router = nn.Linear(d_model, depths)
 
@@ -171,20 +197,20 @@ class MoRHalting(Halting):
         if r >= self.depths:  # depth beyond the trained recursions: nobody continues
             state.extra.pop("gate", None)
             return torch.zeros_like(eligible)
-        score = self.routers[r - 1](h).squeeze(-1).float()  # [B, T]
+        score, chooser = self.routers[r - 1](h)  # [B, T]: the router's, and the logits that choose by threshold
         state.extra["gate"] = self.alpha * torch.sigmoid(score)
         if self.training and (self.selection == "top_k" or self.aux_loss_weight > 0):
             with torch.no_grad():
                 k = max(1, int(self.capacity[r] * score.shape[1]))
                 index = score.masked_fill(~eligible, float("-inf")).topk(k, dim=1).indices
                 in_top_k = torch.zeros_like(eligible).scatter(1, index, True) & eligible
-            if self.aux_loss_weight > 0:  # §2.2.1 auxiliary loss: BCE(s, 1[top-k])
-                bce = F.binary_cross_entropy_with_logits(score, in_top_k.float(), reduction="none")
+            if self.aux_loss_weight > 0:  # §2.2.1: BCE(chooser, 1[top-k of the router's scores])
+                bce = F.binary_cross_entropy_with_logits(chooser, in_top_k.float(), reduction="none")
                 state.extra["aux_sum"] = state.extra["aux_sum"] + (bce * eligible).sum()
                 state.extra["aux_count"] = state.extra["aux_count"] + eligible.sum()
             if self.selection == "top_k":
                 return in_top_k
-        return eligible & (score > 0.0)  # σ(s) > 0.5
+        return eligible & (chooser > 0.0)  # σ > 0.5
 
     def _token_choice(self, state: HaltState, h: torch.Tensor, r: int) -> torch.Tensor:
         """After step 0 the router picks each position's last step i = argmax softmax(W h + b)
@@ -210,9 +236,11 @@ class MoRHalting(Halting):
 
     def reset_parameters(self, init_std: float) -> None:
         """Weights N(0, init_std); biases start every position at full depth: each expert-choice
-        router at ``init_bias`` (σ > 0.5: selected), the token-choice router's deepest depth
-        at ``init_bias`` and the others at 0 (the untrained loop runs every step)."""
-        routers = list(self.routers) if self.routing == "expert_choice" else [self.router]
+        router (and auxiliary router) at ``init_bias`` (σ > 0.5: selected), the token-choice
+        router's deepest depth at ``init_bias`` and the others at 0 (the untrained loop runs
+        every step)."""
+        routers = [self.router] if self.routing == "token_choice" else [
+            linear for step in self.routers for linear in (step.score, step.chooser) if linear is not None]
         for router in routers:
             nn.init.normal_(router.weight, std=init_std)
             nn.init.zeros_(router.bias)
@@ -221,20 +249,22 @@ class MoRHalting(Halting):
                 router.bias[-1] = self.init_bias
 
     def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
-        """After step t: expert choice, the router of step t + 1 (t + 1 < depths); token
-        choice, the router after step 0. Listed under step t, where ``observe`` calls it."""
+        """After step t: expert choice, the router of step t + 1 (t + 1 < depths, with its
+        auxiliary router); token choice, the router after step 0. Listed under step t, where
+        ``observe`` calls it."""
         runs = (t + 1 < self.depths) if self.routing == "expert_choice" else t == 0
         return [Step("halting", f"halting.{t}", self, call)] if runs else []
 
     def flop_cost(self, call: Call) -> Cost:
-        """Expert choice, one step: the router d -> 1 with its bias and the gated update
+        """Expert choice, one step: the router d -> 1 with its bias (and the auxiliary router;
+        counted as trained like the rest, though its backward stops at its own weights), and the gated update
         h + g·(h' − h) of the step it decides (a subtract, multiply and add per element).
         Token choice, listed once after step 0: the router d -> N and the gated updates of the
         N − 1 steps after it. The batched forward runs every position through every step
         (positions that left are frozen, not skipped): realised compute is
         ``ModelOutput.block_passes``."""
         if self.routing == "expert_choice":
-            router, updates = self.routers[0], 1
+            router, width, updates = self.routers[0], self.routers[0].score.in_features, 1
         else:
-            router, updates = self.router, self.depths - 1
-        return module_cost(router, call) + Cost(state=3 * call.rows * router.in_features * updates)
+            router, width, updates = self.router, self.router.in_features, self.depths - 1
+        return module_cost(router, call) + Cost(state=3 * call.rows * width * updates)
