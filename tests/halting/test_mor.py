@@ -42,6 +42,17 @@ def rule(**fields) -> MoRHalting:
     return HaltingConfig.from_dict(mor(**fields)).build(D)
 
 
+def forward_recording(m: LoopLM, modules, ids: torch.Tensor):
+    """m(ids) and the outputs of ``modules`` during it (a last dimension of 1 squeezed), in call order."""
+    seen = []
+    hooks = [mod.register_forward_hook(lambda mod, args, out: seen.append(out.squeeze(-1).detach())) for mod in modules]
+    try:
+        return m(ids), seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def test_expert_choice_routes_then_gates_the_next_step():
     """After step 0 the router of step 1, s = wᵀy + b on the state step 1 reads, keeps the
     positions with σ(s) > 0.5; step 1 gives them h + α·σ(s)·(h' − h) (Eq. 2 on the step's
@@ -119,12 +130,7 @@ def test_threshold_and_token_choice_are_causal_in_training_too(halting):
 def test_auxiliary_bce_by_hand():
     """mor_router = w · mean over (step, position still running) of BCE(s, 1[top-k of s])."""
     m = model(mor(aux_loss_weight=0.5)).train()
-    scores = []
-    hooks = [r.score.register_forward_hook(lambda mod, args, out: scores.append(out.squeeze(-1).detach()))
-             for r in m.halting.routers]
-    out = m(random_ids(2, 12))
-    for h in hooks:
-        h.remove()
+    out, scores = forward_recording(m, [r.score for r in m.halting.routers], random_ids(2, 12))
     eligible = torch.ones(2, 12, dtype=torch.bool)
     total, count = 0.0, 0
     for t, s in enumerate(scores, start=1):  # the routers of steps 1 and 2
@@ -143,10 +149,7 @@ def test_token_choice_depth_and_balancing_loss_by_hand():
     """depth = argmax softmax(W h¹ + b) + 1 on the state after step 0; balancing loss
     w·N·Σ_i f_i P_i over real positions."""
     m = model(mor(routing="token_choice", balance_weight=0.3), layout="1R3").train()
-    logits = []
-    hook = m.halting.router.register_forward_hook(lambda mod, args, out: logits.append(out.detach()))
-    out = m(random_ids(2, 12))
-    hook.remove()
+    out, logits = forward_recording(m, [m.halting.router], random_ids(2, 12))
     probs = torch.softmax(logits[0], dim=-1)
     depth = probs.argmax(dim=-1)
     assert torch.equal(out.halt_steps, depth + 1)
@@ -325,12 +328,7 @@ def test_the_auxiliary_router_selects_and_learns_the_top_k_on_detached_states():
     detached state, chooses by σ > 0.5 and takes the BCE toward the main router's top-k;
     the main router gates. The BCE reaches the auxiliary router's weights and no others."""
     m = model(mor(auxiliary="router", aux_loss_weight=1.0)).train()
-    chooser = []
-    hooks = [r.chooser.register_forward_hook(lambda mod, args, out: chooser.append(out.squeeze(-1).detach()))
-             for r in m.halting.routers]
-    out = m(random_ids(2, 12))
-    for h in hooks:
-        h.remove()
+    out, chooser = forward_recording(m, [r.chooser for r in m.halting.routers], random_ids(2, 12))
     assert torch.equal(out.record["mor_selected"][1], chooser[0] > 0)
     out.aux_losses["mor_router"].backward()
     choosers = [p for n, p in m.named_parameters() if ".chooser." in n]
