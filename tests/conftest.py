@@ -111,6 +111,16 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                           lora={"rank": 1})),
         ("lora-nested-act", tiny_config("base", layout="1+1R2+1", streams={"kind": "two", "inner": 2},
                                         halting={"kind": "act"}, lora={"rank": 2})),
+        # Mixture-of-Recursions, routers at bias 0 so positions leave at different steps. Not here:
+        # selection=top_k, whose *training* forward is not causal by design (top-k over the
+        # sequence); kv=recursion, which refuses the static test's full-loop cache (it keeps no
+        # per-position depth). tests/halting/test_mor.py checks both against the same invariants
+        # (top_k: its inference form, and shows the training leak).
+        ("mor-expert-choice-anchor", tiny_config("anchor", layout="1+1R3+1",
+                                                 halting={"kind": "mor", "depths": 3, "init_bias": 0.0})),
+        ("mor-token-choice-steps", tiny_config("residual", layout="1R3", step_embeddings=True,
+                                               halting={"kind": "mor", "depths": 3, "routing": "token_choice",
+                                                        "init_bias": 0.0})),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

@@ -85,7 +85,7 @@ def test_capabilities_are_answered_by_each_kind():
 
     assert [k for k in TOPOLOGY_CONFIGS if k not in having(TOPOLOGY_CONFIGS, "defines_update")] == ["base"]
     assert [k for k in TOPOLOGY_CONFIGS if k not in having(TOPOLOGY_CONFIGS, "can_freeze_positions")] == ["mesh"]
-    assert having(HALTING_CONFIGS, "adaptive") == ["act", "convergence", "exit_gate", "qhalt"]
+    assert having(HALTING_CONFIGS, "adaptive") == ["act", "convergence", "exit_gate", "mor", "qhalt"]
     # the exit gate needs no coda only under its expected objective: asked of a config, not its class
     assert sorted(k for k, cls in HALTING_CONFIGS.items() if cls().needs_no_coda) == ["qhalt"]
     assert HaltingConfig.from_dict({"kind": "exit_gate", "objective": "expected"}).needs_no_coda

@@ -36,7 +36,7 @@ from looplm.modules.norm import build_norm
 from looplm.modules.rotary import Rotary
 from looplm.modules.step import StepEmbedding
 from looplm.resolution import MultiResolution, build_resolution
-from looplm.streams import build_streams, freeze
+from looplm.streams import build_streams
 from looplm.targets import IGNORE_INDEX
 from looplm.topology import Topology, build_topology
 
@@ -218,8 +218,9 @@ class LoopLM(nn.Module):
         for t in range(n_iter):
             if cache is not None and stops:
                 catch_up = catch_up + self._catch_up(t, ctx, cache)
-            new = streams.step(topology, state, self._passes(t, ctx, cache), t)
-            state = freeze(state, new, halt.running) if halting.freezes else new
+            step_ctx = halting.step_context(halt, ctx, cache, t)  # ctx, unless the rule hides some keys
+            new = streams.step(topology, state, self._passes(t, step_ctx, cache), t)
+            state = halting.fold(halt, state, new, t)
             last = t == n_iter - 1
             solution = streams.finish(topology, state) if last else state.h
             halting.observe(halt, solution, t, last, Readout(self.norm, self.head), targets)

@@ -200,6 +200,8 @@ class ModelConfig(Config):
         if layout.is_looped:
             check(layout.iterations >= self.halting.min_iterations, "model.layout", self.layout,
                   f"a loop of at least {self.halting.min_iterations} iterations with {self.halting.label}")
+        self.halting.check_loop(layout.iterations, self.layout,
+                                sorted({m.kind for mixers in self.block_mixers().values() for m in mixers}))
         exit_at = self.halting.exit_at_step
         if exit_at is not None:
             check(exit_at < layout.iterations, "model.halting.exit_at_step", exit_at,

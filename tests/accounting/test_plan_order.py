@@ -45,7 +45,10 @@ TOPOLOGIES = [{"kind": k} for k in ("base", "residual", "anchor", "anchor_embedd
 HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qhalt", "full_compute": True},
            {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"},
            {"kind": "exit_gate", "objective": "improvement"},
-           {"kind": "convergence", "criterion": "entropy", "threshold": 1e-9}]  # never fires: every step runs
+           {"kind": "convergence", "criterion": "entropy", "threshold": 1e-9},  # never fires: every step runs
+           # Mixture-of-Recursions: its routers start every position at full depth (init_bias)
+           {"kind": "mor", "depths": 3}, {"kind": "mor", "depths": 3, "routing": "token_choice"},
+           {"kind": "mor", "depths": 3, "routing": "expert_choice", "auxiliary": "router"}]
 STREAMS = [{"kind": "single"}, {"kind": "two", "outer": 2, "inner": 1},
            {"kind": "two", "outer": 2, "inner": 2, "no_grad_cycles": True, "init": "zeros"}]
 RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "router"}]
@@ -172,7 +175,8 @@ def _config(layout="looped", topology=None, halting=None, streams=None, resoluti
 AXIS_VALUES = {
     **{f"layout={k}": dict(layout=k, topology={"kind": "anchor"}) for k in LAYOUTS},
     **{f"topology={t['kind']}": dict(topology=t, step_embeddings=True) for t in TOPOLOGIES},
-    **{f"halting={h['kind']}-{h.get('objective', '')}": dict(halting=h, loop_input_norm=True) for h in HALTING},
+    **{f"halting={h['kind']}-{h.get('objective', h.get('routing', ''))}": dict(halting=h, loop_input_norm=True)
+       for h in HALTING},
     **{f"streams={i}": dict(streams=s, step_embeddings=True, halting=HALTING[1])
        for i, s in enumerate(STREAMS)},
     **{f"resolution={r['down']}-{t}": dict(layout="multires", topology={"kind": t}, resolution=r,

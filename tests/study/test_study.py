@@ -186,11 +186,14 @@ def test_study_specific_measures(quick) -> None:
 
 def test_depth_study_evaluates_the_fixed_loop_with_the_zero_shot_exits(quick) -> None:
     runs = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(quick["depth"].out_dir / "runs.csv"))}
-    row = runs[("fixed", "0")]
-    assert float(row["block_passes"]) == 6.0  # 1+1R4+1: the full loop
+    row = runs[("fixed-T3", "0")]
+    assert float(row["block_passes"]) == 8.0  # 1+2R3+1: the full loop
     for i in (1, 2):
         assert 0.0 <= float(row[f"exit{i}_saved"]) < 1.0 and math.isfinite(float(row[f"exit{i}_loss_paid"]))
+    assert runs[("mor-expert", "0")]["exit1_saved"] == ""  # MoR's routers have parameters: no zero-shot exit
     assert "Δloss exit kl:5e-4" in (quick["depth"].out_dir / "results.md").read_text()
+
+
 def test_conversion_study_starts_from_the_converted_dense_run(quick) -> None:
     """Each converted run's start is hf/convert.py's conversion of this seed's dense run."""
     from looplm.hf.convert import convert_model

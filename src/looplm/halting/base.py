@@ -13,6 +13,9 @@ import torch
 from torch import nn
 
 from looplm.accounting.cost import Call, Step
+from looplm.mixers.base import MixerContext
+from looplm.streams.single import freeze
+from looplm.topology.base import LoopState
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Readout:
@@ -86,6 +89,19 @@ class Halting(nn.Module):
         halted = ~valid if self.freezes else torch.zeros(B, T, dtype=torch.bool, device=h.device)
         return HaltState(running=~halted, halted=halted, steps=torch.zeros(B, T, dtype=torch.long, device=h.device),
                          valid=valid)
+
+    def step_context(self, state: HaltState, ctx: MixerContext, cache, t: int) -> MixerContext:
+        """The mixer context macro step t runs with (``cache``: the decoding cache or None):
+        ``ctx`` itself, every position's keys visible. A rule that hides the keys of
+        positions not taking the step (MoR's recursion-wise KV) narrows its ``valid``."""
+        return ctx
+
+    def fold(self, state: HaltState, old: LoopState, new: LoopState, t: int) -> LoopState:
+        """The loop state after macro step t from the state it read (``old``) and the step's
+        output (``new``): halted positions keep ``old`` when the rule freezes. A rule that
+        decides per step who takes it, from the state the step read (Mixture-of-Recursions'
+        routers), decides and gates the update here; its calls are in ``step_calls``."""
+        return freeze(old, new, state.running) if self.freezes else new
 
     def observe(self, state: HaltState, y: torch.Tensor, t: int, last: bool, read_logits: ReadLogits,
                 targets: Optional[torch.Tensor]) -> None:

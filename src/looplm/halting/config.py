@@ -9,13 +9,14 @@ When each position stops iterating, and what the loop hands on (its readout).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
 from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
 from looplm.halting.base import Halting
 from looplm.halting.convergence import ConvergenceExit
 from looplm.halting.exit_gate import ExitGateHalting
+from looplm.halting.mor import MoRHalting
 from looplm.halting.qhalt import QHalting
 
 
@@ -67,6 +68,10 @@ class HaltingConfig(KindConfig):
 
     def build(self, d_model: int) -> Halting:
         raise NotImplementedError(f"{type(self).__name__} builds no halting rule")
+
+    def check_loop(self, iterations: int, layout: str, mixers: Sequence[str] = ()) -> None:
+        """Refuse a loop of ``iterations`` macro steps (layout ``layout``, blocks of the mixer
+        kinds ``mixers``) the rule cannot serve; the model config asks."""
 
     def parameter_count(self, d_model: int) -> int:
         """Parameters the rule adds, from the config alone (the analytic counter)."""
@@ -269,6 +274,108 @@ class ConvergenceExitConfig(HaltingConfig):
         return ConvergenceExit(self.criterion, float(self.threshold))
 
 
+@dataclasses.dataclass(frozen=True)
+class MoRHaltingConfig(HaltingConfig):
+    """Mixture-of-Recursions (Bae et al. 2025, §2.2.1; :mod:`looplm.halting.mor` says how
+    the paper maps onto the loop and how its ambiguities are resolved): a router gives each
+    position its recursion depth, 1 to ``depths`` (the loop's iterations); every position
+    takes step 0.
+
+    ``routing``: ``expert_choice`` (a router per later step; step r keeps k = ⌊β_r·T⌋
+    positions, ``capacity`` β_1..β_{N−1}, default the hierarchical (N − r)/N) or
+    ``token_choice`` (one router picks the depth after step 0; Switch balancing loss
+    weighted ``balance_weight``). ``selection`` (expert choice): ``threshold`` (σ(s) > 0.5 in
+    training and inference, causal; the auxiliary BCE toward the top-k, weight
+    ``aux_loss_weight``, teaches the router the capacity) or ``top_k`` (the paper's training
+    form: top-k over the sequence in training, not causal; the threshold at inference).
+    ``kv``: ``all`` (a step's attention sees every position, those that left through their
+    frozen states) or ``recursion`` (only the positions taking the step, the paper's
+    recursion-wise KV caching; softmax-attention mixers, decoded with a growing cache).
+    ``auxiliary`` (expert choice): ``loss`` (the router's own logits take the BCE and the
+    threshold) or ``router`` (a second router per step, on the detached state, does: the
+    paper's auxiliary router). ``alpha`` scales the gate g; ``init_bias`` starts the routers
+    at full depth."""
+
+    kind: str = "mor"
+    depths: int = 3
+    routing: str = "expert_choice"
+    selection: str = "threshold"
+    capacity: Optional[tuple[float, ...]] = None
+    kv: str = "all"
+    auxiliary: str = "loss"
+    alpha: float = 1.0
+    aux_loss_weight: float = 0.01
+    balance_weight: float = 0.01
+    init_bias: float = 1.0  # type: ignore[assignment]
+
+    ROUTINGS: ClassVar[tuple[str, ...]] = ("expert_choice", "token_choice")
+    SELECTIONS: ClassVar[tuple[str, ...]] = ("threshold", "top_k")
+    KV: ClassVar[tuple[str, ...]] = ("all", "recursion")
+    AUXILIARIES: ClassVar[tuple[str, ...]] = ("loss", "router")
+    #: the mixers that can hide a position's keys from a step (``kv: recursion``)
+    KEY_MASKING_MIXERS: ClassVar[tuple[str, ...]] = ("attention", "sliding_window")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.capacity is not None and not isinstance(self.capacity, tuple):
+            object.__setattr__(self, "capacity", tuple(self.capacity))
+        check(isinstance(self.depths, int) and self.depths >= 2, "model.halting.depths", self.depths,
+              "an integer >= 2 (the loop's iterations)")
+        check(self.routing in self.ROUTINGS, "model.halting.routing", self.routing, f"one of {', '.join(self.ROUTINGS)}")
+        check(self.selection in self.SELECTIONS, "model.halting.selection", self.selection,
+              f"one of {', '.join(self.SELECTIONS)}")
+        check(self.routing == "expert_choice" or self.selection == "threshold", "model.halting.selection",
+              self.selection, "threshold with routing=token_choice (top-k selection is expert choice's)")
+        check(self.capacity is None or (self.routing == "expert_choice" and len(self.capacity) == self.depths - 1
+                                        and all(0.0 < b <= 1.0 for b in self.capacity)),
+              "model.halting.capacity", None if self.capacity is None else list(self.capacity),
+              f"null or, with routing=expert_choice, {self.depths - 1} fractions in (0, 1], one per step after the first")
+        check(self.kv in self.KV, "model.halting.kv", self.kv, f"one of {', '.join(self.KV)}")
+        check(self.auxiliary in self.AUXILIARIES, "model.halting.auxiliary", self.auxiliary,
+              f"one of {', '.join(self.AUXILIARIES)}")
+        check(self.auxiliary == "loss" or (self.routing == "expert_choice" and self.aux_loss_weight > 0),
+              "model.halting.auxiliary", self.auxiliary,
+              "loss, unless routing=expert_choice and aux_loss_weight > 0 (the BCE is what trains the auxiliary router)")
+        check(self.alpha > 0.0, "model.halting.alpha", self.alpha, "a number > 0")
+        check(self.aux_loss_weight >= 0.0, "model.halting.aux_loss_weight", self.aux_loss_weight, "a number >= 0")
+        check(self.balance_weight >= 0.0, "model.halting.balance_weight", self.balance_weight, "a number >= 0")
+
+    @property
+    def capacities(self) -> tuple[float, ...]:
+        """β_r for r = 0..N−1: 1 at step 0, then ``capacity``, else the hierarchical (N − r)/N."""
+        later = self.capacity or tuple((self.depths - r) / self.depths for r in range(1, self.depths))
+        return (1.0, *later)
+
+    @property
+    def causal(self) -> bool:
+        """Whether the training forward is strictly causal (false for top-k selection, whose
+        choice of a position depends on later positions' scores; inference is causal either way)."""
+        return self.selection != "top_k"
+
+    @property
+    def label(self) -> str:
+        return f"model.halting.kind={self.kind} routing={self.routing} selection={self.selection} kv={self.kv}"
+
+    def check_loop(self, iterations: int, layout: str, mixers: Sequence[str] = ()) -> None:
+        check(self.depths == iterations, "model.halting.depths", self.depths,
+              f"{iterations}, the iterations of layout {layout!r} (one recursion per loop step)")
+        if self.kv == "recursion":
+            other = sorted(set(mixers) - set(self.KEY_MASKING_MIXERS))
+            check(not other, "model.halting.kv", self.kv,
+                  f"all with mixer kinds {', '.join(other)}: recursion-wise KV hides keys per step, which "
+                  f"{', '.join(self.KEY_MASKING_MIXERS)} can")
+
+    def build(self, d_model: int) -> Halting:
+        return MoRHalting(d_model, self.depths, self.routing, self.selection, self.capacities, self.alpha,
+                          self.aux_loss_weight, self.balance_weight, self.init_bias, self.kv, self.auxiliary)
+
+    def parameter_count(self, d_model: int) -> int:
+        if self.routing == "token_choice":
+            return self.depths * (d_model + 1)  # one router d -> N with biases
+        per_step = 2 if self.auxiliary == "router" else 1  # the router, and the auxiliary router
+        return per_step * (self.depths - 1) * (d_model + 1)
+
+
 #: The halting rules: ``kind`` -> config class. One line per kind.
 HALTING_CONFIGS: dict[str, type[KindConfig]] = {
     "none": NoHaltingConfig,
@@ -276,4 +383,5 @@ HALTING_CONFIGS: dict[str, type[KindConfig]] = {
     "qhalt": QHaltingConfig,
     "exit_gate": ExitGateHaltingConfig,
     "convergence": ConvergenceExitConfig,
+    "mor": MoRHaltingConfig,
 }

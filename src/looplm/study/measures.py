@@ -225,3 +225,38 @@ def zero_shot_exit(run: Run, exits: tuple[str, ...] = ZERO_SHOT_EXITS) -> Measur
     for i, row in enumerate(result["exits"], start=1):
         scalars.update({f"exit{i}_loss_paid": row["loss_paid"], f"exit{i}_saved": row["compute_saved"]})
     return {"scalars": scalars, "series": {}, "notes": []}
+def realised_depth(run: Run, samples: int = 16) -> Measures:
+    """:func:`lm` plus what an adaptive-depth model spent on ``samples`` held-out sequences
+    (eval mode): ``passes``, the mean block passes per token it needed
+    (:func:`~looplm.accounting.realised_block_passes`; a dense model: its blocks), ``steps``,
+    the mean loop steps per token, and ``train_flops_realised``: ``train_flops`` with the core
+    blocks charged at the realised share of their steps (steps / iterations; the rest of the
+    step as counted). The batched forward computes frozen positions too (looplm's halting
+    freezes, it does not gather): the realised count is what a gathering kernel would run,
+    ``train_flops`` what this one runs."""
+    import torch
+
+    from looplm.accounting import count_flops, realised_block_passes
+    from looplm.probes import load_probe_input
+
+    measures = lm(run)
+    cfg = run.config
+    probe = load_probe_input(run.run_dir, samples=samples, batch_size=min(8, samples))
+    passes, steps, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for inputs, _ in probe.batches:
+            out = probe.model(inputs)
+            n = inputs.numel()
+            passes += (cfg.model.block_passes if out.block_passes is None else realised_block_passes(out)) * n
+            steps += (0.0 if out.halt_steps is None else float(out.halt_steps.float().mean())) * n
+            count += n
+    report = count_flops(cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size)
+    looped = cfg.model.parsed_layout.is_looped
+    unused = 1.0 - steps / count / cfg.model.iterations if looped else 0.0
+    core_share = report.convention.training_multiplier * report.components.get("core", 0.0) / report.training
+    measures["scalars"].update({
+        "passes": passes / count,
+        "steps": steps / count if looped else None,
+        "train_flops_realised": measures["scalars"]["train_flops"] * (1.0 - unused * core_share),
+    })
+    return measures

@@ -344,6 +344,89 @@ LT2 = Study(
 )
 
 
+# ----------------------------------------------------------------------------- depth
+#: Fixed depth: the loop every adaptive-depth variant is compared with (T = 3), and T = 2,
+#: the realised block passes of MoR's hierarchical capacity (3/3, 2/3, 1/3 of the tokens).
+_DEPTH_FIXED = {
+    "fixed-T3": RunSpec("tiny-base", ("model.layout=1+2R3+1",)),
+    "fixed-T2": RunSpec("tiny-base", ("model.layout=1+2R2+1",)),
+}
+
+#: Mixture-of-Recursions (Bae et al. 2025, §2.2.1; looplm.halting.mor): expert choice with the
+#: causal threshold rule, with the paper's top-k training form (not causal in training; its
+#: validation runs the threshold rule), and token choice.
+_DEPTH_MOR = {
+    "mor-expert": RunSpec("mor-tiny"),
+    "mor-expert-topk": RunSpec("mor-tiny", ("model.halting.selection=top_k",)),
+    "mor-token": RunSpec("mor-tiny-token"),
+}
+
+
+# --- zero-shot exit (Huginn's criterion, Geiping et al. 2025 §6) on the fixed-depth loop: no
+# variant of its own, columns on every trained loop: the loss it pays and the passes it saves
+# at two thresholds (measures.ZERO_SHOT_EXITS), one evaluation of each trained run
+DEPTH_EXIT_METRICS = (
+    Metric("block_passes", "passes/token", 2),
+    Metric("exit1_loss_paid", f"Δloss exit {measures.ZERO_SHOT_EXITS[0]}", 4, better="lower"),
+    Metric("exit1_saved", f"saved exit {measures.ZERO_SHOT_EXITS[0]}", 1, percent=True, better="higher"),
+    Metric("exit2_loss_paid", f"Δloss exit {measures.ZERO_SHOT_EXITS[1]}", 4, better="lower"),
+    Metric("exit2_saved", f"saved exit {measures.ZERO_SHOT_EXITS[1]}", 1, percent=True, better="higher"),
+)
+DEPTH_EXIT_DEVIATIONS = (
+    "Zero-shot exit: the paper (Huginn §6) exits per token while generating, reading p_t through its coda; "
+    "here the exit is evaluated as a halting rule on the held-out split in one parallel forward, p_t read "
+    "from the loop state (final norm and head: the logit lens when the layout has a coda), which keeps "
+    "decoding equal to the full forward. Passes/token are realised block evaluations per token; the per-step "
+    "LM head the criterion needs is in the FLOP count (looplm flops), not in the passes.",
+)
+# --- end of zero-shot exit
+
+
+def _depth_measure(run) -> dict:
+    """Validation loss, FLOPs and the realised depth (:func:`measures.realised_depth`), and
+    every trained loop that can take it evaluated with the zero-shot exits
+    (:func:`measures.zero_shot_exit`; blank for rules with parameters, e.g. MoR's routers)."""
+    depth, exit_ = measures.realised_depth(run), measures.zero_shot_exit(run)
+    return {**depth, "scalars": {**depth["scalars"], **exit_["scalars"]}}
+
+
+def _depth_runs() -> dict[str, RunSpec]:
+    return {**_DEPTH_FIXED, **_DEPTH_MOR}
+
+
+DEPTH = Study(
+    name="depth",
+    title="Depth that adapts: fixed-depth loops against per-token depth (issue 27), at matched training steps",
+    paper="Mixture-of-Recursions (Bae et al. 2025, arXiv 2507.10524), §2.2.1 and §3; Huginn (Geiping et al. 2025, "
+          "arXiv 2502.05171) §6 (zero-shot exit); Ouro (Zhu et al. 2025, arXiv 2510.25741) §3.4",
+    claim="per-token depth reaches the loss of the fixed loop it is cut from at the realised block passes of a "
+          "shallower one (MoR: expert choice at 3/3, 2/3, 1/3 capacity ≈ 2 of 3 recursion steps per token); a "
+          "fixed-depth loop can stop converged tokens early at inference (zero-shot exit) for a small loss",
+    sizes={
+        "quick": Size(_depth_runs(), QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(_depth_runs(), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 45 min on one thread (15 runs of 600 steps; not yet timed)"),
+    },
+    metrics=(VAL_LOSS, Metric("passes", "block passes/token (realised)", 2, better="lower"),
+             Metric("steps", "loop steps/token", 2),
+             Metric("train_flops", "train FLOPs (as run)", 3, sci=True),
+             Metric("train_flops_realised", "train FLOPs (realised)", 3, sci=True), *DEPTH_EXIT_METRICS[1:]),
+    measure=_depth_measure,
+    reference="fixed-T3",
+    figures=_lm_figures(),
+    deviations=(
+        "Shrunk: 1+2R3+1 blocks at d = 96 (MoR's Middle-Cycle sharing, N_r = 3), byte-level pydoc corpus, 600 steps "
+        "of 16 × 128 tokens; the paper trains 135M–1.7B models on FineWeb-Edu at matched training FLOPs.",
+        "Realised passes and FLOPs are measured on 16 held-out sequences in eval mode; looplm's batched forward "
+        "computes every position at every step and freezes the ones that left (train FLOPs as run), MoR's "
+        "reference gathers the selected tokens.",
+        "MoR's KV policy here is looplm's: positions that left keep their keys from their frozen state; the "
+        "paper's recursion-wise caching and recursive KV sharing are not built.",
+        *DEPTH_EXIT_DEVIATIONS,
+    ),
+)
+
+
 # ---------------------------------------------------------------------------- ladder
 def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[str] | None = None, outer: int = 1,
                  inner: int = 2, sizes: dict[str, Size] | None = None, name: str = "ladder",
@@ -465,58 +548,6 @@ def _paper_ladder_budget() -> Study:
     """``looplm study ladder --paper``: C = 24, d = 384, 6 heads, L_train = 10 (the paper's size)."""
     return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
 
-
-# ----------------------------------------------------------------------------- depth
-# Depth that adapts (issue 27): fixed depth against the peers' recurrent-depth recipes at
-# matched training FLOPs. Each recipe adds its rows (variants) in its own block below.
-def _depth_measure(run) -> dict:
-    """Validation loss and FLOPs (:func:`measures.lm`), and every trained loop evaluated with
-    the zero-shot exits (:func:`measures.zero_shot_exit`)."""
-    lm, exit_ = measures.lm(run), measures.zero_shot_exit(run)
-    return {**lm, "scalars": {**lm["scalars"], **exit_["scalars"]}}
-
-
-DEPTH_FIXED = {"fixed": ["model.layout=1+1R4+1", "model.topology={kind: anchor}"]}
-
-# --- zero-shot exit (Huginn's criterion, Geiping et al. 2025 §6) on the fixed-depth loop: no
-# variant of its own, columns on every trained loop: the loss it pays and the passes it saves
-# at two thresholds (measures.ZERO_SHOT_EXITS), one evaluation of each trained run
-DEPTH_EXIT_METRICS = (
-    Metric("block_passes", "passes/token", 2),
-    Metric("exit1_loss_paid", f"Δloss exit {measures.ZERO_SHOT_EXITS[0]}", 4, better="lower"),
-    Metric("exit1_saved", f"saved exit {measures.ZERO_SHOT_EXITS[0]}", 1, percent=True, better="higher"),
-    Metric("exit2_loss_paid", f"Δloss exit {measures.ZERO_SHOT_EXITS[1]}", 4, better="lower"),
-    Metric("exit2_saved", f"saved exit {measures.ZERO_SHOT_EXITS[1]}", 1, percent=True, better="higher"),
-)
-DEPTH_EXIT_DEVIATIONS = (
-    "Zero-shot exit: the paper (Huginn §6) exits per token while generating, reading p_t through its coda; "
-    "here the exit is evaluated as a halting rule on the held-out split in one parallel forward, p_t read "
-    "from the loop state (final norm and head: the logit lens when the layout has a coda), which keeps "
-    "decoding equal to the full forward. Passes/token are realised block evaluations per token; the per-step "
-    "LM head the criterion needs is in the FLOP count (looplm flops), not in the passes.",
-)
-# --- end of zero-shot exit
-
-DEPTH = Study(
-    name="depth",
-    title="Depth that adapts: fixed depth against the peers' recurrent-depth recipes (issue 27, CPU size)",
-    paper="Geiping et al. 2025 (Huginn, arXiv 2502.05171) §6; Zhu et al. 2025 (Ouro, arXiv 2510.25741) §3.4",
-    claim="a fixed-depth loop can stop converged tokens early at inference (zero-shot exit) and save block "
-          "passes for a small loss",
-    sizes={
-        "quick": Size(_runs("tiny-base", DEPTH_FIXED), QUICK + ("data.seq_len=16",), seeds=1),
-        "default": Size(_runs("tiny-base", DEPTH_FIXED), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)),
-                        seeds=3, wall_time="≈ 5 min per fixed-depth run on one thread (estimated from the mesh "
-                                           "study's 1+2R2+1 at ≈ 0.22 s per step: the same 6 block passes)"),
-    },
-    metrics=(VAL_LOSS, Metric("train_flops", "train FLOPs", 3, sci=True), *DEPTH_EXIT_METRICS),
-    measure=_depth_measure,
-    figures=_lm_figures(),
-    deviations=(
-        "Shrunk: d = 96, pydoc bytes, 600 steps of 16 × 128 tokens; the papers train billions of parameters.",
-        *DEPTH_EXIT_DEVIATIONS,
-    ),
-)
 
 # ---------------------------------------------------------------------- sharing
 #: Study ``sharing`` (issue 29): how much to relax the tied core. Each block of rows below

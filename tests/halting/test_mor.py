@@ -1,0 +1,337 @@
+"""Mixture-of-Recursions (looplm.halting.mor): the gated update and selection against hand
+computations, top-k capacity, the auxiliary BCE and balancing losses, causality of each
+selection form, decoding, realised compute and the FLOP rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplm import LoopLM
+from looplm.accounting.cost import Call, Cost
+from looplm.config_base import ConfigError
+from looplm.halting import HaltingConfig, MoRHalting
+from looplm.topology.base import LoopState
+from tests.conftest import random_ids, tiny_config
+from tests.invariants import assert_decodes_like_full_forward, assert_strictly_causal, prefill_then_tokens
+
+D = 8
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def mor(**fields) -> dict:
+    return {"kind": "mor", "depths": 3, **fields}
+
+
+def model(halting: dict, layout: str = "1+1R3+1", router_std: float = 1.0) -> LoopLM:
+    """A tiny MoR model whose routers have O(1) weights and zero biases, so positions leave
+    at different steps."""
+    m = LoopLM(tiny_config("anchor", layout=layout, halting=halting))
+    with torch.no_grad():
+        for name, p in m.halting.named_parameters():
+            p.normal_(0.0, router_std / D ** 0.5) if name.endswith("weight") else p.zero_()
+    return m
+
+
+def rule(**fields) -> MoRHalting:
+    return HaltingConfig.from_dict(mor(**fields)).build(D)
+
+
+def forward_recording(m: LoopLM, modules, ids: torch.Tensor):
+    """m(ids) and the outputs of ``modules`` during it (a last dimension of 1 squeezed), in call order."""
+    seen = []
+    hooks = [mod.register_forward_hook(lambda mod, args, out: seen.append(out.squeeze(-1).detach())) for mod in modules]
+    try:
+        return m(ids), seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_expert_choice_routes_then_gates_the_next_step():
+    """After step 0 the router of step 1, s = wᵀy + b on the state step 1 reads, keeps the
+    positions with σ(s) > 0.5; step 1 gives them h + α·σ(s)·(h' − h) (Eq. 2 on the step's
+    change) and leaves the others' h and carrier exactly as they were."""
+    r = rule(alpha=0.5).eval()
+    y = torch.randn(2, 5, D)
+    halt = r.begin(y, torch.ones(2, 5, dtype=torch.bool))
+    old = LoopState(h=y, carrier={"h0": torch.randn(2, 5, D)})
+    r.fold(halt, old, old, 0)  # step 0: every position, no gate
+    r.observe(halt, y, 0, False, None, None)
+    s = y @ r.routers[0].score.weight[0] + r.routers[0].score.bias[0]
+    chosen = s > 0
+    assert chosen.any() and (~chosen).any()
+    assert torch.equal(halt.running, chosen) and torch.equal(halt.steps, torch.ones(2, 5, dtype=torch.long))
+    new = LoopState(h=torch.randn(2, 5, D), carrier={"h0": torch.randn(2, 5, D)})
+    out = r.fold(halt, old, new, 1)
+    expected = y + 0.5 * torch.sigmoid(s)[..., None] * (new.h - y)
+    torch.testing.assert_close(out.h[chosen], expected[chosen])
+    assert torch.equal(out.h[~chosen], y[~chosen])
+    assert torch.equal(out.carrier["h0"][~chosen], old.carrier["h0"][~chosen])
+    assert torch.equal(out.carrier["h0"][chosen], new.carrier["h0"][chosen])
+
+
+def test_a_position_that_left_never_returns():
+    r = rule().eval()
+    halt = r.begin(torch.randn(1, 6, D), torch.ones(1, 6, dtype=torch.bool))
+    taken = []
+    for t in range(3):
+        taken.append(halt.running.clone())
+        r.observe(halt, torch.randn(1, 6, D), t, t == 2, None, None)
+    assert taken[0].all()
+    for before, after in zip(taken, taken[1:]):
+        assert not (after & ~before).any()
+
+
+def test_top_k_training_keeps_the_capacity_of_each_step():
+    """selection=top_k in training: step r keeps k_r = ⌊β_r·T⌋ positions per row (hierarchical
+    (N − r)/N by default: 12, 8, 4 of 12), each among those that took step r − 1."""
+    m = model(mor(selection="top_k")).train()
+    out = m(random_ids(2, 12))
+    selected = out.record["mor_selected"]
+    assert [s.sum(dim=1).tolist() for s in selected] == [[12, 12], [8, 8], [4, 4]]
+    assert (out.halt_steps.sum(dim=1) == 24).all()
+    m2 = model(mor(selection="top_k", capacity=[0.5, 0.25])).train()
+    assert [s.sum(dim=1).tolist() for s in m2(random_ids(2, 12)).record["mor_selected"]] == [[12, 12], [6, 6], [3, 3]]
+
+
+def test_top_k_training_is_not_causal_and_its_inference_form_is():
+    """Why selection=top_k stays out of the invariant sweep: in training a later token's
+    router score moves an earlier position in or out of the top-k, so its logits change.
+    At inference it selects by σ(s) > 0.5 per position: causal and decoded exactly."""
+    m = model(mor(selection="top_k")).train()
+    x = random_ids(2, 15)
+    base = m(x).logits
+    leaked = False
+    for shift in range(1, 8):
+        y = x.clone()
+        y[:, 14] = (y[:, 14] + shift) % 61
+        leaked |= bool((m(y).logits[:, :14] - base[:, :14]).abs().max() > 1e-4)
+    assert leaked, "top-k over the sequence should let the last token move earlier positions"
+    m.eval()
+    assert_strictly_causal(m, x, (0, 6, 14), shift=7)
+    assert_decodes_like_full_forward(m, random_ids(3, 13), [prefill_then_tokens(2, 13)], atol=2e-5)
+
+
+@pytest.mark.parametrize("halting", [mor(), mor(routing="token_choice")], ids=["expert", "token"])
+def test_threshold_and_token_choice_are_causal_in_training_too(halting):
+    """The causal forms run one rule in training and inference: the training forward is
+    strictly causal as well (the auxiliary losses may read the whole sequence; the logits
+    never do)."""
+    m = model(halting).train()
+    assert_strictly_causal(m, random_ids(2, 15), (0, 6, 14), shift=7)
+
+
+def test_auxiliary_bce_by_hand():
+    """mor_router = w · mean over (step, position still running) of BCE(s, 1[top-k of s])."""
+    m = model(mor(aux_loss_weight=0.5)).train()
+    out, scores = forward_recording(m, [r.score for r in m.halting.routers], random_ids(2, 12))
+    eligible = torch.ones(2, 12, dtype=torch.bool)
+    total, count = 0.0, 0
+    for t, s in enumerate(scores, start=1):  # the routers of steps 1 and 2
+        k = int(m.halting.capacity[t] * 12)
+        target = torch.zeros(2, 12, dtype=torch.bool)
+        target.scatter_(1, s.masked_fill(~eligible, float("-inf")).topk(k, dim=1).indices, True)
+        target &= eligible
+        bce = F.binary_cross_entropy_with_logits(s, target.float(), reduction="none")
+        total, count = total + (bce * eligible).sum(), count + eligible.sum()
+        eligible = eligible & (s > 0)
+    torch.testing.assert_close(out.aux_losses["mor_router"], 0.5 * total / count)
+    assert "mor_router" not in m.eval()(random_ids(2, 12)).aux_losses  # training only, as the reference
+
+
+def test_token_choice_depth_and_balancing_loss_by_hand():
+    """depth = argmax softmax(W h¹ + b) + 1 on the state after step 0; balancing loss
+    w·N·Σ_i f_i P_i over real positions."""
+    m = model(mor(routing="token_choice", balance_weight=0.3), layout="1R3").train()
+    out, logits = forward_recording(m, [m.halting.router], random_ids(2, 12))
+    probs = torch.softmax(logits[0], dim=-1)
+    depth = probs.argmax(dim=-1)
+    assert torch.equal(out.halt_steps, depth + 1)
+    assert len(depth.unique()) > 1
+    share = F.one_hot(depth, 3).float().mean(dim=(0, 1))
+    torch.testing.assert_close(out.aux_losses["mor_balance"], 0.3 * 3 * (share * probs.mean(dim=(0, 1))).sum())
+
+
+@pytest.mark.parametrize("halting", [mor(aux_loss_weight=0.0), mor(routing="token_choice", balance_weight=0.0)],
+                         ids=["expert", "token"])
+def test_the_lm_loss_trains_the_routers_through_the_gate(halting):
+    m = model(halting).train()
+    x = random_ids(2, 12)
+    m(x, targets=x).loss.backward()
+    grads = [p.grad for p in m.halting.parameters()]
+    assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
+
+
+def test_realised_block_passes_follow_each_positions_depth():
+    m = model(mor()).eval()
+    out = m(random_ids(2, 12))
+    assert len(out.halt_steps.unique()) > 1
+    assert torch.equal(out.block_passes, 2 + out.halt_steps)  # prelude + core·steps + coda
+
+
+def test_flop_rule_by_hand():
+    """Expert choice, per routed step: router d -> 1 (d MACs + a bias) and the gated update
+    (3d); token choice, once: router d -> N (N·d MACs + N biases) and N − 1 gated updates."""
+    call = Call(2, 5, 5, width=D)
+    assert rule().flop_cost(call) == Cost(mac=10 * D, bias=10, state=30 * D)
+    assert rule(routing="token_choice").flop_cost(call) == Cost(mac=10 * 3 * D, bias=30, state=2 * 30 * D)
+    assert rule(auxiliary="router").flop_cost(call) == Cost(mac=2 * 10 * D, bias=20, state=30 * D)
+
+
+def test_parameter_count_matches_the_module():
+    for fields in ({}, {"routing": "token_choice"}, {"auxiliary": "router"}):
+        cfg = HaltingConfig.from_dict(mor(**fields))
+        assert cfg.parameter_count(D) == sum(p.numel() for p in cfg.build(D).parameters())
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"routing": "token_choice", "selection": "top_k"}, "model.halting.selection"),
+    ({"routing": "sideways"}, "model.halting.routing"),
+    ({"capacity": [1.0]}, "model.halting.capacity"),
+    ({"capacity": [0.5, 0.0]}, "model.halting.capacity"),
+    ({"routing": "token_choice", "capacity": [0.5, 0.5]}, "model.halting.capacity"),
+    ({"kv": "sometimes"}, "model.halting.kv"),
+    ({"auxiliary": "router", "aux_loss_weight": 0.0}, "model.halting.auxiliary"),
+    ({"auxiliary": "router", "routing": "token_choice"}, "model.halting.auxiliary"),
+    ({"depths": 1}, "model.halting.depths"),
+    ({"alpha": 0.0}, "model.halting.alpha"),
+])
+def test_bad_fields_are_refused_by_name(fields, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        HaltingConfig.from_dict(mor(**fields))
+
+
+def test_depths_must_match_the_loop():
+    with pytest.raises(ConfigError, match=r"model\.halting\.depths.*1R4"):
+        tiny_config("anchor", layout="1R4", halting=mor())
+
+
+#: operators and host syncs of one training forward + backward of the 1+1R3+1 model below
+#: (measured: fixed depth 272 ops / 0 syncs; MoR adds after each step but the last its router,
+#: then the gated update and, in training, the auxiliary loss's top-k target; the syncs are the
+#: loop's "all left?" check after steps 0 and 1), and of generating 4 tokens after a 4-token prompt
+DISPATCH_BUDGET = {"expert_choice": (389, 2, 650, 22), "token_choice": (374, 2, 670, 22)}
+
+
+@pytest.mark.parametrize("routing", sorted(DISPATCH_BUDGET))
+def test_dispatch_counts_stay_within_budget(routing):
+    from looplm.accounting.dispatch import count_dispatch
+
+    m = LoopLM(tiny_config("base", layout="1+1R3+1", halting=mor(routing=routing))).train()
+    x = random_ids(2, 16)
+
+    def train_step():
+        out = m(x, targets=x)
+        out.loss.backward()
+
+    train, _ = count_dispatch(train_step)
+    m.eval()
+    decode, _ = count_dispatch(lambda: m.generate(x[:, :4], max_new_tokens=4, do_sample=False))
+    ops, syncs, decode_ops, decode_syncs = DISPATCH_BUDGET[routing]
+    assert train.ops <= ops and train.syncs <= syncs, f"training: {train}; by op {dict(train.by_op)}"
+    assert decode.ops <= decode_ops and decode.syncs <= decode_syncs, f"decoding: {decode}; by op {dict(decode.by_op)}"
+
+
+def test_recursion_wise_kv_hides_the_keys_of_positions_not_taking_the_step():
+    """kv: recursion (the paper's recursion-wise KV caching): at step t >= 1 a query sees no
+    key of a position that left before t (except itself); step 0 sees every position."""
+    m = model(mor(kv="recursion"), layout="1R3").eval()
+    out = m(random_ids(1, 12), output_attentions=True)
+    selected = out.record["mor_selected"]  # who took step t
+    assert not selected[1].all() and selected[1].any()
+    for t in (1, 2):
+        probs = out.attentions[("core.0", t)][0]  # [H, T, S]
+        hidden = ~selected[t][0]
+        off_diagonal = ~torch.eye(12, dtype=torch.bool)
+        seen = probs.sum(dim=0)[:, hidden] * off_diagonal[:, hidden]
+        assert torch.equal(seen[selected[t][0]], torch.zeros_like(seen[selected[t][0]]))
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    assert (out.attentions[("core.0", 0)][0].sum(dim=0)[causal] > 0).all()
+
+
+@pytest.mark.parametrize("halting", [mor(kv="recursion"), mor(kv="recursion", routing="token_choice")],
+                         ids=["expert", "token"])
+def test_recursion_wise_kv_is_causal_and_decodes_like_the_forward(halting):
+    """Not in the invariant sweep (tests/conftest.py:all_configs) only because its static
+    test prefills into a full-loop cache, which keeps no per-position depth (refused below);
+    the growing cache gives the full forward's logits, prefill + tokens and chunked."""
+    m = model(halting, layout="1+1R3+1").eval()
+    x = random_ids(2, 15)
+    plain = model({**halting, "kv": "all"}, layout="1+1R3+1").eval()
+    plain.load_state_dict(m.state_dict())
+    assert (m(x).logits - plain(x).logits).abs().max() > 1e-4  # the mask changes something
+    assert_strictly_causal(m, x, (0, 6, 14), shift=7)
+    assert_strictly_causal(m.train(), x, (0, 6, 14), shift=7)
+    m.eval()
+    assert_decodes_like_full_forward(m, random_ids(3, 13), [prefill_then_tokens(1, 13), prefill_then_tokens(6, 13),
+                                                            [5, 9, 12, 13]], atol=2e-5)
+
+
+def test_recursion_wise_kv_refuses_what_cannot_serve_it():
+    from looplm import LoopCache
+    from looplm.errors import LoopLMError
+
+    m = model(mor(kv="recursion")).eval()
+    with pytest.raises(LoopLMError, match="growing cache only"):
+        m(random_ids(1, 5), cache=LoopCache(full_loop=True))
+    with pytest.raises(ConfigError, match=r"model\.halting\.kv.*gated_deltanet"):
+        tiny_config("anchor", layout="1R3", mixer={"kind": "gated_deltanet"}, halting=mor(kv="recursion"))
+
+
+#: MoR across the other loop axes: topologies, step signal, loop-input norm, two streams,
+#: windowed attention under recursion-wise KV, padding of the batch
+COMBINATIONS = {
+    "expert-residual-steps": (dict(topology="residual", step_embeddings=True), mor()),
+    "expert-gated-kv": (dict(topology="gated_residual", mixer={"kind": "sliding_window", "window": 4}),
+                        mor(kv="recursion")),
+    "token-static-combination": (dict(topology="static_combination"), mor(routing="token_choice")),
+    "token-anchor-embedding-kv": (dict(topology="anchor_embedding", loop_input_norm=True),
+                                  mor(routing="token_choice", kv="recursion")),
+    # the solution stream starts from Y⁰ = 0 and moves little in one step: larger router weights
+    "expert-two-streams": (dict(topology="base", streams={"kind": "two", "outer": 1, "inner": 1, "init": "zeros"}),
+                           mor(), 3.0),
+    "expert-capacity-alpha": (dict(topology="anchor", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2),
+                              mor(capacity=[0.5, 0.25], alpha=0.7)),
+    "expert-auxiliary-router": (dict(topology="residual"), mor(auxiliary="router")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+def test_invariants_across_the_loop_axes(name):
+    fields, halting, *std = COMBINATIONS[name]
+    fields = dict(fields)
+    m = LoopLM(tiny_config(fields.pop("topology"), layout="1+1R3+1", halting=halting, **fields))
+    with torch.no_grad():
+        for pname, p in m.halting.named_parameters():
+            p.normal_(0.0, std[0] if std else 1.0 / D ** 0.5) if pname.endswith("weight") else p.zero_()
+    x = random_ids(2, 15)
+    assert len(m.eval()(x).halt_steps.unique()) > 1, "positions should leave at different steps"
+    assert_strictly_causal(m, x, (0, 6, 14), shift=7)
+    assert_strictly_causal(m.train(), x, (0, 6, 14), shift=7)
+    m.eval()
+    assert_decodes_like_full_forward(m, random_ids(3, 13), [prefill_then_tokens(1, 13), [5, 9, 12, 13]], atol=2e-5)
+    mask = torch.ones(3, 13, dtype=torch.long)
+    mask[0, :4] = 0  # a left-padded row gives its unpadded logits
+    ids = random_ids(3, 13)
+    padded = m(ids, attention_mask=mask).logits[0, 4:]
+    torch.testing.assert_close(padded, m(ids[:1, 4:]).logits[0], atol=2e-5, rtol=1e-5)
+
+
+def test_the_auxiliary_router_selects_and_learns_the_top_k_on_detached_states():
+    """auxiliary: router (§2.2.1's auxiliary router): a second router per step, on the
+    detached state, chooses by σ > 0.5 and takes the BCE toward the main router's top-k;
+    the main router gates. The BCE reaches the auxiliary router's weights and no others."""
+    m = model(mor(auxiliary="router", aux_loss_weight=1.0)).train()
+    out, chooser = forward_recording(m, [r.chooser for r in m.halting.routers], random_ids(2, 12))
+    assert torch.equal(out.record["mor_selected"][1], chooser[0] > 0)
+    out.aux_losses["mor_router"].backward()
+    choosers = [p for n, p in m.named_parameters() if ".chooser." in n]
+    assert len(choosers) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in choosers)
+    others = [p for n, p in m.named_parameters() if ".chooser." not in n]
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in others)
