@@ -35,7 +35,9 @@ RESUME_GRID = (
        # Stage I objective (expected loss under the exit distribution, entropy bonus)
        ("base", {"layout": "2R2", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "norm_placement": "sandwich",
                  "loop_input_norm": True, "halting": {"kind": "exit_gate", "threshold": 0.5,
-                                                      "objective": "expected"}}, 1)]
+                                                      "objective": "expected"}}, 1),
+       # Huginn: random s_0 from the saved RNG, a count drawn from (seed, step), truncated backprop
+       ("concat_adapter", {"layout": "1+1R3+1", "depth": {"kind": "lognormal_poisson", "backprop_window": 2}}, 2)]
 )
 
 
