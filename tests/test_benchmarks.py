@@ -301,4 +301,4 @@ def test_huginn_memory_benchmark_shows_memory_following_the_window(tmp_path):
     ratios = {(row[1].strip(), row[2].strip()): float(row[4]) for row in
               (line.split("|") for line in text.splitlines() if line.startswith(("| k =", "| full")))}
     assert ratios[("k = 2", "2")] == ratios[("k = 2", "8")] == 1.0  # constant beyond the window
-    assert ratios[("full backprop", "8")] > 3.0
+    assert ratios[("full backprop", "8")] > 2.5  # grows with r (fixed costs: embeddings, prelude, coda)
