@@ -428,6 +428,66 @@ def _paper_ladder_budget() -> Study:
     return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
 
 
+# ---------------------------------------------------------------------------- depth
+# Depth that adapts (issue 27): fixed depth against the peers' recurrent-depth recipes at
+# matched training FLOPs. Each recipe adds its variants in its own block below.
+
+# -- Huginn's randomized depth (arXiv 2502.05171 §3.3): a count drawn per step around r̄,
+# backprop through the last k, against fixed-depth loops of the same shape.
+def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, list[str]]:
+    """``matched``: the fixed count whose full-backprop training FLOPs equal the expected
+    FLOPs of a drawn count around ``mean`` with window ``window`` (huginn-tiny at d = 96:
+    T = 3 against r̄ = 4, k = 2, within 1 %: E[r] = 5, of which E[min(r, k)] ≈ 2 backpropagated)."""
+    return {
+        f"fixed-T{matched}": [f"model.layout=2+4R{matched}+2", "model.depth={kind: fixed}"],
+        f"fixed-T{mean}-k{window}": [f"model.layout=2+4R{mean}+2",
+                                     f"model.depth={{kind: fixed, backprop_window: {window}}}"],
+        f"huginn-r{mean}-k{window}": [f"model.layout=2+4R{mean}+2",
+                                      f"model.depth={{kind: lognormal_poisson, sigma: 0.5, backprop_window: {window}}}"],
+    }
+
+
+_DEPTH_VARIANTS = {
+    "quick": _runs("huginn-tiny", _huginn_depth_variants(2, 1, 2)),
+    "default": _runs("huginn-tiny", _huginn_depth_variants(4, 2, 3)),
+    "paper": _runs("huginn-3.5b", _huginn_depth_variants(32, 8, 15)),
+}
+
+DEPTH = Study(
+    name="depth",
+    title="Depth that adapts: fixed depth against Huginn's randomized depth (issue 27, shrunk)",
+    paper="Huginn (Geiping et al. 2025, arXiv 2502.05171) §3.3 and §5, Figs. 1 and 7",
+    claim="at matched training FLOPs a loop trained on a heavy-tailed count per step (backprop through the last "
+          "k) keeps improving when run for more iterations than its mean at test time, where a fixed-depth loop "
+          "does not",
+    sizes={
+        "quick": Size(_DEPTH_VARIANTS["quick"], QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(_DEPTH_VARIANTS["default"], ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="not yet measured: about 24 block passes per token at d = 96 (E[r] = 5), "
+                                  "close to the MeSH study's per-step cost × 2.5; plus a 16-point test-time curve "
+                                  "per run"),
+        "paper": Size(_DEPTH_VARIANTS["paper"], seeds=1,
+                      wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
+                                "data.tokenizer and train.max_steps"),
+    },
+    metrics=(VAL_LOSS, Metric("val_loss_at_max", "val loss at 4×T", 4, better="lower"),
+             Metric("train_flops", "train FLOPs", 3, sci=True),
+             Metric("forward_flops_per_token", "fwd FLOPs/token at T", 3, sci=True)),
+    measure=measures.test_time_depth,
+    figures=(*_lm_figures(),
+             Curve("test_time_compute.png", "loss_vs_iterations", "validation loss against test-time iterations",
+                   "loop iterations r at inference", "validation loss")),
+    deviations=(
+        "Shrunk: huginn-tiny's shape (2+4R·+2 sandwich blocks, concat_adapter, RMSNorm, SwiGLU) at d = 96 on "
+        "pydoc bytes, 600 steps of 16 × 128 tokens; r̄ = 4 and k = 2 (the paper: r̄ = 32, k = 8, 800B tokens).",
+        "Matched training FLOPs: the fixed-depth baseline runs T = 3 with full backprop, whose training FLOPs "
+        "equal the expected FLOPs of r ~ P(e^τ) + 1 around r̄ = 4 with k = 2 (counted with looplm's accounting, "
+        "the no-grad iterations once) within 1 %; fixed-T4-k2 isolates the random count from the window.",
+        "Validation runs the layout's T (r̄ for Huginn); the test-time curve reruns the final model at r = 1 … 4T.",
+    ),
+)
+
+
 STUDIES: dict[str, Study] = {}
 
 
@@ -435,7 +495,7 @@ def _register(study: Study) -> None:
     STUDIES[study.name] = study
 
 
-for _s in (MESH, SPIRALFORMER, SGT, LT2):
+for _s in (MESH, SPIRALFORMER, SGT, LT2, DEPTH):
     _register(_s)
 
 
