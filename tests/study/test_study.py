@@ -254,3 +254,36 @@ def test_cli(quick, tmp_path, capsys, caplog, monkeypatch) -> None:
     printed = capsys.readouterr().out
     assert printed.startswith("| variant | tie |") and f"{out}/results.md" in printed
     assert f"looplm study ladder --out {out} --quick --seeds 2 --threads 1" in (out / "results.md").read_text()
+
+
+def test_depth_study_compares_huginn_with_fixed_depth_at_matched_training_flops(tmp_path) -> None:
+    """The Huginn block of the depth study: every size resolves, and its fixed-depth
+    baseline's training FLOPs equal the expected FLOPs of the drawn counts (within 1 %)."""
+    import collections
+
+    from looplm.accounting import count_flops
+
+    for size in ("quick", "default", "paper"):
+        configs = get_study("depth", size).configs(size, tmp_path, seed=5)
+        assert {"fixed-T4-k2", "huginn-r4-k2", "fixed-T3"} <= set(configs) or size != "default"
+    configs = get_study("depth", "default").configs("default", tmp_path, seed=5)
+    huginn, fixed = configs["huginn-r4-k2"].model, configs["fixed-T3"].model
+    seq = configs["fixed-T3"].data.seq_len
+    counts = collections.Counter(huginn.depth.count(huginn.iterations, 0, step) for step in range(4000))
+    expected = sum(n * count_flops(huginn, seq, iterations=r).training for r, n in counts.items()) / 4000
+    assert count_flops(fixed, seq).training == pytest.approx(expected, rel=0.01)
+
+
+def test_depth_study_measures_drawn_counts_and_the_test_time_curve(quick) -> None:
+    from looplm.accounting import count_flops
+
+    result = quick["depth"]
+    (run, _) = result.runs["huginn-r2-k1"]
+    cfg = run.config
+    steps = [cfg.model.depth.count(cfg.model.iterations, cfg.train.seed, s) for s in range(cfg.train.max_steps)]
+    want = sum(count_flops(cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size, iterations=r).training
+               for r in steps)
+    scalars, curve = result.scalars("huginn-r2-k1")[0], result.series("huginn-r2-k1", "loss_vs_iterations")[0]
+    assert scalars["train_flops"] == pytest.approx(want)
+    assert [r for r, _ in curve] == list(range(1, 4 * cfg.model.iterations + 1))
+    assert scalars["val_loss_at_max"] == curve[-1][1]
