@@ -76,7 +76,10 @@ class DepthConfig(KindConfig):
     def summary(self, mean: int) -> str:
         """The rule, for ``looplm info``."""
         window = "" if self.backprop_window is None else f", backprop through the last {self.backprop_window}"
-        return f"{self.kind} (T = {mean}{window})"
+        return f"{self.kind} ({self._count_summary(mean)}{window})"
+
+    def _count_summary(self, mean: int) -> str:
+        return f"T = {mean}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +113,8 @@ class LogNormalPoissonDepthConfig(DepthConfig):
         tau = rng.normal(math.log(mean) - self.sigma**2 / 2, self.sigma)  # Eq. (2): τ ~ N(log r̄ − σ²/2, σ)
         return int(rng.poisson(math.exp(tau))) + 1  # r ~ P(e^τ) + 1
 
-    def summary(self, mean: int) -> str:
-        return super().summary(mean).replace("T =", f"r̄ = {mean}, σ = {self.sigma:g},")
+    def _count_summary(self, mean: int) -> str:
+        return f"r̄ = {mean}, σ = {self.sigma:g}"
 
 
 def step_rng(seed: int, step: int) -> np.random.Generator:
