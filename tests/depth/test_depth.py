@@ -177,3 +177,30 @@ def test_depth_settings_are_checked():
         tiny_config("base", layout="3", depth={"kind": "fixed", "backprop_window": 2})
     with pytest.raises(ConfigError, match="sigma"):
         DepthConfig.from_dict({"kind": "fixed", "sigma": 0.5})
+
+
+def test_an_iteration_before_the_window_dispatches_only_its_forward():
+    """Each iteration outside the window adds exactly the operators of its forward (no
+    autograd bookkeeping, no backward): cost follows the FLOPs the counter charges (once)."""
+    from looplm.accounting.dispatch import count_dispatch
+
+    torch.manual_seed(0)
+    model = LoopLM(huginn(2)).train()
+    ids = random_ids(2, 8)
+
+    def training(r):
+        def run():
+            model(ids, ids, iterations=r).loss.backward()
+        return count_dispatch(run)[0]
+
+    def forward(r):
+        def run():
+            with torch.no_grad():
+                model(ids, ids, iterations=r)
+        return count_dispatch(run)[0]
+
+    training(3), forward(3)  # warm: one-time setup (rotary tables) out of the counts
+    extra_train = training(6).ops - training(5).ops
+    extra_forward = forward(6).ops - forward(5).ops
+    assert extra_train == extra_forward, (training(6).by_op, training(5).by_op)
+    assert training(6).syncs == training(2).syncs

@@ -436,7 +436,7 @@ def _paper_ladder_budget() -> Study:
 # backprop through the last k, against fixed-depth loops of the same shape.
 def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, list[str]]:
     """``matched``: the fixed count whose full-backprop training FLOPs equal the expected
-    FLOPs of a drawn count around ``mean`` with window ``window`` (huginn-tiny at d = 96:
+    FLOPs of a drawn count around ``mean`` with window ``window`` (huginn-tiny at d = 64:
     T = 3 against r̄ = 4, k = 2, within 1 %: E[r] = 5, of which E[min(r, k)] ≈ 2 backpropagated)."""
     return {
         f"fixed-T{matched}": [f"model.layout=2+4R{matched}+2", "model.depth={kind: fixed}"],
@@ -462,10 +462,10 @@ DEPTH = Study(
           "does not",
     sizes={
         "quick": Size(_DEPTH_VARIANTS["quick"], QUICK + ("data.seq_len=16",), seeds=2),
-        "default": Size(_DEPTH_VARIANTS["default"], ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
-                        wall_time="not yet measured: about 24 block passes per token at d = 96 (E[r] = 5), "
-                                  "close to the MeSH study's per-step cost × 2.5; plus a 16-point test-time curve "
-                                  "per run"),
+        "default": Size(_DEPTH_VARIANTS["default"], ("model.d_model=64", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 30 min on one thread (9 runs; ≈ 0.2 s per step for the fixed loops and "
+                                  "≈ 0.35 s for the drawn counts measured, scaled by CPU time; the 16-point "
+                                  "test-time curve ≈ 10 s per run)"),
         "paper": Size(_DEPTH_VARIANTS["paper"], seeds=1,
                       wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
                                 "data.tokenizer and train.max_steps"),
@@ -478,7 +478,7 @@ DEPTH = Study(
              Curve("test_time_compute.png", "loss_vs_iterations", "validation loss against test-time iterations",
                    "loop iterations r at inference", "validation loss")),
     deviations=(
-        "Shrunk: huginn-tiny's shape (2+4R·+2 sandwich blocks, concat_adapter, RMSNorm, SwiGLU) at d = 96 on "
+        "Shrunk: huginn-tiny's shape (2+4R·+2 sandwich blocks, concat_adapter, RMSNorm, SwiGLU) at d = 64 on "
         "pydoc bytes, 600 steps of 16 × 128 tokens; r̄ = 4 and k = 2 (the paper: r̄ = 32, k = 8, 800B tokens).",
         "Matched training FLOPs: the fixed-depth baseline runs T = 3 with full backprop, whose training FLOPs "
         "equal the expected FLOPs of r ~ P(e^τ) + 1 around r̄ = 4 with k = 2 (counted with looplm's accounting, "
