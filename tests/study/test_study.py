@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from looplm.cli import main
+from looplm.config import load_config
 from looplm.config_base import ConfigError
 from looplm.study import RunSpec, Size, Study, get_study, run_study, study_names
 from looplm.study import measures as study_measures
@@ -287,3 +288,12 @@ def test_depth_study_measures_drawn_counts_and_the_test_time_curve(quick) -> Non
     assert scalars["train_flops"] == pytest.approx(want)
     assert [r for r, _ in curve] == list(range(1, 4 * cfg.model.iterations + 1))
     assert scalars["val_loss_at_max"] == curve[-1][1]
+
+
+def test_test_time_curve_is_none_for_a_model_that_runs_only_its_trained_count(tmp_path) -> None:
+    for name, override in (("dense", "model.layout=3"), ("mesh", "model.topology={kind: mesh}")):
+        cfg = load_config("tiny-base", [*QUICK, "data.seq_len=16", f"train.out_dir={tmp_path / name}", override])
+        Trainer(cfg, progress=False).fit()
+        run = runs_module.Run(name=name, seed=0, run_dir=tmp_path / name, config=cfg, summary={}, reused=False)
+        assert study_measures.test_time_curve(run) == {"scalars": {"val_loss_at_max": None}, "series": {},
+                                                       "notes": []}

@@ -130,21 +130,25 @@ def sampled_depth_flops(run: Run, convention: str = "default", model=None) -> li
     return cumulative
 
 
-def test_time_depth(run: Run, factor: int = 4) -> Measures:
-    """:func:`lm` plus the test-time compute curve (arXiv 2502.05171 §5, Fig. 1/7): the
-    validation loss of the final model run at r = 1 … ``factor``·T iterations (T: the
-    trained mean r̄, or the fixed count), as the series ``loss_vs_iterations``, and its
-    values at T (``val_loss_at_mean``) and at ``factor``·T (``val_loss_at_max``)."""
+def test_time_curve(run: Run, factor: int = 4) -> Measures:
+    """The test-time compute curve (arXiv 2502.05171 §5, Figs. 1 and 7): the validation loss
+    of the final model run at r = 1 … ``factor``·T iterations (T: the trained mean r̄, or the
+    fixed count) as the series ``loss_vs_iterations``, and its value at ``factor``·T
+    (``val_loss_at_max``). None for a model that runs only its trained count (a dense
+    layout, per-iteration parameters: the model refuses the count, naming why)."""
+    from looplm.config_base import ConfigError
     from looplm.eval.validation import evaluate_run
 
-    measures = lm(run)
     trained = run.config.model.iterations
-    curve = [[r, evaluate_run(run.run_dir, iterations=r, verify=False)["val_loss"]]
-             for r in range(1, factor * trained + 1)]
-    measures["series"]["loss_vs_iterations"] = curve
-    measures["scalars"]["val_loss_at_mean"] = curve[trained - 1][1]
-    measures["scalars"]["val_loss_at_max"] = curve[-1][1]
-    return measures
+    none = {"scalars": {"val_loss_at_max": None}, "series": {}, "notes": []}
+    if not run.config.model.parsed_layout.is_looped:
+        return none
+    try:
+        curve = [[r, evaluate_run(run.run_dir, iterations=r, verify=False)["val_loss"]]
+                 for r in range(1, factor * trained + 1)]
+    except ConfigError:
+        return none
+    return {"scalars": {"val_loss_at_max": curve[-1][1]}, "series": {"loss_vs_iterations": curve}, "notes": []}
 
 
 def growth(run: Run) -> Measures:

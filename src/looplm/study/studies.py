@@ -430,10 +430,12 @@ def _paper_ladder_budget() -> Study:
 
 # ---------------------------------------------------------------------------- depth
 # Depth that adapts (issue 27): fixed depth against the peers' recurrent-depth recipes at
-# matched training FLOPs. Each recipe adds its variants in its own block below.
+# matched training FLOPs. Each recipe adds its rows (variants), columns and figures in its
+# own block below; the study composes the blocks.
 
-# -- Huginn's randomized depth (arXiv 2502.05171 §3.3): a count drawn per step around r̄,
-# backprop through the last k, against fixed-depth loops of the same shape.
+# --- Huginn's randomized depth (Geiping et al. 2025, arXiv 2502.05171 §3.3): a count drawn per
+# step around r̄, backprop through the last k, against fixed-depth loops of the same shape at
+# matched training FLOPs; every trained loop also gets the test-time compute curve (§5).
 def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, list[str]]:
     """``matched``: the fixed count whose full-backprop training FLOPs equal the expected
     FLOPs of a drawn count around ``mean`` with window ``window`` (huginn-tiny at d = 64:
@@ -447,44 +449,57 @@ def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, li
     }
 
 
-_DEPTH_VARIANTS = {
+DEPTH_HUGINN = {  # size -> runs
     "quick": _runs("huginn-tiny", _huginn_depth_variants(2, 1, 2)),
     "default": _runs("huginn-tiny", _huginn_depth_variants(4, 2, 3)),
     "paper": _runs("huginn-3.5b", _huginn_depth_variants(32, 8, 15)),
 }
+DEPTH_HUGINN_METRICS = (Metric("val_loss_at_max", "val loss at 4×T", 4, better="lower"),)
+DEPTH_HUGINN_FIGURES = (Curve("test_time_compute.png", "loss_vs_iterations",
+                              "validation loss against test-time iterations", "loop iterations r at inference",
+                              "validation loss"),)
+DEPTH_HUGINN_DEVIATIONS = (
+    "Huginn rows: huginn-tiny's shape (2+4R·+2 sandwich blocks, concat_adapter, RMSNorm, SwiGLU) at d = 64 on "
+    "pydoc bytes, 600 steps of 16 × 128 tokens; r̄ = 4 and k = 2 (the paper: r̄ = 32, k = 8, 800B tokens). "
+    "≈ 30 min on one thread for its 9 runs (≈ 0.2 s per step for the fixed loops, ≈ 0.35 s for the drawn "
+    "counts, measured and scaled by CPU time; the 16-point test-time curve ≈ 10 s per run).",
+    "Matched training FLOPs: fixed-T3 runs T = 3 with full backprop, whose training FLOPs equal the expected "
+    "FLOPs of r ~ P(e^τ) + 1 around r̄ = 4 with k = 2 (looplm's accounting, the no-grad iterations once) "
+    "within 1 %; fixed-T4-k2 isolates the random count from the window.",
+    "Validation runs the layout's T (r̄ for Huginn); the test-time curve reruns the final model at r = 1 … 4T.",
+)
+# --- end of Huginn's randomized depth
+
+
+def _depth_measure(run) -> dict:
+    """Validation loss and FLOPs (:func:`measures.lm`: drawn counts summed step by step) and
+    the test-time compute curve of every trained loop (:func:`measures.test_time_curve`)."""
+    lm, curve = measures.lm(run), measures.test_time_curve(run)
+    return {**lm, "scalars": {**lm["scalars"], **curve["scalars"]}, "series": {**lm["series"], **curve["series"]}}
+
 
 DEPTH = Study(
     name="depth",
-    title="Depth that adapts: fixed depth against Huginn's randomized depth (issue 27, shrunk)",
+    title="Depth that adapts: fixed depth against the peers' recurrent-depth recipes (issue 27, CPU size)",
     paper="Huginn (Geiping et al. 2025, arXiv 2502.05171) §3.3 and §5, Figs. 1 and 7",
     claim="at matched training FLOPs a loop trained on a heavy-tailed count per step (backprop through the last "
           "k) keeps improving when run for more iterations than its mean at test time, where a fixed-depth loop "
           "does not",
     sizes={
-        "quick": Size(_DEPTH_VARIANTS["quick"], QUICK + ("data.seq_len=16",), seeds=2),
-        "default": Size(_DEPTH_VARIANTS["default"], ("model.d_model=64", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+        "quick": Size(DEPTH_HUGINN["quick"], QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(DEPTH_HUGINN["default"], ("model.d_model=64", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 30 min on one thread (9 runs; ≈ 0.2 s per step for the fixed loops and "
                                   "≈ 0.35 s for the drawn counts measured, scaled by CPU time; the 16-point "
                                   "test-time curve ≈ 10 s per run)"),
-        "paper": Size(_DEPTH_VARIANTS["paper"], seeds=1,
+        "paper": Size(DEPTH_HUGINN["paper"], seeds=1,
                       wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
                                 "data.tokenizer and train.max_steps"),
     },
-    metrics=(VAL_LOSS, Metric("val_loss_at_max", "val loss at 4×T", 4, better="lower"),
-             Metric("train_flops", "train FLOPs", 3, sci=True),
+    metrics=(VAL_LOSS, *DEPTH_HUGINN_METRICS, Metric("train_flops", "train FLOPs", 3, sci=True),
              Metric("forward_flops_per_token", "fwd FLOPs/token at T", 3, sci=True)),
-    measure=measures.test_time_depth,
-    figures=(*_lm_figures(),
-             Curve("test_time_compute.png", "loss_vs_iterations", "validation loss against test-time iterations",
-                   "loop iterations r at inference", "validation loss")),
-    deviations=(
-        "Shrunk: huginn-tiny's shape (2+4R·+2 sandwich blocks, concat_adapter, RMSNorm, SwiGLU) at d = 64 on "
-        "pydoc bytes, 600 steps of 16 × 128 tokens; r̄ = 4 and k = 2 (the paper: r̄ = 32, k = 8, 800B tokens).",
-        "Matched training FLOPs: the fixed-depth baseline runs T = 3 with full backprop, whose training FLOPs "
-        "equal the expected FLOPs of r ~ P(e^τ) + 1 around r̄ = 4 with k = 2 (counted with looplm's accounting, "
-        "the no-grad iterations once) within 1 %; fixed-T4-k2 isolates the random count from the window.",
-        "Validation runs the layout's T (r̄ for Huginn); the test-time curve reruns the final model at r = 1 … 4T.",
-    ),
+    measure=_depth_measure,
+    figures=(*_lm_figures(), *DEPTH_HUGINN_FIGURES),
+    deviations=DEPTH_HUGINN_DEVIATIONS,
 )
 
 
