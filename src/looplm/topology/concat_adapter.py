@@ -11,8 +11,10 @@ A([s, e]) (:meth:`ConcatAdapterTopology.core_input`, the streams' seam for a top
 that prepares the core's input), and the core's output is the next state.
 
 s_0 (§3.1): in training a fresh draw per position and call, a normal of std ``state_std``
-truncated at ±3σ (the reference samples a truncated normal of std √(2/(5d)) and scales it
-by the embedding scale √d: σ = √(2/5) ≈ 0.632, our default). At inference (``eval()``) a
+truncated at ±3σ. The paper writes s_0 ~ N(0, σ²I) without σ; the released config says
+"like-init" (the weights' std √(2/(5d))) and its modeling code multiplies that draw by
+the embedding scale √d, so σ = √(2/5) ≈ 0.632, our default (the state then sits at the
+scale of the √d-scaled embeddings, ``model.embed_scale``; set ``state_std`` for others). At inference (``eval()``) a
 random state would make the logits of two forwards differ, so decoding could not match
 the full forward: we resolve this by drawing s_0 once, from a fixed seed, as one vector
 of the same distribution shared by every position (a buffer, not saved: it is rebuilt
