@@ -4,7 +4,7 @@
     e = P(x),   s_0 ~ N(0, σ²·I),   s_i = R(e, s_{i−1}) for i = 1..r,   p = C(s_r)
 
 The recurrent block R begins with an adapter A: R^{2d} -> R^d on the concatenation
-[s_{i−1}, e] (§3.1, "the adapter"), then the core blocks. So the loop state is the latent
+[s_{i−1}, e] (§3.2, the adapter), then the core blocks. So the loop state is the latent
 s (what halting rules, ``output_states`` and the coda read), not the prelude output e;
 e travels in the carrier and enters every iteration through A. The core reads
 A([s, e]) (:meth:`ConcatAdapterTopology.core_input`, the streams' seam for a topology
