@@ -121,6 +121,12 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("mor-token-choice-steps", tiny_config("residual", layout="1R3", step_embeddings=True,
                                                halting={"kind": "mor", "depths": 3, "routing": "token_choice",
                                                         "init_bias": 0.0})),
+        # Huginn: latent state + concat adapter, a count drawn per step, backprop through the last 2
+        ("huginn-sampled-depth", tiny_config("concat_adapter", layout="1+1R3+1", norm="rmsnorm", mlp="swiglu",
+                                             bias=False, norm_placement="sandwich", embed_scale=True,
+                                             depth={"kind": "lognormal_poisson", "backprop_window": 2})),
+        ("huginn-fixed-window-gdn", tiny_config("concat_adapter", layout="2R4", mixer={"kind": "gated_deltanet"},
+                                                depth={"kind": "fixed", "backprop_window": 1})),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

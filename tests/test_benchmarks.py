@@ -290,3 +290,15 @@ def test_launch_counts_table_names_every_target(tmp_path):
         assert row in text, row
     syncs = re.findall(r"\| (\d+(?:\.\d+)?) \|\n", text.split("## Training")[0])
     assert syncs and all(float(s) == 0 for s in syncs)  # no host sync per decoded token
+
+
+def test_huginn_memory_benchmark_shows_memory_following_the_window(tmp_path):
+    out = tmp_path / "huginn.md"
+    text = benchmark("huginn_memory").main(["--d-model", "16", "--heads", "2", "--vocab", "64", "--seq-len", "8",
+                                            "--batch", "1", "--window", "2", "--counts", "2", "4", "8",
+                                            "--device", "cpu", "--out", str(out)])
+    assert out.read_text() == text
+    ratios = {(row[1].strip(), row[2].strip()): float(row[4]) for row in
+              (line.split("|") for line in text.splitlines() if line.startswith(("| k =", "| full")))}
+    assert ratios[("k = 2", "2")] == ratios[("k = 2", "8")] == 1.0  # constant beyond the window
+    assert ratios[("full backprop", "8")] > 2.5  # grows with r (fixed costs: embeddings, prelude, coda)

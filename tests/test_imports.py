@@ -20,7 +20,7 @@ ROOT = Path(looplm.__file__).parent
 
 #: Packages below the model: they are handed what they need (``BlockShape``, widths,
 #: iteration counts) and never reach up to the model or its config.
-LOWER = ("ops", "modules", "mixers", "topology", "halting", "streams", "resolution", "head_loop")
+LOWER = ("ops", "modules", "mixers", "topology", "halting", "streams", "resolution", "head_loop", "depth")
 UPWARD = ("looplm.model_config", "looplm.model")
 #: The model's side: the axes, the model and what it decodes and is measured with, its data.
 #: Evaluation (``looplm.eval``) and the Hugging Face import and export (``looplm.hf``) read

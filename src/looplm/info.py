@@ -37,6 +37,7 @@ def describe(cfg: ModelConfig) -> dict[str, Any]:
         "parameters": parameter_counts(model),
         "flops": _headline_flops(model, cfg),
         **({"head_loop": _head_loop_summary(cfg)} if cfg.head_loop is not None else {}),
+        **({"depth": cfg.depth.summary(layout.iterations)} if cfg.depth.changes_training else {}),
     }
 
 

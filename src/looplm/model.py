@@ -11,6 +11,7 @@ mixer; the decoding cache is an explicit argument.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -215,11 +216,15 @@ class LoopLM(nn.Module):
         # A full-loop cache (a static one) runs every step on every position, halted ones
         # frozen: no data-dependent exit, and no position ever misses a step's entries.
         stops = halting.freezes and not (cache is not None and cache.full_loop)
+        # truncated backpropagation (model.depth.backprop_window = k): the first r − k steps
+        # run without gradient, so training memory follows k, not r (Huginn §3.3)
+        no_grad = self.cfg.depth.no_grad_iterations(n_iter) if torch.is_grad_enabled() else 0
         for t in range(n_iter):
             if cache is not None and stops:
                 catch_up = catch_up + self._catch_up(t, ctx, cache)
             step_ctx = halting.step_context(halt, ctx, cache, t)  # ctx, unless the rule hides some keys
-            new = streams.step(topology, state, self._passes(t, step_ctx, cache), t)
+            with torch.no_grad() if t < no_grad else contextlib.nullcontext():
+                new = streams.step(topology, state, self._passes(t, step_ctx, cache), t)
             state = halting.fold(halt, state, new, t)
             last = t == n_iter - 1
             solution = streams.finish(topology, state) if last else state.h

@@ -11,6 +11,7 @@ import functools
 from typing import Literal, Optional, Union
 
 from looplm.config_base import Config, check
+from looplm.depth import DepthConfig, FixedDepthConfig
 from looplm.head_loop.config import HeadLoopConfig
 from looplm.halting.config import HaltingConfig, NoHaltingConfig
 from looplm.layout import Layout, parse_layout
@@ -68,11 +69,12 @@ class ModelConfig(Config):
     streams: StreamsConfig = SingleStreamConfig()  # single state, or solution/reasoning streams (looplm.streams)
     halting: HaltingConfig = NoHaltingConfig()  # none, ACT or Q-halt (looplm.halting)
     lora: LoRAConfig = LoRAConfig()  # per-iteration adapters on the shared core (Relaxed Recursive Transformers)
+    depth: DepthConfig = FixedDepthConfig()  # iterations per training step, backprop window (looplm.depth)
 
     def __post_init__(self) -> None:
         for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
                            ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig),
-                           ("lora", LoRAConfig)):
+                           ("lora", LoRAConfig), ("depth", DepthConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if self.loop_mixers is not None:
@@ -160,6 +162,7 @@ class ModelConfig(Config):
                 ("loop_input_norm", not self.loop_input_norm, self.loop_input_norm, False),
                 ("streams.kind", not self.streams.defines_update, self.streams.kind, "single"),
                 ("halting.kind", not self.halting.adaptive, self.halting.kind, "none"),
+                ("depth", not self.depth.changes_training, self.depth.to_dict(), {"kind": "fixed"}),
             ):
                 check(ok, f"model.{name}", value,
                       f"{default!r} for the dense layout {self.layout!r}: it acts on a loop such as 1R12")
@@ -202,10 +205,31 @@ class ModelConfig(Config):
                   f"a loop of at least {self.halting.min_iterations} iterations with {self.halting.label}")
         self.halting.check_loop(layout.iterations, self.layout,
                                 sorted({m.kind for mixers in self.block_mixers().values() for m in mixers}))
+        self._check_depth(layout, multires)
         exit_at = self.halting.exit_at_step
         if exit_at is not None:
             check(exit_at < layout.iterations, "model.halting.exit_at_step", exit_at,
                   f"null or a 0-based loop step below the {layout.iterations} iterations of layout {self.layout!r}")
+
+    def _check_depth(self, layout: Layout, multires: bool) -> None:
+        """A count drawn per step needs a loop that runs any count; a truncated backward has
+        no halting losses to drop (the early steps' would train nothing)."""
+        depth = self.depth
+        if depth.sampled:
+            for name, ok, value, allowed in (
+                ("share_core", self.share_core, self.share_core, "true (one core stack runs any count)"),
+                ("layout", not multires, self.layout, "a full-resolution loop (one resolution per trained iteration)"),
+                ("loop_mixers", self.loop_mixers is None, self.loop_mixers, "null (one mixer per trained iteration)"),
+                ("step_embeddings", not self.step_embeddings, self.step_embeddings,
+                 "false (one e_t per trained step)"),
+            ):
+                check(ok, f"model.{name}", value, f"{allowed} with model.depth.kind={depth.kind}")
+            check(self.topology.iteration_free, "model.topology.kind", self.topology.kind,
+                  f"a kind without per-iteration parameters with model.depth.kind={depth.kind}")
+        if depth.changes_training:
+            check(not self.halting.adaptive, "model.halting.kind", self.halting.kind,
+                  f"'none' with model.depth (kind={depth.kind}, backprop_window={depth.backprop_window}): "
+                  "a drawn count or a truncated backward leaves the halting losses of early steps untrained")
 
     @property
     def passes_per_step(self) -> int:

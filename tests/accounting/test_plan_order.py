@@ -40,7 +40,8 @@ LAYOUTS = {"dense": dict(layout="2"), "looped": dict(layout="1R3"), "prelude-cod
            "unshared": dict(layout="1+2R2+1", share_core=False),
            "multires": dict(layout="1+1x{1/8,1/4,1/2,1}+1")}
 TOPOLOGIES = [{"kind": k} for k in ("base", "residual", "anchor", "anchor_embedding", "gated_residual",
-                                    "static_combination", "dynamic_combination", "mesh")] + [
+                                    "static_combination", "dynamic_combination", "mesh",
+                                    "concat_adapter")] + [
     {"kind": "additive", "supplements": ["residual", "anchor_embedding"]}]
 HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qhalt", "full_compute": True},
            {"kind": "exit_gate"}, {"kind": "exit_gate", "objective": "expected"},
@@ -158,11 +159,13 @@ def check_plan_order(cfg) -> None:
 
 
 def _config(layout="looped", topology=None, halting=None, streams=None, resolution=None, step_embeddings=False,
-            loop_input_norm=False, head_loop=None, lora=None):
+            loop_input_norm=False, head_loop=None, lora=None, depth=None):
     fields = dict(LAYOUTS[layout], step_embeddings=step_embeddings, loop_input_norm=loop_input_norm,
                   head_loop=head_loop)
     if lora is not None:
         fields["lora"] = lora
+    if depth is not None:
+        fields["depth"] = depth
     if layout != "dense":
         fields.update(topology=topology or {"kind": "base"}, halting=halting or {"kind": "none"},
                       streams=streams or {"kind": "single"})
@@ -191,6 +194,8 @@ AXIS_VALUES = {
                                   lora=lora, step_embeddings=True,
                                   streams=STREAMS[1] if layout == "looped" else None)
        for i, lora in enumerate(LORAS) for layout in ("prelude-coda", "multires", "looped")},
+    "concat_adapter-sampled-depth": dict(layout="prelude-coda", topology={"kind": "concat_adapter"},
+                                         depth={"kind": "lognormal_poisson", "backprop_window": 1}),
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from looplm.cli import main
+from looplm.config import load_config
 from looplm.config_base import ConfigError
 from looplm.study import RunSpec, Size, Study, get_study, run_study, study_names
 from looplm.study import measures as study_measures
@@ -395,3 +396,43 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     with pytest.raises(ConfigError, match="size.max_seeds"):
         dataclasses.replace(quick, max_seeds=1)
     assert Metric("x", "x").better is None and study.primary is VAL_LOSS
+def test_depth_study_compares_huginn_with_fixed_depth_at_matched_training_flops(tmp_path) -> None:
+    """The Huginn block of the depth study: every size resolves, and its fixed-depth
+    baseline's training FLOPs equal the expected FLOPs of the drawn counts (within 1 %)."""
+    import collections
+
+    from looplm.accounting import count_flops
+
+    for size in ("quick", "default", "paper"):
+        configs = get_study("depth", size).configs(size, tmp_path, seed=5)
+        assert {"huginn-fixed-T4-k2", "huginn-r4-k2", "huginn-fixed-T3"} <= set(configs) or size != "default"
+    configs = get_study("depth", "default").configs("default", tmp_path, seed=5)
+    huginn, fixed = configs["huginn-r4-k2"].model, configs["huginn-fixed-T3"].model
+    seq = configs["huginn-fixed-T3"].data.seq_len
+    counts = collections.Counter(huginn.depth.count(huginn.iterations, 0, step) for step in range(4000))
+    expected = sum(n * count_flops(huginn, seq, iterations=r).training for r, n in counts.items()) / 4000
+    assert count_flops(fixed, seq).training == pytest.approx(expected, rel=0.01)
+
+
+def test_depth_study_measures_drawn_counts_and_the_test_time_curve(quick) -> None:
+    from looplm.accounting import count_flops
+
+    result = quick["depth"]
+    (run, _) = result.runs["huginn-r2-k1"]
+    cfg = run.config
+    steps = [cfg.model.depth.count(cfg.model.iterations, cfg.train.seed, s) for s in range(cfg.train.max_steps)]
+    want = sum(count_flops(cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size, iterations=r).training
+               for r in steps)
+    scalars, curve = result.scalars("huginn-r2-k1")[0], result.series("huginn-r2-k1", "loss_vs_iterations")[0]
+    assert scalars["train_flops"] == pytest.approx(want)
+    assert [r for r, _ in curve] == list(range(1, 4 * cfg.model.iterations + 1))
+    assert scalars["val_loss_at_max"] == curve[-1][1]
+
+
+def test_test_time_curve_is_none_for_a_model_that_runs_only_its_trained_count(tmp_path) -> None:
+    for name, override in (("dense", "model.layout=3"), ("mesh", "model.topology={kind: mesh}")):
+        cfg = load_config("tiny-base", [*QUICK, "data.seq_len=16", f"train.out_dir={tmp_path / name}", override])
+        Trainer(cfg, progress=False).fit()
+        run = runs_module.Run(name=name, seed=0, run_dir=tmp_path / name, config=cfg, summary={}, reused=False)
+        assert study_measures.test_time_curve(run) == {"scalars": {"val_loss_at_max": None}, "series": {},
+                                                       "notes": []}

@@ -37,7 +37,9 @@ RESUME_GRID = (
                  "loop_input_norm": True, "halting": {"kind": "exit_gate", "threshold": 0.5,
                                                       "objective": "expected"}}, 1),
        # per-iteration LoRA on the shared core (Relaxed Recursive Transformers)
-       ("anchor", {"layout": "1+1R3+1", "lora": {"rank": 2}}, 2)]
+       ("anchor", {"layout": "1+1R3+1", "lora": {"rank": 2}}, 2),
+       # Huginn: random s_0 from the saved RNG, a count drawn from (seed, step), truncated backprop
+       ("concat_adapter", {"layout": "1+1R3+1", "depth": {"kind": "lognormal_poisson", "backprop_window": 2}}, 2)]
 )
 
 

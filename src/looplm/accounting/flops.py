@@ -113,10 +113,12 @@ def count_flops(
     *,
     batch: int = 1,
     convention: Union[str, Convention] = "default",
+    iterations: Optional[int] = None,
 ) -> FlopReport:
     """Forward (and training) FLOPs of a full forward on [batch, seq_len] (default:
     ``max_seq_len``), looped blocks counted once per pass, every position running every
-    macro step (what adaptive halting saved: :func:`realised_block_passes`)."""
+    macro step (what adaptive halting saved: :func:`realised_block_passes`). ``iterations``:
+    the loop count r run (default the layout's T), e.g. a count ``model.depth`` drew."""
     conv = get_convention(convention)
     model = build_meta_model(model_or_cfg) if isinstance(model_or_cfg, ModelConfig) else model_or_cfg
     seq_len = seq_len or model.cfg.max_seq_len
@@ -125,7 +127,7 @@ def count_flops(
     costs: dict[str, Cost] = {}
     targets_only: dict[str, float] = {}
     no_grad = embedding_matmul = targets_only_grad = 0.0
-    for step in execution_plan(model, seq_len, batch, targets=True):
+    for step in execution_plan(model, seq_len, batch, targets=True, iterations=iterations):
         if step.component == "head" and not conv.head:
             cost = Cost()
         else:

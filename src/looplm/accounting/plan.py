@@ -16,17 +16,19 @@ order of module calls to a real forward's, over every axis value.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from torch import nn
 
-from looplm.accounting.cost import Call, Cost, Step, module_cost
+from looplm.accounting.cost import Call, Cost, Step, in_pass, module_cost
 from looplm.halting import Readout
 from looplm.model import LoopLM
 
 __all__ = ["PositionCall", "Step", "execution_plan"]
 
 
-def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool = False) -> list[Step]:
+def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool = False,
+                   iterations: Optional[int] = None) -> list[Step]:
     """The module calls of one full forward of ``model`` on [batch, seq_len], in order,
     loops unrolled, every position running every macro step (full compute).
 
@@ -46,7 +48,11 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     on the tokens of its L_t complete chunks, runs the core on L_t positions
     (:func:`~looplm.resolution.core_lengths`) and adds S↑ on those L_t latents; the
     topology step runs at full resolution. A block's grown loop (SGT) is in the block's
-    own ``flop_cost`` (plain or grown block)."""
+    own ``flop_cost`` (plain or grown block).
+
+    ``iterations``: the loop count r the forward runs (default the layout's T; a count drawn
+    by ``model.depth`` or chosen at inference). Under ``model.depth.backprop_window`` = k the
+    first r − k macro steps run without gradient in training (``grad=False``: counted once)."""
     full = Call(batch, seq_len, seq_len, width=model.cfg.d_model)
     plan = [Step("embedding", "embed", model.embed, full)]
     if model.pos_embed is not None:
@@ -54,7 +60,7 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     names = model.cfg.structure.names_of
     plan += [Step("prelude", name, block, full) for name, block in zip(names("prelude"), model.prelude, strict=True)]
     if model.topology is not None:
-        plan += _recurrence_plan(model, full, targets)
+        plan += _recurrence_plan(model, full, targets, iterations or model.cfg.iterations)
     plan += [Step("coda", name, block, full) for name, block in zip(names("coda"), model.coda, strict=True)]
     # the readout's logits carry the training loss unless the halting rule's own losses hold
     # the task loss (the exit gate's expected objective): then training runs them without backward
@@ -68,14 +74,15 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     return plan
 
 
-def _recurrence_plan(model: LoopLM, full: Call, targets: bool) -> list[Step]:
+def _recurrence_plan(model: LoopLM, full: Call, targets: bool, iterations: int) -> list[Step]:
     """The recurrence of :func:`execution_plan`: the axes' descriptions in ``_recur``'s order."""
     streams, topology, halting = model.streams, model.topology, model.halting
     readout = Readout(model.norm, model.head)
     plan = streams.start_calls(topology, full)
-    for t in range(model.cfg.parsed_layout.iterations):
+    no_grad = model.cfg.depth.no_grad_iterations(iterations)  # truncated backprop: steps t < r − k
+    for t in range(iterations):
         at = dataclasses.replace(full, iteration=t)
-        plan += streams.step_calls(topology, t, at, model._pass_calls(t, at))
+        plan += in_pass(streams.step_calls(topology, t, at, model._pass_calls(t, at)), grad=t >= no_grad)
         plan += halting.step_calls(t, at, readout, targets)
     return plan
 

@@ -35,7 +35,8 @@ class CorePass:
 
 
 class SingleStream(nn.Module):
-    """One state h: update = f_core(h (+ e_t)), folded in by the topology (UT, MeSH, ...)."""
+    """One state h: update = f_core(x (+ e_t)) on the topology's core input x (h itself, or
+    Huginn's A([s, e])), folded in by the topology (UT, MeSH, ...)."""
 
     schedule = (CorePass(0),)  # the core passes of one macro step
     passes = len(schedule)
@@ -44,15 +45,16 @@ class SingleStream(nn.Module):
         return topology.start(h_emb, h_pre)
 
     def step(self, topology: Topology, state: LoopState, core: Core, t: int) -> LoopState:
-        return topology.step(state, core(state.h, 0), t)
+        return topology.step(state, core(topology.core_input(state, t), 0), t)
 
     def start_calls(self, topology: Topology, call: Call) -> list[Step]:
         """The calls of :meth:`start`: the topology's start."""
         return topology.start_calls(call)
 
     def step_calls(self, topology: Topology, t: int, call: Call, core: CoreCalls) -> list[Step]:
-        """The calls of :meth:`step`: the core pass, then the topology step."""
-        return [*core(0), *topology.step_calls(t, call)]
+        """The calls of :meth:`step`: the topology's preparation of the core's input (if any),
+        the core pass, then the topology step."""
+        return [*topology.input_calls(t, call), *core(0), *topology.step_calls(t, call)]
 
     def finish(self, topology: Topology, state: LoopState) -> torch.Tensor:
         return topology.finish(state)

@@ -46,6 +46,8 @@ def _lm(run: Run, convention: str) -> tuple[Measures, float]:
     base = _flops_per_step(run, convention, model)
     if cfg.model.head_loop is not None:
         cumulative = grown_flops(run, convention, model)
+    elif cfg.model.depth.sampled:
+        cumulative = sampled_depth_flops(run, convention, model)
     else:
         cumulative = [base * s for s in range(steps + 1)]
     forward = count_flops(model, cfg.data.seq_len, convention=convention)
@@ -105,6 +107,48 @@ def grown_flops(run: Run, convention: str = "sgt", model=None) -> list[float]:
                                                   convention=convention)
         cumulative.append(cumulative[-1] + cost[key])
     return cumulative
+
+
+def sampled_depth_flops(run: Run, convention: str = "default", model=None) -> list[float]:
+    """Cumulative training FLOPs after each step 0 … steps of a run whose ``model.depth``
+    draws the count per step (Huginn, arXiv 2502.05171 §3.3): step s ran the count drawn for
+    (``train.seed``, s), its first r − k iterations without gradient (counted once)."""
+    from looplm.accounting import count_flops
+    from looplm.accounting.flops import build_meta_model
+
+    cfg = run.config
+    steps = run.summary.get("steps", cfg.train.max_steps)
+    model = model if model is not None else build_meta_model(cfg.model)
+    cost: dict[int, float] = {}
+    cumulative = [0.0]
+    for step in range(steps):
+        r = cfg.model.depth.count(cfg.model.iterations, cfg.train.seed, step)
+        if r not in cost:
+            cost[r] = count_flops(model, cfg.data.seq_len, batch=cfg.train.batch_size, convention=convention,
+                                  iterations=r).training
+        cumulative.append(cumulative[-1] + cost[r])
+    return cumulative
+
+
+def test_time_curve(run: Run, factor: int = 4) -> Measures:
+    """The test-time compute curve (arXiv 2502.05171 §5, Figs. 1 and 7): the validation loss
+    of the final model run at r = 1 … ``factor``·T iterations (T: the trained mean r̄, or the
+    fixed count) as the series ``loss_vs_iterations``, and its value at ``factor``·T
+    (``val_loss_at_max``). None for a model that runs only its trained count (a dense
+    layout, per-iteration parameters: the model refuses the count, naming why)."""
+    from looplm.config_base import ConfigError
+    from looplm.eval.validation import evaluate_run
+
+    trained = run.config.model.iterations
+    none = {"scalars": {"val_loss_at_max": None}, "series": {}, "notes": []}
+    if not run.config.model.parsed_layout.is_looped:
+        return none
+    try:
+        curve = [[r, evaluate_run(run.run_dir, iterations=r, verify=False)["val_loss"]]
+                 for r in range(1, factor * trained + 1)]
+    except ConfigError:
+        return none
+    return {"scalars": {"val_loss_at_max": curve[-1][1]}, "series": {"loss_vs_iterations": curve}, "notes": []}
 
 
 def growth(run: Run) -> Measures:

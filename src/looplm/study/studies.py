@@ -382,39 +382,90 @@ DEPTH_EXIT_DEVIATIONS = (
 # --- end of zero-shot exit
 
 
+# --- Huginn's randomized depth (Geiping et al. 2025, arXiv 2502.05171 §3.3): a count drawn per
+# step around r̄, backprop through the last k, against fixed-depth loops of the same shape at
+# matched training FLOPs; every trained loop also gets the test-time compute curve (§5).
+def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, list[str]]:
+    """``matched``: the fixed count whose full-backprop training FLOPs equal the expected
+    FLOPs of a drawn count around ``mean`` with window ``window`` (huginn-tiny at d = 64:
+    T = 3 against r̄ = 4, k = 2, within 1 %: E[r] = 5, of which E[min(r, k)] ≈ 2 backpropagated)."""
+    return {
+        f"huginn-fixed-T{matched}": [f"model.layout=2+4R{matched}+2", "model.depth={kind: fixed}"],
+        f"huginn-fixed-T{mean}-k{window}": [f"model.layout=2+4R{mean}+2",
+                                     f"model.depth={{kind: fixed, backprop_window: {window}}}"],
+        f"huginn-r{mean}-k{window}": [f"model.layout=2+4R{mean}+2",
+                                      f"model.depth={{kind: lognormal_poisson, sigma: 0.5, backprop_window: {window}}}"],
+    }
+
+
+DEPTH_HUGINN = {  # size -> runs
+    "quick": _runs("huginn-tiny", _huginn_depth_variants(2, 1, 2)),
+    "default": _runs("huginn-tiny", _huginn_depth_variants(4, 2, 3)),
+    "paper": _runs("huginn-3.5b", _huginn_depth_variants(32, 8, 15)),
+}
+DEPTH_HUGINN_METRICS = (Metric("val_loss_at_max", "val loss at 4×T", 4, better="lower"),)
+DEPTH_HUGINN_FIGURES = (Curve("test_time_compute.png", "loss_vs_iterations",
+                              "validation loss against test-time iterations", "loop iterations r at inference",
+                              "validation loss"),)
+DEPTH_HUGINN_DEVIATIONS = (
+    "Huginn rows: huginn-tiny's shape (2+4R·+2 sandwich blocks, concat_adapter, RMSNorm, SwiGLU) at d = 64 on "
+    "pydoc bytes, 600 steps of 16 × 128 tokens; r̄ = 4 and k = 2 (the paper: r̄ = 32, k = 8, 800B tokens). "
+    "≈ 30 min on one thread for its 9 runs (≈ 0.2 s per step for the fixed loops, ≈ 0.35 s for the drawn "
+    "counts, measured and scaled by CPU time; the 16-point test-time curve ≈ 10 s per run).",
+    "Matched training FLOPs: huginn-fixed-T3 runs T = 3 with full backprop, whose training FLOPs equal the expected "
+    "FLOPs of r ~ P(e^τ) + 1 around r̄ = 4 with k = 2 (looplm's accounting, the no-grad iterations once) "
+    "within 1 %; huginn-fixed-T4-k2 isolates the random count from the window.",
+    "Validation runs the layout's T (r̄ for Huginn); the test-time curve reruns the final model at r = 1 … 4T.",
+)
+# --- end of Huginn's randomized depth
+
+
 def _depth_measure(run) -> dict:
-    """Validation loss, FLOPs and the realised depth (:func:`measures.realised_depth`), and
-    every trained loop that can take it evaluated with the zero-shot exits
-    (:func:`measures.zero_shot_exit`; blank for rules with parameters, e.g. MoR's routers)."""
-    depth, exit_ = measures.realised_depth(run), measures.zero_shot_exit(run)
-    return {**depth, "scalars": {**depth["scalars"], **exit_["scalars"]}}
+    """Validation loss, FLOPs (drawn counts summed step by step) and the realised depth
+    (:func:`measures.realised_depth`); every trained loop that can take it evaluated with the
+    zero-shot exits (:func:`measures.zero_shot_exit`; blank for rules with parameters, e.g.
+    MoR's routers) and run at r = 1 … 4T (:func:`measures.test_time_curve`)."""
+    parts = [measures.realised_depth(run), measures.zero_shot_exit(run), measures.test_time_curve(run)]
+    return {**parts[0], "scalars": {k: v for p in parts for k, v in p["scalars"].items()},
+            "series": {k: v for p in parts for k, v in p["series"].items()}}
 
 
-def _depth_runs() -> dict[str, RunSpec]:
-    return {**_DEPTH_FIXED, **_DEPTH_MOR}
+def _depth_runs(size: str) -> dict[str, RunSpec]:
+    """Every recipe's rows at ``size``: the fixed-depth and MoR blocks, then Huginn's."""
+    return {**_DEPTH_FIXED, **_DEPTH_MOR, **DEPTH_HUGINN[size]}
 
 
 DEPTH = Study(
     name="depth",
-    title="Depth that adapts: fixed-depth loops against per-token depth (issue 27), at matched training steps",
-    paper="Mixture-of-Recursions (Bae et al. 2025, arXiv 2507.10524), §2.2.1 and §3; Huginn (Geiping et al. 2025, "
-          "arXiv 2502.05171) §6 (zero-shot exit); Ouro (Zhu et al. 2025, arXiv 2510.25741) §3.4",
+    title="Depth that adapts: fixed depth against the peers' recurrent-depth recipes (issue 27, CPU size)",
+    paper="Mixture-of-Recursions (Bae et al. 2025, arXiv 2507.10524) §2.2.1 and §3; Huginn (Geiping et al. 2025, "
+          "arXiv 2502.05171) §3.3, §5 and §6 (zero-shot exit); Ouro (Zhu et al. 2025, arXiv 2510.25741) §3.4",
     claim="per-token depth reaches the loss of the fixed loop it is cut from at the realised block passes of a "
           "shallower one (MoR: expert choice at 3/3, 2/3, 1/3 capacity ≈ 2 of 3 recursion steps per token); a "
-          "fixed-depth loop can stop converged tokens early at inference (zero-shot exit) for a small loss",
+          "fixed-depth loop can stop converged tokens early at inference (zero-shot exit) for a small loss; at "
+          "matched training FLOPs a loop trained on a heavy-tailed count per step (Huginn) keeps improving when "
+          "run for more iterations than its mean at test time, where a fixed-depth loop does not",
     sizes={
-        "quick": Size(_depth_runs(), QUICK + ("data.seq_len=16",), seeds=2),
-        "default": Size(_depth_runs(), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
-                        wall_time="≈ 45 min on one thread (15 runs of 600 steps; not yet timed)"),
+        "quick": Size(_depth_runs("quick"), QUICK + ("data.seq_len=16",), seeds=2),
+        "default": Size(_depth_runs("default"), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 75 min on one thread (24 runs of 600 steps; MoR rows not yet timed, Huginn's "
+                                  "≈ 0.2 s per step for the fixed loops and ≈ 0.35 s for the drawn counts)"),
+        "paper": Size(DEPTH_HUGINN["paper"], seeds=1,
+                      wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
+                                "data.tokenizer and train.max_steps"),
     },
-    metrics=(VAL_LOSS, Metric("passes", "block passes/token (realised)", 2, better="lower"),
+    metrics=(VAL_LOSS, *DEPTH_HUGINN_METRICS, Metric("passes", "block passes/token (realised)", 2, better="lower"),
              Metric("steps", "loop steps/token", 2),
              Metric("train_flops", "train FLOPs (as run)", 3, sci=True),
              Metric("train_flops_realised", "train FLOPs (realised)", 3, sci=True), *DEPTH_EXIT_METRICS[1:]),
     measure=_depth_measure,
     reference="fixed-T3",
-    figures=_lm_figures(),
+    figures=(*_lm_figures(), *DEPTH_HUGINN_FIGURES),
     deviations=(
+        "Two families of rows: fixed-T3 / fixed-T2 / mor-* share tiny-base's 1+2R3+1 shape (paired against "
+        "fixed-T3); huginn-* share huginn-tiny's 2+4R·+2 shape (compare them with huginn-fixed-T3, their "
+        "matched-FLOPs fixed loop, not with the paired column).",
+        *DEPTH_HUGINN_DEVIATIONS,
         "Shrunk: 1+2R3+1 blocks at d = 96 (MoR's Middle-Cycle sharing, N_r = 3), byte-level pydoc corpus, 600 steps "
         "of 16 × 128 tokens; the paper trains 135M–1.7B models on FineWeb-Edu at matched training FLOPs.",
         "Realised passes and FLOPs are measured on 16 held-out sequences in eval mode; looplm's batched forward "

@@ -14,12 +14,14 @@ One value of the ``model.topology.kind`` field each, with its config class in
 | static_combination | h ← α·(f(h), h⁽⁰⁾, h_emb, h) | MeSH Appendix E.3 (learnable) |
 | dynamic_combination | α = Linear_t(h) per token | MeSH Appendix E.3 (learnable) |
 | mesh | buffer + routers | MeSH §3.2, Alg. 2 |
+| concat_adapter | s ← f(A([s, e])), s_0 random | Huginn (arXiv 2502.05171) §3.1, Eq. (1) |
 """
 
 from __future__ import annotations
 
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.base import LoopState, Topology
+from looplm.topology.concat_adapter import ConcatAdapterTopology
 from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
 from looplm.topology.config import TOPOLOGY_CONFIGS, TopologyConfig
 from looplm.topology.gated import GatedResidualTopology
@@ -33,6 +35,7 @@ def build_topology(cfg: TopologyConfig, d_model: int, iterations: int) -> Topolo
 
 __all__ = [
     "AdditiveTopology",
+    "ConcatAdapterTopology",
     "DynamicCombinationTopology",
     "GatedResidualTopology",
     "LoopState",

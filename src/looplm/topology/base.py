@@ -43,6 +43,11 @@ class Topology(nn.Module):
         """State entering the loop from the embeddings h_emb and the prelude output h_pre."""
         return LoopState(h=h_pre, carrier={"h0": h_pre, "h_emb": h_emb})
 
+    def core_input(self, state: LoopState, t: int) -> torch.Tensor:
+        """What the core reads at iteration t: the state h itself, unless the topology
+        prepares it (Huginn's adapter on [s, e], :mod:`looplm.topology.concat_adapter`)."""
+        return state.h
+
     def step(self, state: LoopState, update: torch.Tensor, t: int) -> LoopState:
         """Next state from ``update`` = f_core(state.h) at iteration t (0-based)."""
         raise NotImplementedError
@@ -57,6 +62,10 @@ class Topology(nn.Module):
     def start_calls(self, call: Call) -> list[Step]:
         """What :meth:`start` runs, as the execution plan lists it (``call``: the full forward)."""
         return [Step("topology", "topology.start", self, dataclasses.replace(call, phase="start"))]
+
+    def input_calls(self, t: int, call: Call) -> list[Step]:
+        """What :meth:`core_input` runs at iteration t (none unless a subclass prepares the input)."""
+        return []
 
     def step_calls(self, t: int, call: Call) -> list[Step]:
         """What :meth:`step` runs at iteration t (``call``: the full forward at iteration t).

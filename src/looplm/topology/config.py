@@ -9,11 +9,13 @@ iterations)`` makes the :class:`~looplm.topology.base.Topology`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Optional
 
 from looplm.config_base import KindConfig, check
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.base import Topology
+from looplm.topology.concat_adapter import ConcatAdapterTopology
 from looplm.topology.combination import DynamicCombinationTopology, StaticCombinationTopology
 from looplm.topology.gated import GatedResidualTopology
 from looplm.topology.mesh import MeshTopology
@@ -37,6 +39,9 @@ class TopologyConfig(KindConfig):
     #: whether one position can stop iterating while others go on: not when positions
     #: write per-step state that later steps read (MeSH's buffer).
     can_freeze_positions: ClassVar[bool] = True
+    #: whether the topology has no per-iteration parameters, so the loop runs any count
+    #: (test-time depth, a count drawn per training step: model.depth)
+    iteration_free: ClassVar[bool] = True
 
     @classmethod
     def kinds(cls) -> dict[str, type[KindConfig]]:
@@ -126,6 +131,7 @@ class GatedResidualTopologyConfig(TopologyConfig):
     """h ← f(h) + ρ_τ ⊙ h with a learned gate per loop (LT2 §2.1)."""
 
     kind: str = "gated_residual"
+    iteration_free = False
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return GatedResidualTopology(d_model, iterations)
@@ -139,6 +145,7 @@ class StaticCombinationTopologyConfig(TopologyConfig):
     """h ← α_t·(f(h), h⁽⁰⁾, h_emb, h), learned α_t per iteration (MeSH Appendix E.3)."""
 
     kind: str = "static_combination"
+    iteration_free = False
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return StaticCombinationTopology(iterations)
@@ -152,6 +159,7 @@ class DynamicCombinationTopologyConfig(TopologyConfig):
     """α_t = Linear_t(h) per token (MeSH Appendix E.3)."""
 
     kind: str = "dynamic_combination"
+    iteration_free = False
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return DynamicCombinationTopology(d_model, iterations)
@@ -168,6 +176,7 @@ class MeshTopologyConfig(TopologyConfig):
     kind: str = "mesh"
     buffer_slots: Optional[int] = None
     can_freeze_positions = False
+    iteration_free = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,6 +202,30 @@ class MeshTopologyConfig(TopologyConfig):
         return (iterations + 1) * 2 * (d_model * B + B)  # write and read routers, t = -1 .. T-1 (App. E.4)
 
 
+@dataclasses.dataclass(frozen=True)
+class ConcatAdapterTopologyConfig(TopologyConfig):
+    """Huginn's latent state s with input injection: the core reads A([s, e]), A a linear
+    2d -> d, and its output is the next s; s_0 random of std ``state_std`` (arXiv
+    2502.05171 §3.1, Eq. 1; :mod:`looplm.topology.concat_adapter`)."""
+
+    kind: str = "concat_adapter"
+    state_std: float = math.sqrt(2 / 5)  # the reference's √(2/(5d)) truncated normal, times the embedding scale √d
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.state_std > 0, "model.topology.state_std", self.state_std,
+              "a number > 0 (the std of the random initial state s_0; Huginn: √(2/5) ≈ 0.632)")
+
+    def build(self, d_model: int, iterations: int) -> Topology:
+        return ConcatAdapterTopology(d_model, self.state_std)
+
+    def summary(self, iterations: int) -> str:
+        return f"{self.kind} (s_0 std {self.state_std:.3g})"
+
+    def parameter_count(self, d_model: int, iterations: int) -> int:
+        return 2 * d_model * d_model  # A: 2d -> d, no bias
+
+
 #: The topology kinds: ``kind`` -> config class. One line per kind.
 TOPOLOGY_CONFIGS: dict[str, type[KindConfig]] = {
     "base": BaseTopologyConfig,
@@ -204,6 +237,7 @@ TOPOLOGY_CONFIGS: dict[str, type[KindConfig]] = {
     "static_combination": StaticCombinationTopologyConfig,
     "dynamic_combination": DynamicCombinationTopologyConfig,
     "mesh": MeshTopologyConfig,
+    "concat_adapter": ConcatAdapterTopologyConfig,
 }
 
 #: The topology kinds, in the registry's order.

@@ -32,6 +32,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
     from looplm.config import RunConfig
+    from looplm.model_config import ModelConfig
     from looplm.train.distributed import Ranks
     from looplm.train.metrics import MetricsWriter
     from looplm.train.throughput import Throughput
@@ -49,6 +50,25 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     its auxiliary terms: ponder cost, Q-halt BCE, DSA's indexer), those terms as ``aux``."""
     out = model(inputs, targets)
     return out.loss, out.aux_losses
+
+
+def sampled_depth_loss(model_cfg: "ModelConfig", seed: int) -> LossFn:
+    """The default objective of a run of ``model_cfg``: :func:`lm_loss`, or, when
+    ``model.depth`` draws a count per step (Huginn's log-normal Poisson), the model's own
+    loss at the count drawn for (``train.seed``, step), passed as ``iterations=``
+    (:meth:`looplm.depth.DepthConfig.count`: a pure function, so a resumed run draws the
+    same counts and every rank the same). Every micro-batch of a step runs the step's count.
+    A custom ``loss_fn`` draws its own with the same call."""
+    depth, mean = model_cfg.depth, model_cfg.iterations
+    if not depth.sampled:
+        return lm_loss
+
+    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+             step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = model(inputs, targets, iterations=depth.count(mean, seed, step))
+        return out.loss, out.aux_losses
+
+    return loss
 
 
 class TrainerView(Protocol):

@@ -84,7 +84,7 @@ from looplm.model import LoopLM
 from looplm.tasks.config import is_task_source
 from looplm.train import checkpointer
 from looplm.train.activation_checkpointing import apply_activation_checkpointing
-from looplm.train.callbacks import Callback, LossFn, lm_loss
+from looplm.train.callbacks import Callback, LossFn, lm_loss, sampled_depth_loss
 from looplm.train.checkpoint import config_differences, with_defaults
 from looplm.train.distributed import Ranks
 from looplm.train.growth import sgt_growth
@@ -155,7 +155,8 @@ class Trainer:
                 "data.seq_len", run_cfg.data.seq_len, f"at most model.max_seq_len={run_cfg.model.max_seq_len}"
             )
         self.model = model_factory(run_cfg.model).to(self.device)
-        self.loss_fn = loss_fn
+        # model.depth drawing a count per step: the default objective runs the drawn count
+        self.loss_fn = sampled_depth_loss(run_cfg.model, tc.seed) if loss_fn is lm_loss else loss_fn
         # SGT (model.head_loop): entropy measured in training forwards (hooks placed before wrapping)
         self.growth = sgt_growth(self)
         source = checkpointer.resume_source(self.out_dir, resume)
