@@ -99,7 +99,7 @@ class LoopLM(nn.Module):
 
         def block(part: str, j: int) -> Block:
             mixers = plan[(part, j)]
-            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers))
+            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers), cfg.ffn_sets(part))
 
         self.prelude = nn.ModuleList(block("prelude", j) for j in range(structure.prelude))
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
@@ -346,6 +346,9 @@ class LoopLM(nn.Module):
                 raise ConfigError(
                     "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"
                 )
+            if self.cfg.ffn_sets("core") > 1:
+                raise ConfigError("iterations", iterations, f"{trained}: model.moe.per_iteration holds one expert set "
+                                  "per trained iteration")
             if self.step_embedding is not None and self.step_embedding.enabled and n_iter > trained:
                 on = f"at most {trained} while step embeddings are on (one e_t per trained step); switch them off to extrapolate"
                 raise ConfigError("iterations", iterations, f"{on} (model.step_embedding.enabled = False)",

@@ -16,6 +16,7 @@ from looplm.halting.config import HaltingConfig, NoHaltingConfig
 from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
 from looplm.mixers.pattern import HybridConfig, block_mixers, hybrid_positions
+from looplm.modules.moe import MoEConfig
 from looplm.modules.shape import BlockShape
 from looplm.resolution.config import ResolutionConfig
 from looplm.resolution import schedule
@@ -66,10 +67,12 @@ class ModelConfig(Config):
     step_embeddings: bool = False  # UT: a learned e_t added to the core's input at macro step t
     streams: StreamsConfig = SingleStreamConfig()  # single state, or solution/reasoning streams (looplm.streams)
     halting: HaltingConfig = NoHaltingConfig()  # none, ACT or Q-halt (looplm.halting)
+    moe: Optional[MoEConfig] = None  # the FFN as a mixture of experts (looplm.modules.moe)
 
     def __post_init__(self) -> None:
         for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
-                           ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig)):
+                           ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig),
+                           ("moe", MoEConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if self.loop_mixers is not None:
@@ -130,6 +133,7 @@ class ModelConfig(Config):
                 self.head_loop, structure=self.structure, n_heads=self.n_heads,
                 parallel_residual=self.parallel_residual, softmax=any(s.is_softmax for s in specs)))
         self._check_loop_axes(layout)
+        self._check_moe(layout)
         if not layout.is_looped:
             check(
                 self.resolution == ResolutionConfig(),
@@ -193,6 +197,24 @@ class ModelConfig(Config):
         if exit_at is not None:
             check(exit_at < layout.iterations, "model.halting.exit_at_step", exit_at,
                   f"null or a 0-based loop step below the {layout.iterations} iterations of layout {self.layout!r}")
+
+    def _check_moe(self, layout: Layout) -> None:
+        """Per-iteration experts need a shared core to differ across; SGT's grown blocks
+        keep the dense FFN."""
+        if self.moe is None:
+            return
+        check(self.head_loop is None, "model.head_loop", self.head_loop, "null with model.moe set (SGT's grown "
+              "blocks run a dense FFN)")
+        if self.moe.per_iteration:
+            check(layout.is_looped and self.share_core, "model.moe.per_iteration", True,
+                  f"false with layout {self.layout!r} and share_core={self.share_core}: per-iteration experts "
+                  "differentiate the iterations of one shared core")
+
+    def ffn_sets(self, part: str) -> int:
+        """Expert sets of a block of ``part`` (prelude / core / coda): one per loop iteration
+        for the core's per-iteration experts, else 1."""
+        per_iteration = self.moe is not None and self.moe.per_iteration and part == "core"
+        return self.iterations if per_iteration else 1
 
     @property
     def passes_per_step(self) -> int:
@@ -265,6 +287,7 @@ class ModelConfig(Config):
             d_model=self.d_model, n_heads=self.n_heads, kv_heads=self.kv_heads, rotary_dim=self.rotary_dim,
             rope_theta=self.rope_theta, bias=self.bias, norm=self.norm, norm_eps=self.norm_eps, mlp=self.mlp,
             ffn_hidden=self.ffn_hidden, parallel_residual=self.parallel_residual, norm_placement=self.norm_placement,
+            moe=self.moe,
         )
 
     def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:

@@ -5,6 +5,9 @@ normalises each sub-layer's input; ``sandwich`` also normalises its output befor
 residual add (Ouro, modeling_ouro.py ``OuroDecoderLayer``). Under ``pre`` the output
 norms are ``nn.Identity`` (no parameters, no state-dict entries, the same numbers).
 
+The FFN is dense (``BlockShape.mlp``) or a mixture of experts (``BlockShape.moe``), one
+set of experts or one per loop iteration (``ffn_sets``; :meth:`Block.ffn_at`).
+
 SGT's grown passes (``model.head_loop``) extend this block from outside
 (:mod:`looplm.head_loop.block`): :func:`build_block` builds either."""
 
@@ -18,6 +21,7 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.modules.mlp import build_mlp
+from looplm.modules.moe import build_moe
 from looplm.modules.norm import build_norm
 from looplm.modules.shape import BlockShape
 
@@ -41,7 +45,7 @@ class Block(nn.Module):
     ModuleList when there are several); each iteration runs its spec's view of it.
     """
 
-    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig], ffn_sets: int = 1):
         super().__init__()
         mixers = tuple(mixers)
         self.parallel_residual = cfg.parallel_residual
@@ -54,7 +58,7 @@ class Block(nn.Module):
         self.attn = next(iter(owners.values())) if len(owners) == 1 else nn.ModuleList(owners.values())
         self.per_iteration = [spec.view(owners[spec.parameter_group()]) for spec in mixers]  # views, not registered
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
+        self.ffn = build_ffn(cfg, ffn_sets)
         self.attn_out_norm = output_norm(cfg)
         self.ffn_out_norm = output_norm(cfg)
 
@@ -67,28 +71,39 @@ class Block(nn.Module):
         loop-level hybrid)."""
         return self.per_iteration[iteration if len(self.per_iteration) > 1 else 0]
 
+    def ffn_layers(self) -> list[nn.Module]:
+        """The distinct FFNs of this block: one, or one expert set per loop iteration."""
+        return list(self.ffn) if isinstance(self.ffn, nn.ModuleList) else [self.ffn]
+
+    def ffn_at(self, iteration: int) -> nn.Module:
+        """The FFN that runs at loop iteration ``iteration``."""
+        return self.ffn[iteration] if isinstance(self.ffn, nn.ModuleList) else self.ffn
+
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
     ) -> tuple[torch.Tensor, MixerState]:
         """x: [B, T, d] -> ([B, T, d], the mixer's state after these positions)."""
-        return self._layer(x, ctx, state, self.mixer_at(iteration))
+        return self._layer(x, ctx, state, self.mixer_at(iteration), self.ffn_at(iteration))
 
-    def _layer(self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState], mixer) -> tuple[torch.Tensor, MixerState]:
+    def _layer(self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState], mixer,
+               ffn: Optional[nn.Module] = None) -> tuple[torch.Tensor, MixerState]:
+        ffn = self.ffn if ffn is None else ffn
         mixed, state = mixer(self.attn_norm(x), ctx, state)
         mixed = self.attn_out_norm(mixed)
         if self.parallel_residual:
-            return x + mixed + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
+            return x + mixed + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
         x = x + mixed
-        return x + self.ffn_out_norm(self.ffn(self.ffn_norm(x))), state
+        return x + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
 
     def sublayer_costs(self, call: Call) -> tuple[Cost, Cost]:
         """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->
         output norm -> residual (the output norms cost nothing under ``norm_placement: pre``)."""
         d = self.attn_norm.weight.shape[0]
-        mixer = self.mixer_at(max(call.iteration, 0))
+        iteration = max(call.iteration, 0)
+        mixer = self.mixer_at(iteration)
         attention = (module_cost(self.attn_norm, call) + module_cost(mixer, call) + module_cost(self.attn_out_norm, call)
                      + Cost(residual=call.rows * d))
-        ffn = (module_cost(self.ffn_norm, call) + module_cost(self.ffn, call) + module_cost(self.ffn_out_norm, call)
+        ffn = (module_cost(self.ffn_norm, call) + module_cost(self.ffn_at(iteration), call) + module_cost(self.ffn_out_norm, call)
                + Cost(residual=call.rows * d))
         return attention, ffn
 
@@ -98,9 +113,18 @@ class Block(nn.Module):
         return attention + ffn
 
 
-def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None) -> Block:
+def build_ffn(shape: BlockShape, sets: int = 1) -> nn.Module:
+    """The block's FFN: dense (GELU or SwiGLU), or ``shape.moe``'s experts, ``sets`` of them
+    (one per loop iteration) when they are per iteration."""
+    if shape.moe is None:
+        return build_mlp(shape.mlp, shape.d_model, shape.ffn_hidden, shape.bias)
+    return build_moe(shape.moe, shape.d_model, shape.ffn_hidden, shape.mlp, sets)
+
+
+def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None,
+                ffn_sets: int = 1) -> Block:
     """The block of one position with ``mixers`` (one, or one per loop iteration): the plain
     :class:`Block`, or ``grown``, a subclass an axis that grows blocks picked for it (the
     same parameters under the same names plus its extra state: SGT's head loop,
     :func:`looplm.head_loop.block.grown_block_type`)."""
-    return (Block if grown is None else grown)(shape, mixers)
+    return (Block if grown is None else grown)(shape, mixers, ffn_sets)
