@@ -152,9 +152,9 @@ def check_plan_order(cfg) -> None:
 
 
 def _config(layout="looped", topology=None, halting=None, streams=None, resolution=None, step_embeddings=False,
-            loop_input_norm=False, head_loop=None):
+            loop_input_norm=False, head_loop=None, moe=None):
     fields = dict(LAYOUTS[layout], step_embeddings=step_embeddings, loop_input_norm=loop_input_norm,
-                  head_loop=head_loop)
+                  head_loop=head_loop, moe=moe)
     if layout != "dense":
         fields.update(topology=topology or {"kind": "base"}, halting=halting or {"kind": "none"},
                       streams=streams or {"kind": "single"})
@@ -178,6 +178,9 @@ AXIS_VALUES = {
     "step_embeddings+loop_input_norm": dict(layout="unshared", step_embeddings=True, loop_input_norm=True),
     "mesh-unshared": dict(layout="unshared", topology={"kind": "mesh"}, loop_input_norm=True),
     "qhalt-step-embeddings": dict(topology={"kind": "anchor"}, halting=HALTING[2], step_embeddings=True),
+    # the block's FFN as a mixture of experts: shared, and one expert set per iteration
+    "moe=shared": dict(layout="prelude-coda", topology={"kind": "mesh"}, moe={"experts": 4, "top_k": 2}),
+    "moe=per_iteration": dict(layout="prelude-coda", moe={"experts": 4, "top_k": 1, "per_iteration": True}),
 }
 
 

@@ -35,7 +35,10 @@ RESUME_GRID = (
        # Stage I objective (expected loss under the exit distribution, entropy bonus)
        ("base", {"layout": "2R2", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "norm_placement": "sandwich",
                  "loop_input_norm": True, "halting": {"kind": "exit_gate", "threshold": 0.5,
-                                                      "objective": "expected"}}, 1)]
+                                                      "objective": "expected"}}, 1),
+       # mixture-of-experts FFNs: routers and experts (shared; per iteration) and their aux losses
+       ("mesh", {"mlp": "swiglu", "moe": {"experts": 4, "top_k": 2, "z_loss_weight": 0.001}}, 2),
+       ("base", {"moe": {"experts": 3, "top_k": 1, "per_iteration": True}}, 1)]
 )
 
 
