@@ -120,26 +120,26 @@ class MoE(nn.Module):
         self.up = ExpertLinear(cfg.experts, dim, hidden)
         self.down = ExpertLinear(cfg.experts, hidden, dim)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [N, d] -> router logits [N, E] (float32), the weights p_i [N, k] (float32) and
-        experts S [N, k] of every token."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, d] -> router logits and probabilities p [N, E] (float32), the weights p_i
+        [N, k] (float32) and experts S [N, k] of every token."""
         logits = self.router(x).float()
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize_weights:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights, experts
+        return logits, probs, weights, experts
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x: [..., d] -> [..., d]. ``ctx`` (a MixerContext): where the auxiliary losses go
         while training; None adds none."""
         shape, d, k = x.shape, x.shape[-1], self.top_k
         x = x.reshape(-1, d)  # [N, d]
-        logits, weights, experts = self.route(x)
+        logits, probs, weights, experts = self.route(x)
         flat = experts.reshape(-1)  # [N·k], assignment j = token j // k
         by_expert, order = torch.sort(flat, stable=True)  # assignments grouped by expert
-        counts = torch.zeros(self.experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
+        experts_ids = torch.arange(self.experts, device=x.device, dtype=flat.dtype)
+        offsets = torch.searchsorted(by_expert, experts_ids, right=True, out_int32=True)  # [E] end row per expert
         kernel = self._kernel(x)
         rows = x.index_select(0, order // k)  # [N·k, d] each assignment's token, sorted by expert
         if self.gate is not None:  # SwiGLU: down(SiLU(gate x) ⊙ up x)
@@ -150,7 +150,7 @@ class MoE(nn.Module):
         y = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, d)  # back to [N, k, d]
         y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # Σ_{i∈S} p_i E_i(x)
         if ctx is not None and self.training:
-            self._add_losses(ctx, logits, counts, x.shape[0])
+            self._add_losses(ctx, logits, probs, flat)
         return y.view(shape)
 
     def _kernel(self, x: torch.Tensor) -> Kernel:
@@ -160,11 +160,13 @@ class MoE(nn.Module):
         log_backend("moe", kernel)
         return kernel
 
-    def _add_losses(self, ctx, logits: torch.Tensor, counts: torch.Tensor, tokens: int) -> None:
+    def _add_losses(self, ctx, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        """logits, probs: [N, E]; chosen: [N·k] every token's experts."""
         if self.balance_loss_weight > 0:
-            fraction = counts.float() / tokens  # f_e: share of tokens with e among their k (Σ = k)
-            mean_prob = logits.softmax(dim=-1).mean(dim=0)  # P_e
-            ctx.add_loss("moe_balance", self.balance_loss_weight * self.experts * (fraction * mean_prob).sum())
+            # E · Σ_e f_e P_e with f_e = count_e / N, summed per assignment: (E / N) · Σ_a P_{e(a)}
+            mean_prob = probs.mean(dim=0)  # P_e
+            balance = mean_prob.index_select(0, chosen).sum() * (self.experts / probs.shape[0])
+            ctx.add_loss("moe_balance", self.balance_loss_weight * balance)
         if self.z_loss_weight > 0:
             ctx.add_loss("moe_z", self.z_loss_weight * torch.logsumexp(logits, dim=-1).square().mean())  # ST-MoE Eq. 5
 
@@ -172,7 +174,7 @@ class MoE(nn.Module):
         """Active parameters only: the router (d·E MACs per token) and the k experts each
         token reaches (k · m · d · h, m = 2 GELU / 3 SwiGLU). Softmax, top-k, sorting and
         the weighted sum are left out, like activations."""
-        E, hidden, d = self.down.weight.shape
+        E, d, hidden = self.down.weight.shape  # [E, out = d, in = h]
         matrices = 3 if self.gate is not None else 2
         return Cost(mac=call.rows * (d * E + self.top_k * matrices * d * hidden))
 
