@@ -41,7 +41,7 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost
 from looplm.config_base import Config, check
 from looplm.ops.backend import log_backend
-from looplm.ops.grouped import Kernel, grouped_linear, grouped_mm_supported
+from looplm.ops.grouped import Groups, Kernel, grouped_linear, resolve_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class MoEConfig(Config):
     0.01) and β (``z_loss_weight``, ST-MoE / OLMoE 0.001, default off),
     ``normalize_weights`` (renormalise the top-k probabilities; OLMoE does not),
     ``kernel`` (``auto``: ``torch._grouped_mm`` where it runs, else one product per
-    expert; see :mod:`looplm.ops.grouped`)."""
+    expert, or gathered weights in a compiled step; see :mod:`looplm.ops.grouped`)."""
 
     experts: int = 8
     top_k: int = 2
@@ -71,8 +71,8 @@ class MoEConfig(Config):
         check(self.hidden is None or self.hidden >= 1, "model.moe.hidden", self.hidden, "null or an integer >= 1")
         check(self.balance_loss_weight >= 0, "model.moe.balance_loss_weight", self.balance_loss_weight, "a number >= 0")
         check(self.z_loss_weight >= 0, "model.moe.z_loss_weight", self.z_loss_weight, "a number >= 0")
-        check(self.kernel in ("auto", "grouped_mm", "loop"), "model.moe.kernel", self.kernel,
-              "'auto', 'grouped_mm' or 'loop'")
+        check(self.kernel in ("auto", "grouped_mm", "loop", "gather"), "model.moe.kernel", self.kernel,
+              "'auto', 'grouped_mm', 'loop' or 'gather' (looplm.ops.grouped)")
 
     def width(self, ffn_hidden: int) -> int:
         """An expert's hidden width h."""
@@ -100,9 +100,9 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        """x: [R, in] sorted by expert; offsets: [E] int32 cumulative rows per expert -> [R, out]."""
-        return grouped_linear(x, self.weight, offsets, kernel)
+    def forward(self, x: torch.Tensor, groups: Groups, kernel: Kernel) -> torch.Tensor:
+        """x: [R, in] sorted by expert (``groups``) -> [R, out]."""
+        return grouped_linear(x, self.weight, groups, kernel)
 
 
 class MoE(nn.Module):
@@ -140,13 +140,14 @@ class MoE(nn.Module):
         by_expert, order = torch.sort(flat, stable=True)  # assignments grouped by expert
         experts_ids = torch.arange(self.experts, device=x.device, dtype=flat.dtype)
         offsets = torch.searchsorted(by_expert, experts_ids, right=True, out_int32=True)  # [E] end row per expert
+        groups = Groups(offsets, by_expert)
         kernel = self._kernel(x)
         rows = x.index_select(0, order // k)  # [N·k, d] each assignment's token, sorted by expert
         if self.gate is not None:  # SwiGLU: down(SiLU(gate x) ⊙ up x)
-            h = F.silu(self.gate(rows, offsets, kernel)) * self.up(rows, offsets, kernel)
+            h = F.silu(self.gate(rows, groups, kernel)) * self.up(rows, groups, kernel)
         else:
-            h = F.gelu(self.up(rows, offsets, kernel))
-        out = self.down(h, offsets, kernel)  # [N·k, d] sorted
+            h = F.gelu(self.up(rows, groups, kernel))
+        out = self.down(h, groups, kernel)  # [N·k, d] sorted
         y = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, d)  # back to [N, k, d]
         y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # Σ_{i∈S} p_i E_i(x)
         if ctx is not None and self.training:
@@ -154,9 +155,8 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _kernel(self, x: torch.Tensor) -> Kernel:
-        if self.kernel != "auto":
-            return self.kernel
-        kernel = "grouped_mm" if grouped_mm_supported(x, self.up.weight) else "loop"
+        """The grouped products' form for this call (:func:`resolve_kernel`), logged once."""
+        kernel = resolve_kernel(self.kernel, x, self.up.weight)
         log_backend("moe", kernel)
         return kernel
 

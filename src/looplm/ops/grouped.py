@@ -12,16 +12,35 @@ products (tested against each other and a per-expert loop, forward and backward)
   ``F.linear`` per non-empty group on a narrow view, written into one output. Runs
   everywhere, in every dtype; PyTorch's FLOP counter sees its matmuls (it counts nothing
   for ``_grouped_mm``).
+- ``gather``: each row's matrix gathered ([R, out, in]) and one batched product: no host
+  sync and no data-dependent shapes, so a captured decoding step stays one graph where
+  ``_grouped_mm`` cannot run (float32 under ``torch.compile``). It materialises R·out·in
+  weights: meant for the few rows of a decoding step.
+
+``auto`` picks ``grouped_mm`` where it runs, else ``gather`` while torch.compile traces,
+else ``loop`` (a compiled float32 training step would materialise R weight matrices under
+``gather``: name ``loop`` there, which breaks the graph at the group sizes, or train in
+bf16 on Hopper).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-Kernel = Literal["auto", "grouped_mm", "loop"]
+Kernel = Literal["auto", "grouped_mm", "loop", "gather"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """Rows sorted by group: ``offsets`` [G] int32, the cumulative group sizes
+    (offsets[-1] == R); ``ids`` [R], the group of each row (non-decreasing)."""
+
+    offsets: torch.Tensor
+    ids: torch.Tensor
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -40,18 +59,30 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, kernel: Kernel = "auto") -> torch.Tensor:
+def resolve_kernel(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor) -> Kernel:
+    """The form ``auto`` stands for here (module docstring); a named form as it is."""
+    if kernel != "auto":
+        return kernel
+    if grouped_mm_supported(x, weight):
+        return "grouped_mm"
+    return "gather" if torch.compiler.is_compiling() else "loop"
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: Groups, kernel: Kernel = "auto") -> torch.Tensor:
     """y[r] = x[r] @ weight[g(r)]ᵀ for rows r of group g(r).
 
     x: [R, in], rows sorted by group. weight: [G, out, in] (one ``nn.Linear``-shaped matrix
-    per group). offsets: [G] int32, the cumulative group sizes (offsets[-1] == R).
-    kernel: ``grouped_mm``, ``loop`` or ``auto`` (``grouped_mm`` where
-    :func:`grouped_mm_supported`, else ``loop``). Returns [R, out]."""
-    if kernel == "auto":
-        kernel = "grouped_mm" if grouped_mm_supported(x, weight) else "loop"
+    per group), cast to x's dtype under autocast as ``F.linear``'s would be. groups: the
+    rows' groups (:class:`Groups`). kernel: ``grouped_mm``, ``loop``, ``gather`` or
+    ``auto`` (:func:`resolve_kernel`). Returns [R, out]."""
+    if weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
+        weight = weight.to(x.dtype)
+    kernel = resolve_kernel(kernel, x, weight)
     if kernel == "grouped_mm":
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    return _loop(x, weight, offsets)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
+    if kernel == "gather":
+        return torch.bmm(weight.index_select(0, groups.ids), x.unsqueeze(-1)).squeeze(-1)
+    return _loop(x, weight, groups.offsets)
 
 
 def _loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
