@@ -148,11 +148,11 @@ class MoE(nn.Module):
         else:
             h = F.gelu(self.up(rows, groups, kernel))
         out = self.down(h, groups, kernel)  # [N·k, d] sorted
-        y = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, d)  # back to [N, k, d]
-        y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # Σ_{i∈S} p_i E_i(x)
+        y = torch.empty_like(out).index_copy_(0, order, out).view(*shape[:-1], k, d)  # back to [..., k, d]
+        y = (y * weights.to(y.dtype).view(*shape[:-1], k, 1)).sum(dim=-2)  # Σ_{i∈S} p_i E_i(x), not a view
         if ctx is not None and self.training:
             self._add_losses(ctx, logits, probs, flat)
-        return y.view(shape)
+        return y
 
     def _kernel(self, x: torch.Tensor) -> Kernel:
         """The grouped products' form for this call (:func:`resolve_kernel`), logged once."""
