@@ -428,6 +428,68 @@ def _paper_ladder_budget() -> Study:
     return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
 
 
+# --------------------------------------------------------------------------- sharing
+# Relaxed weight sharing (issue 29): the tied core against per-iteration LoRA and MoE FFNs
+# at matched active parameters and FLOPs. The LoRA rows are declared in their own block.
+
+# ---- MoE FFN rows (looplm.modules.moe) ---------------------------------------------
+def _moe_variants(ffn_hidden: int, experts: int = 8, top_k: int = 2) -> dict[str, list[str]]:
+    """MoE FFNs with the dense FFN's active width: ``experts`` experts of width
+    ffn_hidden / top_k, so a token's k experts hold as many weights as the dense FFN (active
+    parameters and FLOPs equal to the tied core's, plus the router's d·E per block), shared
+    by the loop's iterations or one set per iteration."""
+    moe = f"model.moe={{experts: {experts}, top_k: {top_k}, hidden: {ffn_hidden // top_k}, z_loss_weight: 0.001}}"
+    return {"moe-shared": [moe],
+            "moe-per-iteration": [moe.replace("z_loss_weight", "per_iteration: true, z_loss_weight")]}
+
+
+def _sharing_describe(variant: str, runs: list) -> dict[str, str]:
+    """Layout, total and active (per token) parameters of a row's first run."""
+    from looplm.accounting import active_parameter_count
+
+    first = runs[0]
+    return {"layout": f"`{first.config.model.layout}`", "params (total)": f"{first.parameters['total']:,}",
+            "params (active)": f"{active_parameter_count(first.config.model):,}"}
+
+
+def _sharing_variants(ffn_hidden: int) -> dict[str, list[str]]:
+    return {"tied": [], **_moe_variants(ffn_hidden)}
+
+
+SHARING = Study(
+    name="sharing",
+    title="Relaxed sharing: the tied core against MoE FFNs at matched active parameters (issue 29)",
+    paper="mesh.txt App. E.7 (an OLMoE backbone in a 4+8R2+4 loop); MoEUT (Csordás et al. 2024)",
+    claim="experts add capacity to a tied core at the same active parameters and FLOPs; a set per "
+          "iteration lets the iterations differ",
+    sizes={
+        "quick": Size(_runs("tiny-base", _sharing_variants(64)), QUICK + ("data.seq_len=16", "model.bias=false"),
+                      seeds=2),
+        "default": Size(_runs("tiny-base", _sharing_variants(384)),
+                        ("model.d_model=96", "model.n_heads=4", "model.bias=false", *_cpu_lm(600)), seeds=3),
+        "paper": Size(_runs("olmoe-2.6b-a512m-4+8R2+4-base",
+                            {"tied": ["model.moe=null", "model.mlp_hidden=4096"], **_moe_variants(4096, 16, 2)}),
+                      seeds=3, wall_time="MeSH App. E.7's backbone; set data.source / data.tokenizer and "
+                                         "train.max_steps (GPUs)"),
+    },
+    metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True),
+             Metric("train_flops", "train FLOPs", 3, sci=True)),
+    measure=measures.lm,
+    describe=_sharing_describe,
+    figures=_lm_figures(),
+    deviations=(
+        "Shrunk: tiny-base's 1+2R2+1 loop at d = 96 (dense GELU FFN 384 in the tied row; 8 experts of 192, "
+        "top-2, in the MoE rows), pydoc bytes, 600 steps of 16 × 128 tokens.",
+        "No biases in any row (experts have none, as OLMoE's). Matched FLOPs and, for shared experts, active "
+        "parameters up to the routers (d·E per block: 3,072 parameters; 1 % of the FFN's FLOPs); a set per "
+        "iteration uses k experts of each iteration's set, so its active count is larger at the same FLOPs. "
+        "MoE rows add the balance (0.01) and z (0.001) losses to the training loss, not to the "
+        "validation loss.",
+        "The paper size's tied row is the E.7 backbone with a dense SwiGLU FFN of 2·2048 (the active width).",
+    ),
+)
+
+
 STUDIES: dict[str, Study] = {}
 
 
@@ -435,7 +497,7 @@ def _register(study: Study) -> None:
     STUDIES[study.name] = study
 
 
-for _s in (MESH, SPIRALFORMER, SGT, LT2):
+for _s in (MESH, SPIRALFORMER, SGT, LT2, SHARING):
     _register(_s)
 
 
