@@ -20,7 +20,7 @@ from looplm.train import Trainer, train_losses
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder", "sharing"])
 @pytest.mark.parametrize("size", ["quick", "default", "paper"])
 def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
     study = get_study(name, size)
@@ -36,6 +36,22 @@ def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
         assert study.size(size).seeds >= 3 and "min" in study.size(size).wall_time
     if size == "paper":
         assert study.size(size).wall_time
+
+
+def test_sharing_moe_rows_match_the_tied_core_in_flops_and_active_parameters() -> None:
+    """The MoE rows' experts hold the dense FFN's width per token: the same FLOPs and (shared
+    experts) active parameters as the tied core, up to the routers' d·E per block pass."""
+    from looplm.accounting import active_parameter_count, count_flops
+
+    configs = get_study("sharing").configs("default", "unused", 0)
+    tied = configs["tied"].model
+    d, passes, blocks = tied.d_model, tied.block_passes, 4
+    for name in ("moe-shared", "moe-per-iteration", "moe-top1"):
+        cfg = configs[name].model
+        router = d * cfg.moe.experts
+        assert count_flops(cfg, 128).forward == count_flops(tied, 128).forward + 2 * 128 * passes * router
+        if not cfg.moe.per_iteration:
+            assert active_parameter_count(cfg) == active_parameter_count(tied) + blocks * router
 
 
 def test_matched_comparisons() -> None:
@@ -62,7 +78,7 @@ def quick(tmp_path_factory):
     return {name: run_study(name, out / name, size="quick", seeds=2, threads=1) for name in study_names()}
 
 
-@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder", "sharing"])
 def test_quick_study_writes_mean_and_std_over_two_seeds(quick, name) -> None:
     result = quick[name]
     out = result.out_dir

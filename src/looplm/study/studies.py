@@ -437,10 +437,14 @@ def _moe_variants(ffn_hidden: int, experts: int = 8, top_k: int = 2) -> dict[str
     """MoE FFNs with the dense FFN's active width: ``experts`` experts of width
     ffn_hidden / top_k, so a token's k experts hold as many weights as the dense FFN (active
     parameters and FLOPs equal to the tied core's, plus the router's d·E per block), shared
-    by the loop's iterations or one set per iteration."""
+    by the loop's iterations or one set per iteration; and Switch's top-1 routing over half
+    as many experts of the dense width (the same total and active parameters as the shared
+    top-k row)."""
     moe = f"model.moe={{experts: {experts}, top_k: {top_k}, hidden: {ffn_hidden // top_k}, z_loss_weight: 0.001}}"
+    switch = f"model.moe={{experts: {experts // 2}, top_k: 1, hidden: {ffn_hidden}, z_loss_weight: 0.001}}"
     return {"moe-shared": [moe],
-            "moe-per-iteration": [moe.replace("z_loss_weight", "per_iteration: true, z_loss_weight")]}
+            "moe-per-iteration": [moe.replace("z_loss_weight", "per_iteration: true, z_loss_weight")],
+            "moe-top1": [switch]}
 
 
 def _sharing_describe(variant: str, runs: list) -> dict[str, str]:
@@ -466,7 +470,9 @@ SHARING = Study(
         "quick": Size(_runs("tiny-base", _sharing_variants(64)), QUICK + ("data.seq_len=16", "model.bias=false"),
                       seeds=2),
         "default": Size(_runs("tiny-base", _sharing_variants(384)),
-                        ("model.d_model=96", "model.n_heads=4", "model.bias=false", *_cpu_lm(600)), seeds=3),
+                        ("model.d_model=96", "model.n_heads=4", "model.bias=false", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 40 min on one thread (12 runs; not timed: estimated from the mesh study's "
+                                  "0.22 s per step at this size, MoE steps taken as 1.5× slower)"),
         "paper": Size(_runs("olmoe-2.6b-a512m-4+8R2+4-base",
                             {"tied": ["model.moe=null", "model.mlp_hidden=4096"], **_moe_variants(4096, 16, 2)}),
                       seeds=3, wall_time="MeSH App. E.7's backbone; set data.source / data.tokenizer and "
@@ -476,10 +482,15 @@ SHARING = Study(
              Metric("train_flops", "train FLOPs", 3, sci=True)),
     measure=measures.lm,
     describe=_sharing_describe,
+    paper_columns=(PaperColumn(
+        "Pile PPL (E.7)", "mesh.txt Table 9: the OLMoE backbone (2.6B total, 512M active) as the 4+8R2+4 loop "
+        "with the base topology, its experts shared by the two iterations (vanilla 24 layers: 7.31)",
+        {"moe-shared": "7.60"}),),
     figures=_lm_figures(),
     deviations=(
         "Shrunk: tiny-base's 1+2R2+1 loop at d = 96 (dense GELU FFN 384 in the tied row; 8 experts of 192, "
-        "top-2, in the MoE rows), pydoc bytes, 600 steps of 16 × 128 tokens.",
+        "top-2, in the MoE rows; 4 of 384, top-1, in moe-top1), pydoc bytes, 600 steps of 16 × 128 tokens; "
+        "the paper's E.7 trains the 2.6B OLMoE backbone on the Pile.",
         "No biases in any row (experts have none, as OLMoE's). Matched FLOPs and, for shared experts, active "
         "parameters up to the routers (d·E per block: 3,072 parameters; 1 % of the FFN's FLOPs); a set per "
         "iteration uses k experts of each iteration's set, so its active count is larger at the same FLOPs. "
