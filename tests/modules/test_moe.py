@@ -271,3 +271,28 @@ def test_decoding_step_compiles_as_one_graph(name):
         compiled = model.generate(prompts, max_new_tokens=12, temperature=0, compile={"backend": "eager"})
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_info_prints_total_and_active_parameters():
+    from looplm.info import describe, format_description
+
+    cfg = load_config("tiny-moe").model
+    info = describe(cfg)
+    assert info["active_parameters"] == active_parameter_count(cfg) < info["parameters"]["total"]
+    text = format_description(info)
+    assert f"{info['parameters']['total']:,} total" in text and f"{active_parameter_count(cfg):,} active per token" in text
+    assert "8 swiglu experts of width 64, top-2 token choice, dropless" in text
+    assert "active" not in format_description(describe(dataclasses.replace(cfg, moe=None)))
+
+
+def test_autocast_runs_the_experts_in_its_dtype_like_linear_layers():
+    torch.manual_seed(3)
+    moe = MoE(MoEConfig(experts=4, top_k=2, hidden=32), 16, 0, "swiglu")
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(10, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+        reference = reference_moe(moe, x)  # F.linear autocasts to bf16
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), reference.float(), rtol=2e-2, atol=2e-2)

@@ -40,8 +40,7 @@ from torch import nn
 
 from looplm.accounting.cost import Call, Cost
 from looplm.config_base import Config, check
-from looplm.ops.backend import log_backend
-from looplm.ops.grouped import Groups, Kernel, grouped_linear, resolve_kernel
+from looplm.ops.grouped import Groups, Kernel, grouped_linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +139,7 @@ class MoE(nn.Module):
         by_expert, order = torch.sort(flat, stable=True)  # assignments grouped by expert
         experts_ids = torch.arange(self.experts, device=x.device, dtype=flat.dtype)
         offsets = torch.searchsorted(by_expert, experts_ids, right=True, out_int32=True)  # [E] end row per expert
-        groups = Groups(offsets, by_expert)
-        kernel = self._kernel(x)
+        groups, kernel = Groups(offsets, by_expert), self.kernel
         rows = x.index_select(0, order // k)  # [N·k, d] each assignment's token, sorted by expert
         if self.gate is not None:  # SwiGLU: down(SiLU(gate x) ⊙ up x)
             h = F.silu(self.gate(rows, groups, kernel)) * self.up(rows, groups, kernel)
@@ -153,12 +151,6 @@ class MoE(nn.Module):
         if ctx is not None and self.training:
             self._add_losses(ctx, logits, probs, flat)
         return y
-
-    def _kernel(self, x: torch.Tensor) -> Kernel:
-        """The grouped products' form for this call (:func:`resolve_kernel`), logged once."""
-        kernel = resolve_kernel(self.kernel, x, self.up.weight)
-        log_backend("moe", kernel)
-        return kernel
 
     def _add_losses(self, ctx, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor) -> None:
         """logits, probs: [N, E]; chosen: [N·k] every token's experts."""

@@ -31,6 +31,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from looplm.ops.backend import log_backend
+
 Kernel = Literal["auto", "grouped_mm", "loop", "gather"]
 
 
@@ -72,12 +74,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: Groups, kernel
     """y[r] = x[r] @ weight[g(r)]ᵀ for rows r of group g(r).
 
     x: [R, in], rows sorted by group. weight: [G, out, in] (one ``nn.Linear``-shaped matrix
-    per group), cast to x's dtype under autocast as ``F.linear``'s would be. groups: the
-    rows' groups (:class:`Groups`). kernel: ``grouped_mm``, ``loop``, ``gather`` or
-    ``auto`` (:func:`resolve_kernel`). Returns [R, out]."""
-    if weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
-        weight = weight.to(x.dtype)
+    per group). Under autocast both are cast to its dtype first, as ``F.linear``'s would be
+    (so bf16 autocast on Hopper runs ``grouped_mm``). groups: the rows' groups
+    (:class:`Groups`). kernel: ``grouped_mm``, ``loop``, ``gather`` or ``auto``
+    (:func:`resolve_kernel`, logged once per form). Returns [R, out]."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
     kernel = resolve_kernel(kernel, x, weight)
+    log_backend("moe experts", kernel)
     if kernel == "grouped_mm":
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
     if kernel == "gather":
