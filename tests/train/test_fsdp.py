@@ -244,3 +244,20 @@ def test_bad_combinations_are_refused(tmp_path):
     for parallel in ("fsdp", "ddp"):  # one process: nothing to shard or replicate across
         with pytest.raises(ConfigError, match=f"train.parallel='{parallel}'.*torchrun"):
             Trainer(run_config(tmp_path / parallel, parallel=parallel), progress=False)
+
+
+def test_a_unit_keeps_the_context_its_losses_go_to():
+    """FSDP2 rebuilds the dicts and dataclasses of a unit's arguments that hold tensors
+    requiring grad; the context's losses are not among them, so every unit adds its
+    auxiliary loss to the forward's one context (not a copy)."""
+    from torch.distributed.fsdp._common_utils import collect_grad_tensors
+
+    from looplm.mixers import MixerContext
+
+    ctx = MixerContext(rope=(torch.zeros(1), torch.zeros(1)), valid=torch.ones(1, 1, dtype=torch.bool), past=0,
+                       padded=False)
+    x = torch.randn(2, requires_grad=True)
+    ctx.add_loss("moe_balance", x.sum())
+    assert collect_grad_tensors(((x, ctx), {})) == (x,)
+    ctx.add_loss("moe_balance", x.sum())
+    assert set(ctx.losses) == {"moe_balance"} and ctx.losses["moe_balance"].requires_grad

@@ -29,8 +29,8 @@ class MixerState(Protocol):
 
 
 class AuxLosses:
-    """name -> auxiliary loss summed over a forward (:meth:`MixerContext.add_loss`): the
-    reading side of a dict (``[name]``, ``in``, ``items``, ``values``, iteration, ``len``).
+    """name -> auxiliary loss summed over a forward (:meth:`MixerContext.add_loss`), with a
+    dict's methods (``[name]``, ``in``, ``items``, ``values``, ``get``, ``pop``, ``clear``, …).
 
     Not a ``dict``: FSDP2 hooks the backward of every tensor requiring grad that a unit's
     arguments hold, rebuilding the dicts and dataclasses around them
@@ -65,6 +65,15 @@ class AuxLosses:
 
     def keys(self):
         return self._values.keys()
+
+    def get(self, name: str, default=None):
+        return self._values.get(name, default)
+
+    def pop(self, name: str, *default):
+        return self._values.pop(name, *default)
+
+    def clear(self) -> None:
+        self._values.clear()
 
     def __eq__(self, other: object) -> bool:
         return dict(self._values) == (dict(other._values) if isinstance(other, AuxLosses) else other)

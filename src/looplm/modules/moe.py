@@ -20,7 +20,8 @@ every MoE call: blocks and loop iterations, as Switch adds one per router):
 - ``moe_balance`` (Switch Eq. 4-6; OLMoE §2 L_LB): α · E · Σ_e f_e · P_e, with f_e the
   fraction of the N tokens of the call routed to expert e (one of its k choices, so Σ_e f_e
   = k, as OLMoE's reference code counts it) and P_e the mean router probability of e.
-  Uniform routing gives α · k.
+  Uniform routing gives α · k. Over every row of the call, left padding included (training
+  batches are packed windows without padding); only P_e carries gradient, as in Switch.
 - ``moe_z`` (ST-MoE, Zoph et al. 2022, Eq. 5): β · mean over tokens of
   (log Σ_e exp(W_r x)_e)², which keeps router logits small; off unless ``z_loss_weight > 0``.
 
