@@ -296,3 +296,14 @@ def test_autocast_runs_the_experts_in_its_dtype_like_linear_layers():
         reference = reference_moe(moe, x)  # F.linear autocasts to bf16
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_save_and_load_keep_routers_and_every_expert_set(tmp_path):
+    cfg = tiny_config("anchor", layout="1+1R3+1", moe={**MOE, "per_iteration": True})
+    model = LoopLM(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    loaded = LoopLM.from_pretrained(tmp_path / "m").eval()
+    assert loaded.cfg.moe == cfg.moe
+    assert "core.0.0.ffn.2.router.weight" in loaded.state_dict()
+    ids = random_ids(2, 9)
+    assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -17,10 +17,10 @@ products (tested against each other and a per-expert loop, forward and backward)
   ``_grouped_mm`` cannot run (float32 under ``torch.compile``). It materialises R·out·in
   weights: meant for the few rows of a decoding step.
 
-``auto`` picks ``grouped_mm`` where it runs, else ``gather`` while torch.compile traces,
-else ``loop`` (a compiled float32 training step would materialise R weight matrices under
-``gather``: name ``loop`` there, which breaks the graph at the group sizes, or train in
-bf16 on Hopper).
+``auto`` picks ``grouped_mm`` where it runs, else ``gather`` while torch.compile traces
+without gradients (a captured decoding step), else ``loop`` (a compiled training step breaks
+its graph at the group sizes rather than materialise a weight matrix per routed token; train
+in bf16 on Hopper for one graph).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def resolve_kernel(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor) -> Ker
         return kernel
     if grouped_mm_supported(x, weight):
         return "grouped_mm"
-    return "gather" if torch.compiler.is_compiling() else "loop"
+    return "gather" if torch.compiler.is_compiling() and not torch.is_grad_enabled() else "loop"
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: Groups, kernel: Kernel = "auto") -> torch.Tensor:
