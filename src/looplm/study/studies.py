@@ -428,58 +428,61 @@ def _paper_ladder_budget() -> Study:
     return ladder_study("addition", 24, sizes={"paper": _ladder_sizes()["paper"]}, name="ladder")
 
 
-# --------------------------------------------------------------------------- sharing
-# Relaxed weight sharing (issue 29): the tied core against per-iteration LoRA and MoE FFNs
-# at matched active parameters and FLOPs. The LoRA rows are declared in their own block.
+# ---------------------------------------------------------------------- sharing
+#: Study ``sharing`` (issue 29): how much to relax the tied core. Each block of rows below
+#: belongs to one mechanism; a new mechanism adds its own block to :func:`_sharing_variants`.
+SHARING_LOOP = "1+2R3+1"
 
-# ---- MoE FFN rows (looplm.modules.moe) ---------------------------------------------
-def _moe_variants(ffn_hidden: int, experts: int = 8, top_k: int = 2) -> dict[str, list[str]]:
-    """MoE FFNs with the dense FFN's active width: ``experts`` experts of width
-    ffn_hidden / top_k, so a token's k experts hold as many weights as the dense FFN (active
-    parameters and FLOPs equal to the tied core's, plus the router's d·E per block), shared
+
+# --- MoE FFN (looplm.modules.moe; MeSH App. E.7, Switch, OLMoE) ---
+def _moe_sharing_variants(loop: str, ffn_hidden: int, experts: int = 8, top_k: int = 2) -> dict[str, list[str]]:
+    """MoE FFNs at the dense FFN's active width on the loop ``loop``: ``experts`` experts of
+    width ffn_hidden / top_k, so a token's k experts hold as many weights as the dense FFN
+    (the tied core's FLOPs and active parameters, plus the router's d·E per block), shared
     by the loop's iterations or one set per iteration; and Switch's top-1 routing over half
-    as many experts of the dense width (the same total and active parameters as the shared
-    top-k row)."""
-    moe = f"model.moe={{experts: {experts}, top_k: {top_k}, hidden: {ffn_hidden // top_k}, z_loss_weight: 0.001}}"
-    switch = f"model.moe={{experts: {experts // 2}, top_k: 1, hidden: {ffn_hidden}, z_loss_weight: 0.001}}"
-    return {"moe-shared": [moe],
-            "moe-per-iteration": [moe.replace("z_loss_weight", "per_iteration: true, z_loss_weight")],
-            "moe-top1": [switch]}
+    as many experts of the dense width (the shared top-k row's total and active parameters)."""
+    def moe(n: int, k: int, extra: str = "") -> str:
+        return f"model.moe={{experts: {n}, top_k: {k}, hidden: {ffn_hidden // k}, {extra}z_loss_weight: 0.001}}"
+
+    layout = f"model.layout={loop}"
+    return {"moe-shared": [layout, moe(experts, top_k)],
+            "moe-per-iteration": [layout, moe(experts, top_k, "per_iteration: true, ")],
+            "moe-top1": [layout, moe(experts // 2, 1)]}
+# --- end of MoE FFN ---
+
+
+def _sharing_variants(loop: str, ffn_hidden: int) -> dict[str, list[str]]:
+    variants: dict[str, list[str]] = {"tied": [f"model.layout={loop}"]}
+    variants.update(_moe_sharing_variants(loop, ffn_hidden))  # the MoE FFN block
+    return variants
 
 
 def _sharing_describe(variant: str, runs: list) -> dict[str, str]:
-    """Layout, total and active (per token) parameters of a row's first run."""
+    """Layout, non-embedding parameters, active parameters per token (a mixture of experts
+    uses k of its E experts) and training FLOPs per token of a row's first run."""
     from looplm.accounting import active_parameter_count
 
     first = runs[0]
-    return {"layout": f"`{first.config.model.layout}`", "params (total)": f"{first.parameters['total']:,}",
-            "params (active)": f"{active_parameter_count(first.config.model):,}"}
-
-
-def _sharing_variants(ffn_hidden: int) -> dict[str, list[str]]:
-    return {"tied": [], **_moe_variants(ffn_hidden)}
+    flops = first.summary.get("model_flops_per_token")
+    return {**describe_default(variant, runs), "params (active)": f"{active_parameter_count(first.config.model):,}",
+            "train FLOPs/token": f"{flops:.3g}" if flops else "–"}
 
 
 SHARING = Study(
     name="sharing",
-    title="Relaxed sharing: the tied core against MoE FFNs at matched active parameters (issue 29)",
-    paper="mesh.txt App. E.7 (an OLMoE backbone in a 4+8R2+4 loop); MoEUT (Csordás et al. 2024)",
-    claim="experts add capacity to a tied core at the same active parameters and FLOPs; a set per "
+    title="Relaxed sharing of the looped core: tied against MoE FFNs at matched active parameters",
+    paper="issue 29; mesh.txt App. E.7 (an OLMoE backbone in a 4+8R2+4 loop); MoEUT (Csordás et al. 2024)",
+    claim="experts add capacity to the tied core at the same active parameters and FLOPs; a set per "
           "iteration lets the iterations differ",
     sizes={
-        "quick": Size(_runs("tiny-base", _sharing_variants(64)), QUICK + ("data.seq_len=16", "model.bias=false"),
-                      seeds=2),
-        "default": Size(_runs("tiny-base", _sharing_variants(384)),
-                        ("model.d_model=96", "model.n_heads=4", "model.bias=false", *_cpu_lm(600)), seeds=3,
-                        wall_time="≈ 40 min on one thread (12 runs; not timed: estimated from the mesh study's "
-                                  "0.22 s per step at this size, MoE steps taken as 1.5× slower)"),
-        "paper": Size(_runs("olmoe-2.6b-a512m-4+8R2+4-base",
-                            {"tied": ["model.moe=null", "model.mlp_hidden=4096"], **_moe_variants(4096, 16, 2)}),
-                      seeds=3, wall_time="MeSH App. E.7's backbone; set data.source / data.tokenizer and "
-                                         "train.max_steps (GPUs)"),
+        "quick": Size(_runs("tiny-base", _sharing_variants("1+1R2+1", 64)), QUICK + ("data.seq_len=16",), seeds=1),
+        "default": Size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, 384)),
+                        ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
+                        wall_time="≈ 40 min on one thread (12 runs of 600 steps; estimated from the mesh study's "
+                                  "0.22 s per step at the same width and block passes, MoE steps taken as 1.5× "
+                                  "slower: not timed)"),
     },
-    metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True),
-             Metric("train_flops", "train FLOPs", 3, sci=True)),
+    metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True)),
     measure=measures.lm,
     describe=_sharing_describe,
     paper_columns=(PaperColumn(
@@ -488,15 +491,13 @@ SHARING = Study(
         {"moe-shared": "7.60"}),),
     figures=_lm_figures(),
     deviations=(
-        "Shrunk: tiny-base's 1+2R2+1 loop at d = 96 (dense GELU FFN 384 in the tied row; 8 experts of 192, "
-        "top-2, in the MoE rows; 4 of 384, top-1, in moe-top1), pydoc bytes, 600 steps of 16 × 128 tokens; "
-        "the paper's E.7 trains the 2.6B OLMoE backbone on the Pile.",
-        "No biases in any row (experts have none, as OLMoE's). Matched FLOPs and, for shared experts, active "
-        "parameters up to the routers (d·E per block: 3,072 parameters; 1 % of the FFN's FLOPs); a set per "
-        "iteration uses k experts of each iteration's set, so its active count is larger at the same FLOPs. "
-        "MoE rows add the balance (0.01) and z (0.001) losses to the training loss, not to the "
-        "validation loss.",
-        "The paper size's tied row is the E.7 backbone with a dense SwiGLU FFN of 2·2048 (the active width).",
+        "MoE rows: 8 experts of 192, top-2 (moe-top1: 4 of 384, top-1) at d = 96, against the tied core's dense "
+        "GELU FFN of 384, on the byte-level pydoc corpus; the paper's E.7 trains the 2.6B OLMoE backbone on the "
+        "Pile. Experts have no biases (OLMoE's), the dense FFN has tiny-base's.",
+        "Matched FLOPs and, for shared experts, active parameters up to the routers (d·E per block: 768 "
+        "parameters, 1 % of the FFN's FLOPs) and the dense FFN's biases; a set per iteration uses k experts of "
+        "each iteration's set, so its active count is larger at the same FLOPs. MoE rows add the balance (0.01) "
+        "and z (0.001) losses to the training loss, not to the validation loss.",
     ),
 )
 
