@@ -127,6 +127,11 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                              depth={"kind": "lognormal_poisson", "backprop_window": 2})),
         ("huginn-fixed-window-gdn", tiny_config("concat_adapter", layout="2R4", mixer={"kind": "gated_deltanet"},
                                                 depth={"kind": "fixed", "backprop_window": 1})),
+        # mixture-of-experts FFNs (issue 29): experts shared by the loop, and one set per iteration
+        ("moe-swiglu-mesh", tiny_config("mesh", norm="rmsnorm", mlp="swiglu", bias=False,
+                                        moe={"experts": 4, "top_k": 2, "hidden": 24, "z_loss_weight": 0.001})),
+        ("moe-per-iteration-anchor", tiny_config("anchor", layout="1+1R3+1", moe={
+            "experts": 3, "top_k": 1, "hidden": 40, "per_iteration": True, "normalize_weights": True})),
     ]
     grid += [(f"ladder-{rung}", ladder_config(rung, 6)) for rung in RUNGS]
     return grid

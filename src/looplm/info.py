@@ -14,7 +14,7 @@ import torch
 
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
-from looplm.accounting import count_flops, parameter_counts
+from looplm.accounting import active_parameter_count, count_flops, parameter_counts
 
 
 def describe(cfg: ModelConfig) -> dict[str, Any]:
@@ -33,12 +33,23 @@ def describe(cfg: ModelConfig) -> dict[str, Any]:
         "topology": topology,
         "d_model": cfg.d_model,
         "heads": f"{cfg.n_heads} (kv {cfg.kv_heads})",
-        "block": f"{cfg.norm}, {'parallel' if cfg.parallel_residual else 'sequential'} residual, {cfg.mlp} FFN {cfg.ffn_hidden}",
+        "block": f"{cfg.norm}, {'parallel' if cfg.parallel_residual else 'sequential'} residual, "
+                 + (f"{cfg.mlp} FFN {cfg.ffn_hidden}" if cfg.moe is None else "mixture-of-experts FFN (moe)"),
         "parameters": parameter_counts(model),
         "flops": _headline_flops(model, cfg),
         **({"head_loop": _head_loop_summary(cfg)} if cfg.head_loop is not None else {}),
         **({"depth": cfg.depth.summary(layout.iterations)} if cfg.depth.changes_training else {}),
+        **(_moe_summary(cfg) if cfg.moe is not None else {}),
     }
+
+
+def _moe_summary(cfg: ModelConfig) -> dict[str, Any]:
+    """The experts and the parameters one token uses (``active_parameters``)."""
+    moe = cfg.moe
+    sets = "one set per loop iteration" if moe.per_iteration else "one set per block"
+    return {"moe": f"{moe.experts} {cfg.mlp} experts of width {moe.width(cfg.ffn_hidden)}, top-{moe.top_k} "
+                   f"token choice, dropless, {sets}",
+            "active_parameters": active_parameter_count(cfg)}
 
 
 def _headline_flops(model, cfg: ModelConfig) -> dict[str, Any]:
@@ -87,7 +98,7 @@ def describe_source(source: Optional[str], overrides: Sequence[str] = (), verify
 
 def format_description(info: dict[str, Any]) -> str:
     params = info["parameters"]
-    lines = [f"{key:<16} {value}" for key, value in info.items() if key not in ("parameters", "grown", "flops")]
+    lines = [f"{key:<16} {value}" for key, value in info.items() if key not in ("parameters", "grown", "flops", "active_parameters")]
     flops = info.get("flops")
     if flops:
         lines.append(
@@ -100,7 +111,8 @@ def format_description(info: dict[str, Any]) -> str:
         lines += [f"  {name:<14} {text}" for name, text in grown.items()]
     elif grown is not None:
         lines.append(f"{'grown':<16} {grown}")
-    lines.append(f"{'parameters':<16} {params['total']:,} total, {params['non_embedding']:,} non-embedding")
+    active = f", {info['active_parameters']:,} active per token" if "active_parameters" in info else ""
+    lines.append(f"{'parameters':<16} {params['total']:,} total, {params['non_embedding']:,} non-embedding{active}")
     for name, count in params.items():
         if name not in ("total", "non_embedding"):
             lines.append(f"  {name:<14} {count:>15,}")

@@ -19,6 +19,7 @@ from torch import nn
 
 from looplm.modules.block import Block
 from looplm.modules.lora import IterationLoRA
+from looplm.modules.moe import ExpertLinear
 from looplm.modules.norm import RMSNorm
 
 
@@ -44,7 +45,10 @@ def init_weights(model: nn.Module, blocks: Iterable[Block], std: float, output_s
             nn.init.ones_(module.weight)
         elif isinstance(module, IterationLoRA):
             module.reset_parameters()  # A_t Gaussian, B_t zero: the core starts tied
+        elif isinstance(module, ExpertLinear):  # E linear weights of a mixture of experts
+            nn.init.normal_(module.weight, std=std)
     for block in blocks:
         for mixer in block.mixer_layers():
             nn.init.normal_(mixer.o_proj.weight, std=output_std)  # every mixer names its W_O o_proj
-        nn.init.normal_(block.ffn.down.weight, std=output_std)
+        for ffn in block.ffn_layers():
+            nn.init.normal_(ffn.down.weight, std=output_std)

@@ -101,7 +101,8 @@ class LoopLM(nn.Module):
         def block(part: str, j: int) -> Block:
             mixers = plan[(part, j)]
             lora = (cfg.lora, cfg.iterations) if part == "core" else None  # per-iteration adapters: the core's
-            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers), lora)
+            return build_block(cfg.block_shape, mixers, grown_block_type(cfg.head_loop, mixers), cfg.ffn_sets(part),
+                               lora)
 
         self.prelude = nn.ModuleList(block("prelude", j) for j in range(structure.prelude))
         # core[i][j]: block j of stack i; one stack when shared, one per iteration otherwise
@@ -191,7 +192,7 @@ class LoopLM(nn.Module):
                 loss = sum(ctx.losses.values())  # the halting rule's losses hold the task loss (Ouro's Stage I)
             else:
                 loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
-        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=ctx.losses,
+        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=dict(ctx.losses),
                              attentions=ctx.attentions)
         if recurrence is not None:
             output.states = recurrence.states if output_states else None
@@ -359,6 +360,9 @@ class LoopLM(nn.Module):
                 raise ConfigError(
                     "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"
                 )
+            if self.cfg.ffn_sets("core") > 1:
+                raise ConfigError("iterations", iterations, f"{trained}: model.moe.per_iteration holds one expert set "
+                                  "per trained iteration")
             if self.step_embedding is not None and self.step_embedding.enabled and n_iter > trained:
                 on = f"at most {trained} while step embeddings are on (one e_t per trained step); switch them off to extrapolate"
                 raise ConfigError("iterations", iterations, f"{on} (model.step_embedding.enabled = False)",

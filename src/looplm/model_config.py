@@ -18,6 +18,7 @@ from looplm.layout import Layout, parse_layout
 from looplm.mixers.config import AttentionConfig, MixerConfig
 from looplm.mixers.pattern import HybridConfig, block_mixers, hybrid_positions
 from looplm.modules.lora import LoRAConfig
+from looplm.modules.moe import MoEConfig
 from looplm.modules.shape import BlockShape
 from looplm.resolution.config import ResolutionConfig
 from looplm.resolution import schedule
@@ -70,11 +71,12 @@ class ModelConfig(Config):
     halting: HaltingConfig = NoHaltingConfig()  # none, ACT or Q-halt (looplm.halting)
     lora: LoRAConfig = LoRAConfig()  # per-iteration adapters on the shared core (Relaxed Recursive Transformers)
     depth: DepthConfig = FixedDepthConfig()  # iterations per training step, backprop window (looplm.depth)
+    moe: Optional[MoEConfig] = None  # the FFN as a mixture of experts (looplm.modules.moe)
 
     def __post_init__(self) -> None:
         for name, kind in (("topology", TopologyConfig), ("resolution", ResolutionConfig), ("mixer", MixerConfig),
                            ("hybrid", HybridConfig), ("streams", StreamsConfig), ("halting", HaltingConfig),
-                           ("lora", LoRAConfig), ("depth", DepthConfig)):
+                           ("lora", LoRAConfig), ("depth", DepthConfig), ("moe", MoEConfig)):
             if isinstance(getattr(self, name), dict):  # ModelConfig(topology={"kind": "mesh"}) from Python
                 object.__setattr__(self, name, kind.from_dict(getattr(self, name), prefix=f"model.{name}"))
         if self.loop_mixers is not None:
@@ -140,6 +142,7 @@ class ModelConfig(Config):
             self.lora.validate(looped=layout.is_looped, shared=self.share_core, head_loop=self.head_loop is not None,
                                core_softmax=all(s.is_softmax for j in range(self.structure.core) for s in core[("core", j)]),
                                layout=self.layout)
+        self._check_moe(layout)
         if not layout.is_looped:
             check(
                 self.resolution == ResolutionConfig(),
@@ -231,6 +234,27 @@ class ModelConfig(Config):
                   f"'none' with model.depth (kind={depth.kind}, backprop_window={depth.backprop_window}): "
                   "a drawn count or a truncated backward leaves the halting losses of early steps untrained")
 
+    def _check_moe(self, layout: Layout) -> None:
+        """Per-iteration experts need a shared core to differ across; SGT's grown blocks
+        keep the dense FFN."""
+        if self.moe is None:
+            return
+        check(self.head_loop is None, "model.head_loop", self.head_loop, "null with model.moe set (SGT's grown "
+              "blocks run a dense FFN)")
+        check(not (self.lora.enabled and "mlp" in self.lora.targets), "model.lora.targets", list(self.lora.targets),
+              "targets without mlp with model.moe set (the experts are stacked weights, not nn.Linear layers "
+              "an adapter can wrap)")
+        if self.moe.per_iteration:
+            check(layout.is_looped and self.share_core, "model.moe.per_iteration", True,
+                  f"false with layout {self.layout!r} and share_core={self.share_core}: per-iteration experts "
+                  "differentiate the iterations of one shared core")
+
+    def ffn_sets(self, part: str) -> int:
+        """Expert sets of a block of ``part`` (prelude / core / coda): one per loop iteration
+        for the core's per-iteration experts, else 1."""
+        per_iteration = self.moe is not None and self.moe.per_iteration and part == "core"
+        return self.iterations if per_iteration else 1
+
     @property
     def passes_per_step(self) -> int:
         """Core block passes per macro step (streams): 1, or H·(L + 1)."""
@@ -302,6 +326,7 @@ class ModelConfig(Config):
             d_model=self.d_model, n_heads=self.n_heads, kv_heads=self.kv_heads, rotary_dim=self.rotary_dim,
             rope_theta=self.rope_theta, bias=self.bias, norm=self.norm, norm_eps=self.norm_eps, mlp=self.mlp,
             ffn_hidden=self.ffn_hidden, parallel_residual=self.parallel_residual, norm_placement=self.norm_placement,
+            moe=self.moe,
         )
 
     def block_mixers(self) -> dict[tuple[str, int], tuple[MixerConfig, ...]]:

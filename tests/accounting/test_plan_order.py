@@ -159,9 +159,9 @@ def check_plan_order(cfg) -> None:
 
 
 def _config(layout="looped", topology=None, halting=None, streams=None, resolution=None, step_embeddings=False,
-            loop_input_norm=False, head_loop=None, lora=None, depth=None):
+            loop_input_norm=False, head_loop=None, lora=None, depth=None, moe=None):
     fields = dict(LAYOUTS[layout], step_embeddings=step_embeddings, loop_input_norm=loop_input_norm,
-                  head_loop=head_loop)
+                  head_loop=head_loop, moe=moe)
     if lora is not None:
         fields["lora"] = lora
     if depth is not None:
@@ -196,6 +196,9 @@ AXIS_VALUES = {
        for i, lora in enumerate(LORAS) for layout in ("prelude-coda", "multires", "looped")},
     "concat_adapter-sampled-depth": dict(layout="prelude-coda", topology={"kind": "concat_adapter"},
                                          depth={"kind": "lognormal_poisson", "backprop_window": 1}),
+    # the block's FFN as a mixture of experts: shared, and one expert set per iteration
+    "moe=shared": dict(layout="prelude-coda", topology={"kind": "mesh"}, moe={"experts": 4, "top_k": 2}),
+    "moe=per_iteration": dict(layout="prelude-coda", moe={"experts": 4, "top_k": 1, "per_iteration": True}),
 }
 
 

@@ -30,7 +30,7 @@ def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
         pytest.skip(f"study {name} has no {size} size")
     study = get_study(name, size)
     configs = study.configs(size, tmp_path, seed=5)
-    rows = 3 if name == "sharing" else 4  # sharing: the tied core and two LoRA ranks (issue 29 adds its MoE row)
+    rows = 4  # every study compares at least four rows
     assert set(configs) == set(study.size(size).runs) and len(configs) >= rows
     for run, cfg in configs.items():
         assert cfg.train.out_dir == str(tmp_path / run / "seed-5")
@@ -50,6 +50,25 @@ def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
         assert {c.data.source for c in configs.values()} == {"python-stdlib"}
         assert all(c.train.max_steps * c.train.batch_size * c.data.seq_len <= 8_200_000 for c in configs.values())
         assert STDLIB_STEPS * STDLIB_BATCH * STDLIB_SEQ <= 8_200_000
+
+
+def test_sharing_moe_rows_match_the_tied_core_in_flops_and_active_parameters() -> None:
+    """The MoE rows' experts hold the dense FFN's width per token: the same FLOPs and (shared
+    experts) active parameters as the tied core, up to the routers' d·E per block pass and the
+    dense FFN's biases (h + d per block; experts have none)."""
+    from looplm.accounting import active_parameter_count, count_flops
+
+    configs = get_study("sharing").configs("default", "unused", 0)
+    tied = configs["tied"].model
+    d, passes, blocks = tied.d_model, tied.block_passes, 4
+    for name in ("moe-shared", "moe-per-iteration", "moe-top1"):
+        cfg = configs[name].model
+        router = d * cfg.moe.experts
+        assert cfg.layout == tied.layout == "1+2R3+1"
+        assert count_flops(cfg, 128).forward == count_flops(tied, 128).forward + 2 * 128 * passes * router
+        if not cfg.moe.per_iteration:
+            biases = tied.ffn_hidden + d
+            assert active_parameter_count(cfg) == active_parameter_count(tied) + blocks * (router - biases)
 
 
 def test_matched_comparisons() -> None:
@@ -99,7 +118,7 @@ def quick(tmp_path_factory):
     return {name: run_study(name, out / name, size="quick", seeds=2, threads=1) for name in study_names()}
 
 
-@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder"])
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder", "sharing"])
 def test_quick_study_writes_mean_and_std_over_two_seeds(quick, name) -> None:
     result = quick[name]
     out = result.out_dir

@@ -39,7 +39,10 @@ RESUME_GRID = (
        # per-iteration LoRA on the shared core (Relaxed Recursive Transformers)
        ("anchor", {"layout": "1+1R3+1", "lora": {"rank": 2}}, 2),
        # Huginn: random s_0 from the saved RNG, a count drawn from (seed, step), truncated backprop
-       ("concat_adapter", {"layout": "1+1R3+1", "depth": {"kind": "lognormal_poisson", "backprop_window": 2}}, 2)]
+       ("concat_adapter", {"layout": "1+1R3+1", "depth": {"kind": "lognormal_poisson", "backprop_window": 2}}, 2),
+       # mixture-of-experts FFNs: routers and experts (shared; per iteration) and their aux losses
+       ("mesh", {"mlp": "swiglu", "moe": {"experts": 4, "top_k": 2, "z_loss_weight": 0.001}}, 2),
+       ("base", {"moe": {"experts": 3, "top_k": 1, "per_iteration": True}}, 1)]
 )
 
 

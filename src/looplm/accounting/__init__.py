@@ -29,6 +29,7 @@ _EXPORTS = {
     "mfu": "hardware",
     "LayoutMatch": "matching",
     "match_layouts": "matching",
+    "active_parameter_count": "params",
     "analytic_parameter_counts": "params",
     "parameter_counts": "params",
     "execution_plan": "plan",

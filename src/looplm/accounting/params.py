@@ -46,8 +46,12 @@ def _norm(cfg: ModelConfig) -> int:
     return 2 * cfg.d_model if cfg.norm == "layernorm" else cfg.d_model  # LayerNorm has a bias
 
 
-def _ffn(cfg: ModelConfig) -> int:
+def _ffn(cfg: ModelConfig, part: str) -> int:
+    """A block's FFN: dense (with biases when ``model.bias``), or the mixture of experts'
+    router and bias-free experts, one set per loop iteration where ``per_iteration``."""
     d, F, b = cfg.d_model, cfg.ffn_hidden, cfg.bias
+    if cfg.moe is not None:
+        return cfg.ffn_sets(part) * cfg.moe.parameters_per_set(d, F, cfg.mlp)
     if cfg.mlp == "gelu":
         return 2 * d * F + (F + d) * b
     return 3 * d * F + (2 * F + d) * b
@@ -137,18 +141,18 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     structure is extra state)."""
     layout, d, V = cfg.parsed_layout, cfg.d_model, cfg.vocab_size
 
-    def block(specs, adapted: bool = False) -> int:
+    def block(specs, part: str) -> int:
         groups = {}
         for spec in specs:
             groups.setdefault(spec.parameter_group(), spec)
         norms = cfg.block_shape.norms_per_block * _norm(cfg)
-        adapters = _lora(cfg, list(groups.values())) if adapted else 0
-        return norms + _ffn(cfg) + sum(mixer_parameters(s, cfg) for s in groups.values()) + adapters
+        adapters = _lora(cfg, list(groups.values())) if part == "core" else 0
+        return norms + _ffn(cfg, part) + sum(mixer_parameters(s, cfg) for s in groups.values()) + adapters
 
     plan = cfg.block_mixers()
-    prelude = sum(block(plan[("prelude", j)]) for j in range(layout.prelude))
-    core = cfg.structure.stacks * sum(block(plan[("core", j)], True) for j in range(cfg.structure.core))
-    coda = sum(block(plan[("coda", j)]) for j in range(layout.coda))
+    prelude = sum(block(plan[("prelude", j)], "prelude") for j in range(layout.prelude))
+    core = cfg.structure.stacks * sum(block(plan[("core", j)], "core") for j in range(cfg.structure.core))
+    coda = sum(block(plan[("coda", j)], "coda") for j in range(layout.coda))
     topology = cfg.topology.parameter_count(d, cfg.iterations) if layout.is_looped else 0
     counts = {
         "embedding": V * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0),
@@ -165,3 +169,18 @@ def analytic_parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     counts.update(_loop_axes(cfg))
     total = sum(counts.values())
     return {"total": total, "non_embedding": total - counts["embedding"] - counts["head"], **counts}
+
+
+def active_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses (Switch / OLMoE's "active" count): the total less
+    the E − k experts each mixture-of-experts FFN does not send it to, in every block and
+    expert set (a per-iteration core uses k experts of each iteration's set). Equals the
+    total without ``model.moe``."""
+    total = analytic_parameter_counts(cfg)["total"]
+    if cfg.moe is None:
+        return total
+    structure, moe = cfg.structure, cfg.moe
+    sets = (structure.prelude + structure.coda + structure.stacks * structure.core * cfg.ffn_sets("core"))
+    idle = moe.parameters_per_set(cfg.d_model, cfg.ffn_hidden, cfg.mlp) - \
+        moe.active_parameters_per_set(cfg.d_model, cfg.ffn_hidden, cfg.mlp)
+    return total - sets * idle

@@ -39,8 +39,8 @@ class GrownBlock(Block):
     With K_l > 0 its decoding state is a :class:`LoopedState`: each pass attends over the
     keys of its own input H^(k-1), so each has its own slot."""
 
-    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig]):
-        super().__init__(cfg, mixers)
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig], ffn_sets: int = 1):
+        super().__init__(cfg, mixers, ffn_sets)
         self.head_loop = GrownLoop(cfg.n_heads, cfg.kv_heads, cfg.head_dim)
         self.softmax_at = [isinstance(view, SoftmaxAttention) for view in self.per_iteration]  # per iteration
 

@@ -10,6 +10,7 @@ and select rows (:class:`MixerState`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Optional, Protocol
 
 import torch
@@ -25,6 +26,60 @@ class MixerState(Protocol):
 
     def select(self, index: torch.Tensor) -> "MixerState":
         """Keep (and reorder to) the batch rows in ``index``."""
+
+
+class AuxLosses:
+    """name -> auxiliary loss summed over a forward (:meth:`MixerContext.add_loss`), with a
+    dict's methods (``[name]``, ``in``, ``items``, ``values``, ``get``, ``pop``, ``clear``, …).
+
+    Not a ``dict``: FSDP2 hooks the backward of every tensor requiring grad that a unit's
+    arguments hold, rebuilding the dicts and dataclasses around them
+    (``torch.distributed.fsdp._common_utils.replace_grad_tensors``). Once a loss was added,
+    every later unit would get a copy of the context and add its loss to the copy, lost;
+    FSDP2 does not look inside other objects. A plain class (no ``abc`` base), so that
+    torch.compile traces its construction in a captured decoding step."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._values[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._values[name] = value
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def items(self):
+        return self._values.items()
+
+    def values(self):
+        return self._values.values()
+
+    def keys(self):
+        return self._values.keys()
+
+    def get(self, name: str, default=None):
+        return self._values.get(name, default)
+
+    def pop(self, name: str, *default):
+        return self._values.pop(name, *default)
+
+    def clear(self) -> None:
+        self._values.clear()
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self._values) == (dict(other._values) if isinstance(other, AuxLosses) else other)
+
+    def __repr__(self) -> str:
+        return f"AuxLosses({self._values!r})"
 
 
 @dataclasses.dataclass
@@ -49,10 +104,14 @@ class MixerContext:
     past: Optional[int]
     padded: bool
     slots: Optional[torch.Tensor] = None
-    losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    losses: Optional[AuxLosses] = None  # a new AuxLosses (__post_init__)
     attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
     location: tuple[str, int] = ("", 0)
     _masks: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.losses is None:  # not a default_factory: torch.compile cannot call one of a user class
+            self.losses = AuxLosses()
 
     def at(self, block: str, slot: int) -> None:
         """Name the (block, pass) that runs next: the key :meth:`record_attention` and the

@@ -5,6 +5,9 @@ normalises each sub-layer's input; ``sandwich`` also normalises its output befor
 residual add (Ouro, modeling_ouro.py ``OuroDecoderLayer``). Under ``pre`` the output
 norms are ``nn.Identity`` (no parameters, no state-dict entries, the same numbers).
 
+The FFN is dense (``BlockShape.mlp``) or a mixture of experts (``BlockShape.moe``), one
+set of experts or one per loop iteration (``ffn_sets``; :meth:`Block.ffn_at`).
+
 SGT's grown passes (``model.head_loop``) extend this block from outside
 (:mod:`looplm.head_loop.block`): :func:`build_block` builds either. Per-iteration LoRA
 (``model.lora``, :mod:`looplm.modules.lora`) is a per-iteration view of a core block's
@@ -21,6 +24,7 @@ from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.modules.lora import BlockLoRA, LoRAConfig
 from looplm.modules.mlp import build_mlp
+from looplm.modules.moe import build_moe
 from looplm.modules.norm import build_norm
 from looplm.modules.shape import BlockShape
 
@@ -45,9 +49,10 @@ class Block(nn.Module):
     ``lora`` (a core block of a model with ``model.lora.rank`` > 0): the config and the
     trained iterations T; the block then holds ``lora`` (:class:`BlockLoRA`) and iteration
     t's mixer and FFN add B_t A_t x to their linears. Otherwise ``lora`` is None.
+    ``ffn_sets``: expert sets of a mixture-of-experts FFN (one per loop iteration, or 1).
     """
 
-    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig],
+    def __init__(self, cfg: BlockShape, mixers: Sequence[MixerConfig], ffn_sets: int = 1,
                  lora: Optional[tuple[LoRAConfig, int]] = None):
         super().__init__()
         mixers = tuple(mixers)
@@ -61,7 +66,7 @@ class Block(nn.Module):
         self.attn = next(iter(owners.values())) if len(owners) == 1 else nn.ModuleList(owners.values())
         self.per_iteration = [spec.view(owners[spec.parameter_group()]) for spec in mixers]  # views, not registered
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.ffn = build_mlp(cfg.mlp, cfg.d_model, cfg.ffn_hidden, cfg.bias)
+        self.ffn = build_ffn(cfg, ffn_sets)
         self.attn_out_norm = output_norm(cfg)
         self.ffn_out_norm = output_norm(cfg)
         self.lora: Optional[BlockLoRA] = None
@@ -82,11 +87,17 @@ class Block(nn.Module):
         loop-level hybrid)."""
         return self.per_iteration[iteration if len(self.per_iteration) > 1 else 0]
 
+    def ffn_layers(self) -> list[nn.Module]:
+        """The distinct FFNs of this block: one, or one expert set per loop iteration."""
+        return list(self.ffn) if isinstance(self.ffn, nn.ModuleList) else [self.ffn]
+
     def ffn_at(self, iteration: int) -> nn.Module:
-        """The FFN view that runs at loop iteration ``iteration`` (the FFN itself without
-        per-iteration adapters)."""
+        """The FFN that runs at loop iteration ``iteration``: its per-iteration LoRA view, or
+        that iteration's expert set, or the FFN itself."""
         views = self.ffn_per_iteration
-        return views[iteration if len(views) > 1 else 0] if views else self.ffn
+        if views:
+            return views[iteration if len(views) > 1 else 0]
+        return self.ffn[iteration] if isinstance(self.ffn, nn.ModuleList) else self.ffn
 
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
@@ -100,9 +111,9 @@ class Block(nn.Module):
         mixed, state = mixer(self.attn_norm(x), ctx, state)
         mixed = self.attn_out_norm(mixed)
         if self.parallel_residual:
-            return x + mixed + self.ffn_out_norm(ffn(self.ffn_norm(x))), state
+            return x + mixed + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
         x = x + mixed
-        return x + self.ffn_out_norm(ffn(self.ffn_norm(x))), state
+        return x + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
 
     def sublayer_costs(self, call: Call) -> tuple[Cost, Cost]:
         """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->
@@ -121,13 +132,22 @@ class Block(nn.Module):
         return attention + ffn
 
 
+def build_ffn(shape: BlockShape, sets: int = 1) -> nn.Module:
+    """The block's FFN: dense (GELU or SwiGLU), or ``shape.moe``'s experts, ``sets`` of them
+    (one per loop iteration) when they are per iteration."""
+    if shape.moe is None:
+        return build_mlp(shape.mlp, shape.d_model, shape.ffn_hidden, shape.bias)
+    return build_moe(shape.moe, shape.d_model, shape.ffn_hidden, shape.mlp, sets)
+
+
 def build_block(shape: BlockShape, mixers: Sequence[MixerConfig], grown: Optional[type[Block]] = None,
-                lora: Optional[tuple[LoRAConfig, int]] = None) -> Block:
+                ffn_sets: int = 1, lora: Optional[tuple[LoRAConfig, int]] = None) -> Block:
     """The block of one position with ``mixers`` (one, or one per loop iteration): the plain
     :class:`Block`, or ``grown``, a subclass an axis that grows blocks picked for it (the
     same parameters under the same names plus its extra state: SGT's head loop,
-    :func:`looplm.head_loop.block.grown_block_type`). ``lora``: per-iteration adapters
-    (config, T) for a core block (never with a grown block: the config refuses it)."""
+    :func:`looplm.head_loop.block.grown_block_type`). ``ffn_sets``: expert sets of a
+    mixture-of-experts FFN. ``lora``: per-iteration adapters (config, T) for a core block
+    (never with a grown block: the config refuses it)."""
     if lora is not None and lora[0].enabled:
-        return Block(shape, mixers, lora)
-    return (Block if grown is None else grown)(shape, mixers)
+        return Block(shape, mixers, ffn_sets, lora)
+    return (Block if grown is None else grown)(shape, mixers, ffn_sets)

@@ -1,4 +1,7 @@
-"""Feed-forward networks: GELU MLP (GPT-NeoX) and SwiGLU (LLaMA)."""
+"""Feed-forward networks: GELU MLP (GPT-NeoX) and SwiGLU (LLaMA).
+
+Every FFN of a block is called ``ffn(x, ctx)``: the dense ones ignore ``ctx``; the
+mixture of experts (:mod:`looplm.modules.moe`) adds its auxiliary losses to it."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ class GeluMLP(nn.Module):
         self.up = nn.Linear(dim, hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
 
 
@@ -28,7 +31,7 @@ class SwiGLU(nn.Module):
         self.up = nn.Linear(dim, hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 

@@ -7,7 +7,9 @@ from plain numbers and never import the model's config.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Optional
+
+from looplm.modules.moe import MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +19,8 @@ class BlockShape:
     rotary channels per head (0 with learned positions); rope_theta: their base. bias:
     biases on projections. norm, norm_eps, mlp, ffn_hidden, parallel_residual: the block
     around the mixer (GPT-NeoX or LLaMA style). norm_placement: ``pre`` normalises each
-    sub-layer's input; ``sandwich`` also its output before the residual add (Ouro)."""
+    sub-layer's input; ``sandwich`` also its output before the residual add (Ouro). moe:
+    the FFN as a mixture of experts (:mod:`looplm.modules.moe`), None for a dense FFN."""
 
     d_model: int
     n_heads: int
@@ -31,6 +34,7 @@ class BlockShape:
     ffn_hidden: int = 0
     parallel_residual: bool = False
     norm_placement: Literal["pre", "sandwich"] = "pre"
+    moe: Optional[MoEConfig] = None
 
     @property
     def head_dim(self) -> int:

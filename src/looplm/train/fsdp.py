@@ -19,6 +19,12 @@ units, bottom-up, in one place:
   so a step costs T reduce-scatters and T - 1 backward all-gathers of the core. Without
   sharing (``model.share_core=false``) each iteration has its own stack, run once, so
   each of those blocks is an ordinary unit;
+- the experts of a mixture-of-experts FFN (``model.moe``: its router and expert weights,
+  most of a block's parameters) are a unit of their own inside their block's unit, first:
+  a block gathers its attention and its experts separately, and a core with one expert set
+  per iteration gathers each set only for its iteration (resharded after its forward), while
+  the loop keeps the shared core's other weights gathered. Experts shared by a shared core
+  run every iteration and are kept gathered like it;
 - the root (``model`` itself) last: embedding, head (tied or not), final norm and every
   loop-level part the recurrence calls between core passes (topology and MeSH routers,
   step embeddings, streams, halting, resolution scalers). FSDP2 keeps the root gathered
@@ -43,6 +49,7 @@ from torch import nn
 
 from looplm.config_base import ConfigError
 from looplm.model import LoopLM
+from looplm.modules.moe import MoE
 
 
 def mixed_precision(fsdp_precision: str, autocast_dtype: Optional[torch.dtype]):
@@ -60,12 +67,24 @@ def units(model: LoopLM) -> list[tuple[list[nn.Module], bool]]:
     """The FSDP units below the root, bottom-up: (modules grouped in one unit,
     reshard_after_forward). See the module docstring for why the shared core is one
     unit kept gathered."""
-    groups: list[tuple[list[nn.Module], bool]] = [([block], True) for block in model.prelude]
+    groups: list[tuple[list[nn.Module], bool]] = _expert_units(model)
+    groups += [([block], True) for block in model.prelude]
     if model.cfg.structure.shared:
         groups += [(list(stack), False) for stack in model.core if len(stack)]
     else:
         groups += [([block], True) for stack in model.core for block in stack]
     groups += [([block], True) for block in model.coda]
+    return groups
+
+
+def _expert_units(model: LoopLM) -> list[tuple[list[nn.Module], bool]]:
+    """One unit per mixture-of-experts FFN (per expert set), kept gathered only when a
+    shared core runs the same set every iteration."""
+    groups = []
+    for part, blocks in (("prelude", model.prelude), ("core", [b for stack in model.core for b in stack]),
+                         ("coda", model.coda)):
+        kept = part == "core" and model.cfg.structure.shared and model.cfg.ffn_sets("core") == 1
+        groups += [([ffn], not kept) for block in blocks for ffn in block.ffn_layers() if isinstance(ffn, MoE)]
     return groups
 
 
