@@ -450,6 +450,8 @@ DEPTH = Study(
         "default": Size(_depth_runs("default"), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 75 min on one thread (24 runs of 600 steps; MoR rows not yet timed, Huginn's "
                                   "≈ 0.2 s per step for the fixed loops and ≈ 0.35 s for the drawn counts)"),
+        "stdlib": _stdlib_size(_depth_runs("default"), "not yet timed: 8 runs × 4 rates × 333 steps, then 24-40 runs "
+                                                       "× 1000 steps of 16 × 256 tokens at d = 128"),
         "paper": Size(DEPTH_HUGINN["paper"], seeds=1,
                       wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
                                 "data.tokenizer and train.max_steps"),
@@ -660,6 +662,9 @@ SHARING = Study(
                         wall_time="≈ 80 min on one thread (18 runs of 600 steps; estimated from the mesh study's "
                                   "0.22 s per step at the same width and block passes, MoE steps taken as 1.5× "
                                   "slower: not timed)"),
+        "stdlib": _stdlib_size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, (4, 16), 512)),
+                               "not yet timed: 6 runs × 4 rates × 333 steps, then 18-30 runs × 1000 steps of "
+                               "16 × 256 tokens at d = 128 (the dense FFN 512 wide, experts 256)"),
     },
     metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True)),
     measure=measures.lm,
