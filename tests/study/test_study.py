@@ -200,6 +200,14 @@ def test_study_specific_measures(quick) -> None:
     assert "Growth decisions" in (quick["sgt"].out_dir / "results.md").read_text()
     lt2 = quick["lt2"]
     assert {"val_loss", "n_max"} <= set(lt2.scalars("gdn-looped")[0])  # the row merges its two parts
+    # the attention sink (LT2 §4.4): a mass per loop for softmax attention, none for GDN; the gated pair ran
+    for variant in ("attention-looped", "attention-looped-gated"):
+        sink = lt2.scalars(variant)[0]
+        assert 0.0 < sink["sink_first"] <= 1.0 and 0.0 < sink["sink_last"] <= 1.0
+        assert [t for t, _ in lt2.series(variant, "sink_by_loop")[0]] == [0, 1]
+    assert lt2.scalars("gdn-looped")[0]["sink_first"] is None
+    ladder = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(quick["ladder"].out_dir / "runs.csv"))}
+    assert all(0.0 <= float(r["em_seen"]) <= 1.0 for r in ladder.values())  # held-out problems: seen reported apart
     spiral = {r["variant"]: r for r in csv.DictReader(open(quick["spiralformer"].out_dir / "runs.csv"))}
     assert float(spiral["SpiralFormer-B"]["forward_flops_per_token"]) < float(
         spiral["looped-T4-full-res"]["forward_flops_per_token"])

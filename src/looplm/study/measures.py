@@ -211,15 +211,44 @@ def state_tracking(run: Run) -> Measures:
 
 
 def lt2(run: Run) -> Measures:
-    """The LM part of an LT2 variant (:func:`lm`) or its state-tracking part."""
+    """The LM part of an LT2 variant (:func:`lm` and :func:`attention_sink`) or its
+    state-tracking part."""
     if isinstance(run.config.data.parsed_source, TaskSource):
         return state_tracking(run)
-    return lm(run)
+    measures, sink = lm(run), attention_sink(run)
+    measures["scalars"].update(sink["scalars"])
+    measures["series"].update(sink["series"])
+    return measures
+
+
+def attention_sink(run: Run, samples: int = 16) -> Measures:
+    """LT2 §4.4's attention-sink measurement: the first-token attention mass (the softmax
+    probability queries q ≥ 1 give key 0, :func:`looplm.probes.residual.first_token_mass`)
+    of the core blocks, averaged per loop iteration, on ``samples`` held-out sequences:
+    ``sink_first`` (the first iteration), ``sink_last`` (the last) and the series
+    ``sink_by_loop`` [[t, mass]]. For a dense layout the whole model is iteration 0. None
+    where no block has softmax probabilities (linear mixers)."""
+    from looplm.probes import load_probe_input
+    from looplm.probes.residual import unrolled_diagnostics
+
+    numbers = unrolled_diagnostics(load_probe_input(run.run_dir, samples=samples, batch_size=min(8, samples))).numbers
+    by_loop: dict[int, list[float]] = {}
+    looped = run.config.model.parsed_layout.is_looped
+    for label, mass in zip(numbers["unrolled"], numbers["first_token_mass"]):
+        if mass is None or (looped and not label.startswith("core")):
+            continue
+        t = int(label.rsplit("@", 1)[1]) if "@" in label else 0
+        by_loop.setdefault(t, []).append(mass)
+    means = [[t, sum(v) / len(v)] for t, v in sorted(by_loop.items())]
+    return {"scalars": {"sink_first": means[0][1] if means else None, "sink_last": means[-1][1] if means else None},
+            "series": {"sink_by_loop": means}, "notes": []}
 
 
 def character_task(run: Run, reference: str = "1") -> Measures:
     """The ladder's final greedy evaluation (autoregressive-trm.txt §5, App. B.3): exact match
-    ``em@α`` and character accuracy ``char@α`` at every α; by output quartile ``q1``–``q4``
+    ``em@α`` and character accuracy ``char@α`` at every α (at α ≤ 1 on held-out problems, never
+    trained on); ``em_seen`` / ``char_seen`` on training problems at L_train (the gap between
+    them is memorisation; None with ``data.task.heldout=0``); by output quartile ``q1``–``q4``
     and of the last character ``last`` at α = ``reference`` (Figs. 4-5); curves of character
     and last-character accuracy over training (Figs. 5-6) and of accuracy against α."""
     history = run.events("task_eval")
@@ -232,6 +261,9 @@ def character_task(run: Run, reference: str = "1") -> Measures:
     for q, value in enumerate(final[ref]["quartile_acc"], 1):
         scalars[f"q{q}"] = value
     scalars["last"] = final[ref]["last_char_acc"]
+    seen = history[-1].get("seen")  # data.task.heldout > 0: the same metrics on training problems at L_train
+    scalars["em_seen"] = None if seen is None else seen["exact_match"]
+    scalars["char_seen"] = None if seen is None else seen["char_acc"]
     return {
         "scalars": scalars,
         "series": {

@@ -285,6 +285,10 @@ def _lt2_runs(lm_preset: str, layers: int, loops: int, curriculum: list[int], se
                 *fields, f"model.layout={TASK_LAYERS}R{loops}" if looped else f"model.layout={TASK_LAYERS}", topology,
                 f"data.task.curriculum={json.dumps(curriculum)}", f"data.seq_len={seq_len}",
                 f"model.max_seq_len={seq_len + 8}", *task_size))
+    # LT2 §4.4: the SDPA output gate against the attention sink, on the looped attention model
+    runs["attention-looped-gated/lm"] = RunSpec(lm_preset, (
+        "model.mixer={kind: attention, output_gate: true}", "model.hybrid=null", f"model.layout={layers}R{loops}",
+        "model.topology={kind: gated_residual}", *lm_size))
     return runs
 
 
@@ -321,7 +325,8 @@ LT2 = Study(
                                 "per curriculum stage) days per run"),
     },
     metrics=(VAL_LOSS, Metric("n_max", "state n_max", 1, better="higher"),
-             Metric("state_acc", "state acc (last)", 1, percent=True)),
+             Metric("state_acc", "state acc (last)", 1, percent=True),
+             Metric("sink_first", "first-token mass (loop 1)", 3), Metric("sink_last", "first-token mass (last loop)", 3)),
     measure=measures.lt2,
     paper_columns=(
         PaperColumn("val PPL (0.6B)", "lt2.txt zero-shot table (tab:downstream), 0.6B rows, T = 4 (the table "
@@ -340,6 +345,9 @@ LT2 = Study(
         "stage) with 300 steps of batch 8 at lr 1e-3 (paper: batch 32, lr 3e-4), d = 64 and 5 layers (paper: 4 "
         "layers, d = 256) so that the 4:1 hybrid has its attention layer.",
         "Non-looped = the same blocks run once (layout 5, base topology): matched parameters, half the compute.",
+        "attention-looped-gated: the looped attention model with LT2's SDPA output gate (§4.4), language modelling "
+        "only; the first-token attention mass columns (the attention sink, per loop iteration of the core; "
+        "sink_by_loop in runs' study.json) are measured on 16 held-out sequences, blank for linear mixers.",
     ),
 )
 
@@ -511,6 +519,7 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
                     Metric(f"char@{a}", f"α={a} char", percent=True, better="higher")]
     metrics += [Metric(f"q{q}", f"Q{q} (α=1)", percent=True) for q in range(1, 5)]
     metrics.append(Metric("last", "last (α=1)", percent=True))
+    metrics += [Metric("em_seen", "seen EM (L_train)", percent=True), Metric("char_seen", "seen char", percent=True)]
     paper = ()
     if task == "addition":
         paper = (PaperColumn("char acc, addition L=10", "autoregressive-trm.txt §5 RQ1, Fig. 3: character accuracy "
