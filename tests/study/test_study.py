@@ -166,9 +166,9 @@ def test_paired_differences_by_seed(quick, name) -> None:
         got = [float(d) for d in row["differences"].split()]
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
         better = metrics[key].better
-        if better is not None:
-            sign = -1 if better == "lower" else 1
-            assert int(row["wins"]) == sum(sign * d > 0 for d in got)
+        assert better is not None  # a count without a direction (FLOPs, parameters) has no verdict
+        sign = -1 if better == "lower" else 1
+        assert int(row["wins"]) == sum(sign * d > 0 for d in got)
     markdown = (result.out_dir / "results.md").read_text()
     assert f"Paired by seed, each row minus `{ref}`" in markdown
     assert any(line.startswith(f"| {rows[0]['variant']} − {ref} |") for line in markdown.splitlines())

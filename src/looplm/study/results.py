@@ -220,7 +220,8 @@ class Paired:
 
 
 def paired(result: StudyResult) -> list[Paired]:
-    """Every other variant against the reference, per shown metric, paired by seed."""
+    """Every other variant against the reference, per shown metric with a direction (lower
+    or higher is better: a parameter or FLOP count has no verdict), paired by seed."""
     ref = reference_variant(result)
     base = result.scalars(ref)
     out = []
@@ -229,6 +230,8 @@ def paired(result: StudyResult) -> list[Paired]:
             continue
         mine = result.scalars(v)
         for m in shown_metrics(result):
+            if m.better is None:
+                continue
             pairs = [(seed, a[m.key] - b[m.key]) for seed, a, b in zip(result.seeds, mine, base)
                      if a.get(m.key) is not None and b.get(m.key) is not None]
             if pairs:
