@@ -756,8 +756,9 @@ CONVERSION = Study(
     title="Dense into loop: average / stepwise init, with and without per-iteration LoRA",
     paper="Bae et al. 2024, Relaxed Recursive Transformers (arXiv 2410.20672) §2.2 (init), §2.3 (LoRA, SVD init); "
           "issue 29",
-    claim="average init up-trains better than stepwise; SVD-initialised per-iteration LoRA recovers much of the gap "
-          "to the dense model",
+    claim="SVD-initialised per-iteration LoRA recovers much of the gap between the tied loop and the dense model; "
+          "the paper compares shared-weight inits (average, stepwise) for both (which is best is read from the "
+          "seeds here; the paper's text was not available to check its ranking)",
     sizes={
         "quick": Size(_conversion_runs(4, 4), QUICK + ("data.seq_len=16",), seeds=1),
         "default": Size(_conversion_runs(600, 200), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)),
