@@ -132,13 +132,9 @@ def run_study(
         command = equivalent_command(study.name, size, out_dir, None if extend else seeds, overrides, threads, variants)
     start = time.perf_counter()
     if spec.sweep is not None:
-        def sweep_run(name: str, seed: int, cfg: "RunConfig") -> Run:
-            summary = finished_run(cfg)
-            if study.prepare is not None and summary is None:
-                study.prepare(name, cfg)
-            return train_or_reuse(name, seed, cfg, summary, progress=progress)
-
-        chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]), sweep_run,
+        chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]),
+                              lambda name, seed, cfg: prepare_and_train(study, name, seed, cfg, finished_run(cfg),
+                                                                        progress),
                               lambda run: measure_run(study, run))
         configs = {seed: configs_at(seed) for seed in seeds}
     finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
@@ -151,9 +147,7 @@ def run_study(
             done += 1
             logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, len(seeds) * len(runs), name,
                         seed)
-            if study.prepare is not None and finished[(name, seed)] is None:
-                study.prepare(name, cfg)  # e.g. a converted start made from an earlier run of this seed
-            run = train_or_reuse(name, seed, cfg, finished[(name, seed)], progress=progress)
+            run = prepare_and_train(study, name, seed, cfg, finished[(name, seed)], progress)
             runs[name].append(run)
             measures[name].append(measure_run(study, run))
         result = StudyResult(study=study, size=size, out_dir=out_dir, seeds=seeds[:i + 1], runs=runs,
@@ -171,6 +165,16 @@ def run_study(
     logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
                 ", ".join(str(p) for p in written))
     return result
+
+
+def prepare_and_train(study: Study, name: str, seed: int, cfg: "RunConfig", summary: Optional[dict],
+                      progress: bool) -> Run:
+    """Run ``name`` at ``seed``: read back when ``summary`` (its finished run) is given, else
+    the study's ``prepare`` first (e.g. a converted start made from an earlier run of this
+    seed), then trained or resumed."""
+    if study.prepare is not None and summary is None:
+        study.prepare(name, cfg)
+    return train_or_reuse(name, seed, cfg, summary, progress=progress)
 
 
 def undecided(result: StudyResult) -> bool:

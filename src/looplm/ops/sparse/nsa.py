@@ -140,17 +140,13 @@ def nsa_static_attention(
     C = k.shape[2]
     o_cmp, selected = _compressed_and_selection(q, k_cmp, v_cmp, positions, C, block_size=block_size, stride=stride,
                                                 select_size=select_size, n_select=n_select, scale=scale)
-    n = min(n_select, selected.shape[-1])
-    picked, index = torch.topk(selected.to(torch.uint8), n, dim=-1)  # [B, H_kv, T, n]
-    L = select_size
-    key = (index[..., None] * L + torch.arange(L, device=q.device)).view(B, Hkv, T, n * L)  # positions
-    keep = (picked.bool()[..., None].expand(-1, -1, -1, -1, L).reshape(B, Hkv, T, n * L)
-            & (key <= positions[:, None, :, None]))
-    columns = column_of.gather(1, key.clamp(max=C).view(B, Hkv * T * n * L)).view(B, Hkv, T, n * L)
+    key, keep = _selected_keys(selected, positions, select_size, min(n_select, selected.shape[-1]))
+    width = key.shape[-1]
+    columns = column_of.gather(1, key.clamp(max=C).view(B, Hkv * T * width)).view(B, Hkv, T, width)
     # a selection differs per KV head: each (row, head) pair gathers from its own keys
     o_slc = gathered_attention(
         q.reshape(B * Hkv, 1, G, T, D), k.reshape(B * Hkv, 1, C, D), v.reshape(B * Hkv, 1, C, v.shape[-1]),
-        columns.clamp(max=C - 1).reshape(B * Hkv, T, n * L), keep.reshape(B * Hkv, T, n * L), scale,
+        columns.clamp(max=C - 1).reshape(B * Hkv, T, width), keep.reshape(B * Hkv, T, width), scale,
     ).view(B, Hkv, G, T, v.shape[-1])
     o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc
     if window > 0:
@@ -176,6 +172,21 @@ def _compressed_and_selection(
     return o_cmp, select_blocks(importance, positions, select_size, n_select)
 
 
+def _selected_keys(selected: torch.Tensor, positions: torch.Tensor, select_size: int, n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key positions of ``n`` selected l'-blocks per query and which of them it reads:
+    (key long [B, H_kv, T, n·l'], keep bool, the same shape). A query with fewer than n
+    blocks picked gets filler blocks (keep False), and the keys after t are never kept.
+    selected [B, H_kv, T, N_sel]; positions [B, T] of the queries (−1: padding)."""
+    B, Hkv, T, _ = selected.shape
+    L = select_size
+    picked, index = torch.topk(selected.to(torch.uint8), n, dim=-1)  # [B, H_kv, T, n]; picked 0: a filler
+    key = (index[..., None] * L + torch.arange(L, device=selected.device)).view(B, Hkv, T, n * L)
+    keep = picked.bool()[..., None].expand(-1, -1, -1, -1, L).reshape(B, Hkv, T, n * L) & (
+        key <= positions[:, None, :, None])
+    return key, keep
+
+
 def _selected_branch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor,
     select_size: int, scale: float,
@@ -188,15 +199,13 @@ def _selected_branch(
     n = min(int(selected.sum(-1).max()) if selected.numel() else 0, n_sel)  # most blocks any query takes
     if n == 0 or S == 0:
         return torch.zeros_like(q)
-    picked, index = torch.topk(selected.to(torch.uint8), n, dim=-1)  # [B, H_kv, T, n]; picked 0: a filler
-    key = (index[..., None] * L + torch.arange(L, device=q.device)).view(B, Hkv, T, n * L)  # positions
+    key, keep = _selected_keys(selected, positions, L, n)
     rows = key.clamp(max=S - 1).reshape(B, Hkv, T * n * L, 1)  # the last block's tail: masked below
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, S, D] -> [B, H_kv, T, n·l', D], only those rows
         return x.gather(2, rows.expand(-1, -1, -1, x.shape[-1])).view(B, Hkv, T, n * L, x.shape[-1])
 
-    allowed = (picked.bool()[..., None].expand(-1, -1, -1, -1, L).reshape(B, Hkv, T, n * L)
-               & (key <= positions[:, None, :, None]))[:, :, :, None]  # [B, H_kv, T, 1, n·l']
+    allowed = keep[:, :, :, None]  # [B, H_kv, T, 1, n·l']
     qt = q.permute(0, 1, 3, 2, 4)  # [B, H_kv, T, G, D]
     scores = torch.matmul(qt, gather(k).transpose(-1, -2)) * scale  # [B, H_kv, T, G, n·l']
     o = torch.matmul(masked_softmax(scores, allowed).to(v.dtype), gather(v))  # [B, H_kv, T, G, D]
