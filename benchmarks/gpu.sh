@@ -8,7 +8,9 @@
 #   3. benchmarks/long_context.py: the tiny shape (d_model 1024, 16 heads) and the paper's
 #      lt2-0.6b shape at contexts 2048 and 8192, batch 8, eager and with --compile, decode
 #      timed through model.generate in both so the two files compare like for like;
-#   4. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling all eight
+#   4. benchmarks/launches.py --device cuda: GPU kernels and launch calls per decoded token
+#      per block pass, profiled (the CPU-counted decode targets of issue 30 beside them);
+#   5. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling all eight
 #      variants does not fit the deadline), with a profile of dense and gdn.
 #
 # Each part writes benchmarks/results/*-cuda.md (long_context and generate rewrite theirs
@@ -135,12 +137,16 @@ part "long context, tiny" 40 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --he
   --out "$RESULTS/long-context-cuda.md"
 part "long context, tiny, compiled" 50 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --heads 16 --compile \
   --out "$RESULTS/long-context-compiled-cuda.md"
-part "long context, lt2-0.6b" 80 "$PY" "${LONG[@]}" --shape lt2-0.6b \
+part "long context, lt2-0.6b" 75 "$PY" "${LONG[@]}" --shape lt2-0.6b \
   --out "$RESULTS/long-context-lt2-0.6b-cuda.md"
 part "long context, lt2-0.6b, compiled" 60 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile \
   --out "$RESULTS/long-context-lt2-0.6b-compiled-cuda.md"
 
-# 4. Training throughput, bf16 autocast.
+# 4. What a decoded token launches on the GPU (profiled kernels and launch calls per block
+# pass; the CPU-counted targets of issue 30 beside them).
+part "launches" 25 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
+
+# 5. Training throughput, bf16 autocast.
 part "train throughput" 40 "$PY" benchmarks/train_throughput.py --device cuda --dtype bf16 --width 512 --seq 1024 \
   --batch 8 --steps 2 --repeats 3 --warmup 2 --no-compile --profile dense gdn \
   --out "$RESULTS/train-throughput-cuda.md"

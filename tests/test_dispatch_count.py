@@ -1,6 +1,7 @@
 """The operator / host-sync counter (looplm.accounting.dispatch) that the speed tests use."""
 
 import torch
+import torch.nn.functional as F
 
 from looplm.accounting.dispatch import count_dispatch
 
@@ -29,3 +30,17 @@ def test_whole_tensor_reads_count_as_host_syncs() -> None:
     assert counts.syncs == 2 and counts.by_op["Tensor.tolist"] == 1 and counts.by_op["Tensor.numpy"] == 1
     free, _ = count_dispatch(lambda: x.shape[0] + len(x))  # metadata: no read
     assert free.syncs == 0 and free.ops == 0
+
+
+def test_an_rms_norm_is_one_cuda_kernel_only_in_one_dtype() -> None:
+    """F.rms_norm is six CPU operators and one fused CUDA kernel when input and weight
+    share a dtype (``kernels``); with mixed dtypes torch runs the operators on CUDA too."""
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    fused, y = count_dispatch(lambda: F.rms_norm(x, (8,), w, 1e-5) + 1)
+    assert fused.ops == 7 and fused.kernels == 2  # the norm's six as one, and the add
+    assert torch.equal(y, F.rms_norm(x, (8,), w, 1e-5) + 1)
+    alone, _ = count_dispatch(lambda: F.rms_norm(x, (8,)))
+    assert alone.kernels == 1
+    xb = x.bfloat16()
+    mixed, _ = count_dispatch(lambda: F.rms_norm(xb, (8,), w, 1e-5))
+    assert mixed.kernels == mixed.ops > 1

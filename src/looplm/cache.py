@@ -85,7 +85,8 @@ class LoopCache:
                 raise ValueError(f"batch of {B} rows does not match the cache's {self.valid.shape[0]}")
             valid, start = torch.cat([self.valid, new_valid], dim=1), self.next_position
         self.padded = self.padded or (masked and not bool(new_valid.all()))
-        self.valid, self.next_position = valid, start + new_valid.long().sum(dim=1)
+        # without a mask every new position is real: each row moves on by T, nothing to count
+        self.valid, self.next_position = valid, start + (new_valid.long().sum(dim=1) if masked else new_valid.shape[1])
         return valid, start, self.padded
 
     def chunk(self, t: int) -> Optional[ChunkState]:

@@ -300,6 +300,9 @@ def generate(
                 out = model(ids, attention_mask=mask.long(), cache=cache, iterations=iterations, logits_to_keep=1)
                 logits = out.logits[:, -1]
                 spent, seen = _passes_spent(out, mask), int(mask.sum())
+                # a fixed loop spends the same passes on every position: the prompt's rate is the
+                # generation's, and nothing is added up per token
+                adds_up = spent is not None and model.cfg.halting.adaptive
                 step_fn, cache = _decoder(model, cache, ids.shape[1] + max_new_tokens,
                                           (compile if isinstance(compile, dict) else {}) if capture else None)
                 ones = torch.ones(B, 1, dtype=torch.long, device=device)
@@ -307,7 +310,8 @@ def generate(
                     token = next_token(
                         logits, sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
                     )
-                    token = token.masked_fill(finished, pad_token_id)  # [B]
+                    if stops:  # (without stop tokens no row ever finishes)
+                        token = token.masked_fill(finished, pad_token_id)  # [B]
                     columns.append(token)
                     if stops:
                         stopped = ~finished & torch.isin(token, stop_tensor)
@@ -318,7 +322,7 @@ def generate(
                         break
                     # No mask: the new tokens are real, and the cache remembers the prompt's padding.
                     logits, passes = step_fn(model, token, cache, iterations)
-                    if spent is not None:
+                    if adds_up:
                         spent, seen = spent + _passes_spent(passes, ones), seen + B
     finally:
         model.train(was_training)

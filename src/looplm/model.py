@@ -122,7 +122,7 @@ class LoopLM(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.max_seq_len)
         #: The activation-checkpointing seam, set from outside (looplm.train.activation_checkpointing):
         #: ``recompute(part, fn, x)`` returns ``fn(x)`` for each region of a forward without a
         #: cache, part naming it: "prelude", "core" or "coda" (one block) or "pass" (one core
@@ -239,7 +239,12 @@ class LoopLM(nn.Module):
         if cache is not None and stops:
             cache.append_frozen(state, t + 1)
         structure = self.cfg.structure
-        block_passes = structure.block_passes(halt.steps)
+        if isinstance(halt.steps, int):  # no halting: every position ran every step, one fill each
+            steps = halt.steps
+            halt.steps, block_passes = (torch.full(h_pre.shape[:2], n, dtype=torch.long, device=h_pre.device)
+                                        for n in (steps, structure.block_passes(steps)))
+        else:
+            block_passes = structure.block_passes(halt.steps)
         if cache is not None and halting.freezes and not stops:  # the steps halted positions ran frozen
             catch_up = catch_up + structure.core_passes(((n_iter - halt.steps) * ctx.new_valid).sum())
         return RecurrenceOutput(readout.to(h_pre.dtype), trace, {**state.record, **halt.record}, halt.steps,
@@ -383,20 +388,30 @@ class LoopLM(nn.Module):
         new_valid = (
             torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
         )
-        if isinstance(cache, StaticLoopCache):  # rows written in place; nothing on the host moves
+        # host-side ints; a captured step on a static cache leaves them to its eager caller
+        # (guarding on the cache's length would recompile every step)
+        static = isinstance(cache, StaticLoopCache)
+        past = cache.get_seq_length() if cache is not None else 0
+        if not (static and torch.compiler.is_compiling()) and past + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {past + T} positions exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if static:  # rows written in place; nothing on the host moves
             slots, positions = cache.extend_static(new_valid, masked=attention_mask is not None)
             ctx = MixerContext(rope=self.rotary(positions, dtype), valid=cache.valid, past=None, padded=cache.padded,
                                slots=slots)
             return ctx, positions
-        past = cache.get_seq_length() if cache is not None else 0
-        if past + T > self.cfg.max_seq_len:  # host-side ints: no device sync under torch.compile
-            raise ValueError(f"sequence of {past + T} positions exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if cache is not None:
             valid, start, padded = cache.extend(new_valid, masked=attention_mask is not None)
         else:
-            valid, start = new_valid, torch.zeros(B, dtype=torch.long, device=device)
+            valid, start = new_valid, None
             padded = attention_mask is not None and not bool(new_valid.all())
-        positions = (start[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
+        if attention_mask is None:  # every new position is real: the next T ids of each row
+            if start is None:
+                positions = torch.arange(T, device=device).expand(B, T)
+            else:  # a view of the cache's old next_position, which extend replaced (not changed)
+                positions = start[:, None] if T == 1 else start[:, None] + torch.arange(T, device=device)
+        else:
+            first = torch.zeros(B, dtype=torch.long, device=device) if start is None else start
+            positions = (first[:, None] + new_valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
         return MixerContext(rope=self.rotary(positions, dtype), valid=valid, past=past, padded=padded), positions
 
     # ---------------------------------------------------------------- utilities

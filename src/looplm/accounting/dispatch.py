@@ -12,8 +12,15 @@ and the whole-tensor reads ``Tensor.tolist`` / ``Tensor.numpy`` (on CPU they nev
 the dispatcher, so a :class:`~torch.overrides.TorchFunctionMode` counts them, as
 ``Tensor.tolist``; on a GPU each is a copy to the host and a sync).
 
+Some calls are several operators on CPU but one kernel on CUDA: ``F.rms_norm`` with its
+input and weight in one dtype (torch's fused ``_fused_rms_norm``; six CPU operators).
+``kernels`` counts each such call once, the rest as ``ops`` does: what a GPU launches
+for the same eager code, as far as torch's own fusions go (flash-linear-attention's fused
+kernels, which replace PyTorch reference paths, are not modelled: measure them with
+``benchmarks/launches.py --device cuda``).
+
     >>> counts = count_dispatch(lambda: model(ids))
-    >>> counts.ops, counts.syncs, counts.by_op.most_common(5)
+    >>> counts.ops, counts.kernels, counts.syncs, counts.by_op.most_common(5)
 
 Tests keep these counts from growing back; ``benchmarks/`` reports them beside wall time.
 """
@@ -43,11 +50,18 @@ FREE_OPS = frozenset({"aten.detach", "aten.alias", "aten.lift_fresh", "aten._uns
 @dataclasses.dataclass
 class DispatchCount:
     """ops: operators that launch work (views and allocations left out); syncs: host reads
-    (included in ``ops``); by_op: ops per operator name (``aten.mm``, ...)."""
+    (included in ``ops``); by_op: ops per operator name (``aten.mm``, ...); fused: the ops
+    beyond the first of calls that are one kernel on CUDA (:data:`FUSED_ON_CUDA`)."""
 
     ops: int = 0
     syncs: int = 0
     by_op: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    fused: int = 0
+
+    @property
+    def kernels(self) -> int:
+        """``ops`` with each call that is one CUDA kernel counted once."""
+        return self.ops - self.fused
 
     def __str__(self) -> str:
         top = ", ".join(f"{name} {n}" for name, n in self.by_op.most_common(8))
@@ -81,23 +95,44 @@ class _Counter(TorchDispatchMode):
 HOST_READS = frozenset({"tolist", "numpy"})
 
 
-class _HostReads(TorchFunctionMode):
+def _one_rms_norm_kernel(args, kwargs) -> bool:
+    """Whether ``F.rms_norm(input, shape, weight, eps)`` runs torch's fused kernel on CUDA:
+    no weight, or a weight in the input's dtype."""
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    return weight is None or weight.dtype == args[0].dtype
+
+
+#: torch functions that are several operators on CPU and one kernel on CUDA, with the
+#: condition on their arguments
+FUSED_ON_CUDA = {"rms_norm": _one_rms_norm_kernel}
+
+
+class _FunctionCalls(TorchFunctionMode):
+    """Host reads that bypass the dispatcher, and calls that are one kernel on CUDA (whose
+    operators the dispatch mode counts inside them)."""
+
     def __init__(self, count: DispatchCount):
         super().__init__()
         self.count = count
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
         if name in HOST_READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "meta":
             self.count.ops += 1
             self.count.syncs += 1
             self.count.by_op[f"Tensor.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+        if name in FUSED_ON_CUDA and FUSED_ON_CUDA[name](args, kwargs):
+            before = self.count.ops
+            result = func(*args, **kwargs)
+            self.count.fused += max(self.count.ops - before - 1, 0)
+            return result
+        return func(*args, **kwargs)
 
 
 def count_dispatch(fn: Callable[[], Any]) -> tuple[DispatchCount, Any]:
     """Run ``fn()`` once and count what it dispatched; returns (counts, fn's result)."""
     count = DispatchCount()
-    with _HostReads(count), _Counter(count):
+    with _FunctionCalls(count), _Counter(count):
         result = fn()
     return count, result

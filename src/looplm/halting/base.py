@@ -7,7 +7,7 @@ which travels in a :class:`HaltState` so one module serves every forward."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -42,11 +42,12 @@ class HaltState:
     (halted ones are frozen); ``halted``, positions whose rule has fired; ``steps`` [B, T],
     the macro steps each position ran while not halted (its realised compute);
     ``readout`` the rule's accumulator; ``valid`` [B, T], real (non-padding) positions;
-    ``losses`` the auxiliary losses, already weighted."""
+    ``losses`` the auxiliary losses, already weighted. Under :class:`NoHalting` nothing is
+    per position: ``running`` and ``halted`` are None and ``steps`` is one host int."""
 
-    running: torch.Tensor
-    halted: torch.Tensor
-    steps: torch.Tensor
+    running: Optional[torch.Tensor]
+    halted: Optional[torch.Tensor]
+    steps: Union[torch.Tensor, int]
     valid: torch.Tensor
     readout: Optional[torch.Tensor] = None
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -115,6 +116,20 @@ class Halting(nn.Module):
 
     def reset_parameters(self, init_std: float) -> None:
         """Initialise own parameters (called by the model's init pass)."""
+
+
+class NoHalting(Halting):
+    """``halting: none``: every position runs every step, so the step count is one host
+    int shared by all positions: no per-position tensor is made or updated per step (the
+    model expands it once, :meth:`LoopLM._recur`)."""
+
+    def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:
+        return HaltState(running=None, halted=None, steps=0, valid=valid)
+
+    def observe(self, state: HaltState, y: torch.Tensor, t: int, last: bool, read_logits: ReadLogits,
+                targets: Optional[torch.Tensor]) -> None:
+        state.steps += 1
+        state.readout = y
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import ClassVar, Optional, Sequence
 
 from looplm.config_base import KindConfig, check
 from looplm.halting.act import ACTHalting
-from looplm.halting.base import Halting
+from looplm.halting.base import Halting, NoHalting
 from looplm.halting.convergence import ConvergenceExit
 from looplm.halting.exit_gate import ExitGateHalting
 from looplm.halting.mor import MoRHalting
@@ -86,7 +86,7 @@ class NoHaltingConfig(HaltingConfig):
     adaptive = False
 
     def build(self, d_model: int) -> Halting:
-        return Halting()
+        return NoHalting()
 
 
 @dataclasses.dataclass(frozen=True)

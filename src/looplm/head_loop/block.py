@@ -151,7 +151,9 @@ class HeadLoopBlock(GrownBlock):
         return x + update, state  # Eq. (6): H^(k) = H^(k-1) + Σ_{i∈S} Attn^(i)(H^(k-1))
 
     def _last(self, x):
-        return x + self.ffn(self.ffn_norm(x))  # the FFN reads H^(K_l) (Alg. 1 line 13)
+        if self.ffn_adds_residual:  # the FFN reads H^(K_l) (Alg. 1 line 13)
+            return self.ffn(self.ffn_norm(x), residual=x)
+        return x + self.ffn(self.ffn_norm(x))
 
     def flop_cost(self, call: Call) -> Cost:
         """The block plus K_l passes of norm -> S's slice of the attention -> residual (Eq. 6)

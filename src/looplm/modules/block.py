@@ -23,7 +23,7 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.mixers import MixerConfig, MixerContext, MixerState
 from looplm.modules.lora import BlockLoRA, LoRAConfig
-from looplm.modules.mlp import build_mlp
+from looplm.modules.mlp import GeluMLP, SwiGLU, build_mlp
 from looplm.modules.moe import build_moe
 from looplm.modules.norm import build_norm
 from looplm.modules.shape import BlockShape
@@ -69,6 +69,8 @@ class Block(nn.Module):
         self.ffn = build_ffn(cfg, ffn_sets)
         self.attn_out_norm = output_norm(cfg)
         self.ffn_out_norm = output_norm(cfg)
+        # x + FFN(x) as one call of a dense FFN (no output norm between them)
+        self.ffn_adds_residual = isinstance(self.ffn, (GeluMLP, SwiGLU)) and isinstance(self.ffn_out_norm, nn.Identity)
         self.lora: Optional[BlockLoRA] = None
         self.ffn_per_iteration: list[nn.Module] = []  # views, not registered; empty: the FFN itself
         if lora is not None and lora[0].enabled:
@@ -113,6 +115,8 @@ class Block(nn.Module):
         if self.parallel_residual:
             return x + mixed + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
         x = x + mixed
+        if self.ffn_adds_residual:  # the dense FFN adds x in its down projection
+            return ffn(self.ffn_norm(x), ctx, residual=x), state
         return x + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
 
     def sublayer_costs(self, call: Call) -> tuple[Cost, Cost]:

@@ -6,7 +6,10 @@ attention layer, so left-padded batches and cached decoding use the same code pa
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -14,19 +17,34 @@ class Rotary(nn.Module):
     """Produces ``(cos, sin)`` of shape [B, T, rotary_dim] for position ids [B, T].
 
     ``sin`` carries the rotation's sign, [-sin θ | sin θ], so that a rotation is
-    x·cos + swap_halves(x)·sin: three operators (:func:`apply_rotary`), not five."""
+    x·cos + swap_halves(x)·sin: three operators (:func:`apply_rotary`), not five.
+    With ``max_positions`` (the model's ``max_seq_len``) both tables are computed once, at
+    construction, for every position, and a forward looks its positions up: one
+    operator (an embedding gather) instead of seven per forward, which a decoded token
+    pays in full. The table is a buffer: ``model.to(torch.bfloat16)`` rounds it as the
+    per-call tables would be rounded."""
 
-    def __init__(self, rotary_dim: int, theta: float):
+    def __init__(self, rotary_dim: int, theta: float, max_positions: Optional[int] = None):
         super().__init__()
         self.rotary_dim = rotary_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / max(rotary_dim, 1)))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # [P, 2R]: cos | sin side by side, one gather for both (None: computed per call)
+        table = None if max_positions is None else torch.cat(self._tables(torch.arange(max_positions)), dim=-1)
+        self.register_buffer("table", table, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, T] -> angles: [B, T, rotary_dim / 2]
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [...] -> angles: [..., rotary_dim / 2] -> float32 (cos, sin) [..., rotary_dim]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
         cos, sin = angles.cos(), angles.sin()
-        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            cos, sin = self._tables(positions)
+            return cos.to(dtype), sin.to(dtype)
+        both = F.embedding(positions, self.table).to(dtype)  # [B, T, 2R]
+        return both[..., : self.rotary_dim], both[..., self.rotary_dim :]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

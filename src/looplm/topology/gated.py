@@ -20,7 +20,7 @@ class GatedResidualTopology(Topology):
         self.rho = nn.Parameter(torch.zeros(iterations, dim))  # [T, d]
 
     def step(self, state: LoopState, update: torch.Tensor, t: int) -> LoopState:
-        h = update + self.rho[t] * state.h
+        h = torch.addcmul(update, self.rho[t], state.h)  # f(h) + ρ_t ⊙ h in one operator
         return LoopState(h=h, carrier=state.carrier, record=state.record)
 
     def reset_parameters(self, init_std: float) -> None:
