@@ -326,6 +326,7 @@ class SoftmaxAttention(nn.Module):
         causal = call.batch * causal_pairs(call.tokens, call.keys, self.window)
         cost = children_cost(self, call) + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
         if call.reuses_first_step_kv:
-            qkv, heads = module_cost(self.qkv, call), self.n_heads + 2 * self.n_kv_heads
-            cost = cost + Cost(mac=-(qkv.mac // heads) * 2 * self.n_kv_heads, bias=-(qkv.bias // heads) * 2 * self.n_kv_heads)
+            qkv, kv_heads = module_cost(self.qkv, call), 2 * self.n_kv_heads
+            per_head = self.n_heads + kv_heads  # qkv's MACs and biases split evenly over its heads
+            cost = cost + Cost(mac=-(qkv.mac // per_head) * kv_heads, bias=-(qkv.bias // per_head) * kv_heads)
         return cost
