@@ -327,6 +327,6 @@ class SoftmaxAttention(nn.Module):
         cost = children_cost(self, call) + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
         if call.reuses_first_step_kv:
             qkv, kv_heads = module_cost(self.qkv, call), 2 * self.n_kv_heads
-            per_head = self.n_heads + kv_heads  # qkv's MACs and biases split evenly over its heads
-            cost = cost + Cost(mac=-(qkv.mac // per_head) * kv_heads, bias=-(qkv.bias // per_head) * kv_heads)
+            qkv_heads = self.n_heads + kv_heads  # qkv's MACs and biases split evenly over its heads
+            cost = cost + Cost(mac=-(qkv.mac // qkv_heads) * kv_heads, bias=-(qkv.bias // qkv_heads) * kv_heads)
         return cost
