@@ -121,6 +121,9 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
         ("mor-token-choice-steps", tiny_config("residual", layout="1R3", step_embeddings=True,
                                                halting={"kind": "mor", "depths": 3, "routing": "token_choice",
                                                         "init_bias": 0.0})),
+        # recursive KV sharing: later steps attend over the first step's keys and values (grouped heads)
+        ("mor-expert-shared-kv-gqa", tiny_config("anchor", layout="1+1R3+1", n_kv_heads=2,
+                                                 halting={"kind": "mor", "depths": 3, "init_bias": 0.0, "kv": "shared"})),
         # Huginn: latent state + concat adapter, a count drawn per step, backprop through the last 2
         ("huginn-sampled-depth", tiny_config("concat_adapter", layout="1+1R3+1", norm="rmsnorm", mlp="swiglu",
                                              bias=False, norm_placement="sandwich", embed_scale=True,

@@ -215,7 +215,8 @@ def test_compiled_generate_over_a_ring():
     assert torch.equal(compiled.sequences, eager.sequences)
 
 
-@pytest.mark.parametrize("name", ["ut-act-adaptive-anchor", "ar-trm-adaptive", "nested-act-prelude-coda"])
+@pytest.mark.parametrize("name", ["ut-act-adaptive-anchor", "ar-trm-adaptive", "nested-act-prelude-coda",
+                                  "mor-expert-shared-kv-gqa"])
 def test_adaptive_halting_compiles_as_a_full_loop(name):
     """Halting that may stop early runs every step in the captured step, halted positions
     frozen: the tokens of the eager (early-exit, catch-up) path, and at least its compute."""

@@ -221,7 +221,7 @@ class LoopLM(nn.Module):
         # run without gradient, so training memory follows k, not r (Huginn §3.3)
         no_grad = self.cfg.depth.no_grad_iterations(n_iter) if torch.is_grad_enabled() else 0
         for t in range(n_iter):
-            if cache is not None and stops:
+            if cache is not None and stops and halting.catches_up:
                 catch_up = catch_up + self._catch_up(t, ctx, cache)
             step_ctx = halting.step_context(halt, ctx, cache, t)  # ctx, unless the rule hides some keys
             with torch.no_grad() if t < no_grad else contextlib.nullcontext():
@@ -313,7 +313,7 @@ class LoopLM(nn.Module):
                 h = self.recompute(name, functools.partial(_block_output, block, ctx, t), h)
                 continue
             h, state = block(h, ctx, cache.get(key, slot) if cache is not None else None, iteration=t)
-            if cache is not None:
+            if cache is not None and state is not None:  # None: the pass keeps nothing (it read another's)
                 cache.set(key, slot, state)
         return h
 

@@ -208,6 +208,15 @@ class ModelConfig(Config):
                   f"a loop of at least {self.halting.min_iterations} iterations with {self.halting.label}")
         self.halting.check_loop(layout.iterations, self.layout,
                                 sorted({m.kind for mixers in self.block_mixers().values() for m in mixers}))
+        if self.halting.reuses_first_step_kv:  # step t of core block j attends over step 0's keys of block j
+            for name, ok, value, allowed in (
+                ("share_core", self.share_core, self.share_core, "true (one core stack: every step runs block j)"),
+                ("loop_mixers", self.loop_mixers is None, self.loop_mixers, "null (the same attention at every step)"),
+                ("streams.kind", not self.streams.defines_update, self.streams.kind, "single (one core pass per step)"),
+                ("lora.targets", not (self.lora.enabled and self.lora.adapts("qkv")), list(self.lora.targets),
+                 "['mlp'] or ['o_proj'] (a later step projects its queries with the shared qkv alone)"),
+            ):
+                check(ok, f"model.{name}", value, f"{allowed} with {self.halting.label}")
         self._check_depth(layout, multires)
         exit_at = self.halting.exit_at_step
         if exit_at is not None:

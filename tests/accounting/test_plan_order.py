@@ -49,7 +49,8 @@ HALTING = [{"kind": "none"}, {"kind": "act", "full_compute": True}, {"kind": "qh
            {"kind": "convergence", "criterion": "entropy", "threshold": 1e-9},  # never fires: every step runs
            # Mixture-of-Recursions: its routers start every position at full depth (init_bias)
            {"kind": "mor", "depths": 3}, {"kind": "mor", "depths": 3, "routing": "token_choice"},
-           {"kind": "mor", "depths": 3, "routing": "expert_choice", "auxiliary": "router"}]
+           {"kind": "mor", "depths": 3, "routing": "expert_choice", "auxiliary": "router"},
+           {"kind": "mor", "depths": 3, "kv": "shared"}]
 STREAMS = [{"kind": "single"}, {"kind": "two", "outer": 2, "inner": 1},
            {"kind": "two", "outer": 2, "inner": 2, "no_grad_cycles": True, "init": "zeros"}]
 RESOLUTIONS = [{"down": "mean", "up": "uniform"}, {"down": "aggregate", "up": "router"}]

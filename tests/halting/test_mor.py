@@ -197,6 +197,7 @@ def test_parameter_count_matches_the_module():
     ({"capacity": [0.5, 0.0]}, "model.halting.capacity"),
     ({"routing": "token_choice", "capacity": [0.5, 0.5]}, "model.halting.capacity"),
     ({"kv": "sometimes"}, "model.halting.kv"),
+    ({"kv": "first"}, "model.halting.kv"),
     ({"auxiliary": "router", "aux_loss_weight": 0.0}, "model.halting.auxiliary"),
     ({"auxiliary": "router", "routing": "token_choice"}, "model.halting.auxiliary"),
     ({"depths": 1}, "model.halting.depths"),
@@ -216,15 +217,17 @@ def test_depths_must_match_the_loop():
 #: (measured: fixed depth 272 ops / 0 syncs; MoR adds after each step but the last its router,
 #: then the gated update and, in training, the auxiliary loss's top-k target; the syncs are the
 #: loop's "all left?" check after steps 0 and 1), and of generating 4 tokens after a 4-token prompt
-#: (generate's two whole-tensor reads, Tensor.tolist, included)
-DISPATCH_BUDGET = {"expert_choice": (389, 2, 652, 24), "token_choice": (374, 2, 672, 24)}
+#: (generate's two whole-tensor reads, Tensor.tolist, included); under kv: shared the later steps'
+#: one query projection replaces the fused qkv and its split, and decoding needs no catch-up
+DISPATCH_BUDGET = {("expert_choice", "all"): (389, 2, 652, 24), ("token_choice", "all"): (374, 2, 672, 24),
+                   ("expert_choice", "shared"): (385, 2, 597, 15), ("token_choice", "shared"): (370, 2, 617, 15)}
 
 
-@pytest.mark.parametrize("routing", sorted(DISPATCH_BUDGET))
-def test_dispatch_counts_stay_within_budget(routing):
+@pytest.mark.parametrize("routing,kv", sorted(DISPATCH_BUDGET))
+def test_dispatch_counts_stay_within_budget(routing, kv):
     from looplm.accounting.dispatch import count_dispatch
 
-    m = LoopLM(tiny_config("base", layout="1+1R3+1", halting=mor(routing=routing))).train()
+    m = LoopLM(tiny_config("base", layout="1+1R3+1", halting=mor(routing=routing, kv=kv))).train()
     x = random_ids(2, 16)
 
     def train_step():
@@ -234,7 +237,7 @@ def test_dispatch_counts_stay_within_budget(routing):
     train, _ = count_dispatch(train_step)
     m.eval()
     decode, _ = count_dispatch(lambda: m.generate(x[:, :4], max_new_tokens=4, do_sample=False))
-    ops, syncs, decode_ops, decode_syncs = DISPATCH_BUDGET[routing]
+    ops, syncs, decode_ops, decode_syncs = DISPATCH_BUDGET[(routing, kv)]
     assert train.ops <= ops and train.syncs <= syncs, f"training: {train}; by op {dict(train.by_op)}"
     assert decode.ops <= decode_ops and decode.syncs <= decode_syncs, f"decoding: {decode}; by op {dict(decode.by_op)}"
 
@@ -300,6 +303,11 @@ COMBINATIONS = {
     "expert-capacity-alpha": (dict(topology="anchor", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_heads=2),
                               mor(capacity=[0.5, 0.25], alpha=0.7)),
     "expert-auxiliary-router": (dict(topology="residual"), mor(auxiliary="router")),
+    "expert-shared-kv-window": (dict(topology="gated_residual", mixer={"kind": "sliding_window", "window": 4}),
+                                mor(kv="shared")),
+    "token-shared-kv-gqa-gate": (dict(topology="residual", norm="rmsnorm", bias=False, n_kv_heads=2,
+                                      mixer={"kind": "attention", "output_gate": True}),
+                                 mor(routing="token_choice", kv="shared")),
 }
 
 
@@ -336,3 +344,140 @@ def test_the_auxiliary_router_selects_and_learns_the_top_k_on_detached_states():
     assert len(choosers) == 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in choosers)
     others = [p for n, p in m.named_parameters() if ".chooser." not in n]
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in others)
+
+
+# ------------------------------------------------------------------ kv: shared (recursive KV sharing)
+
+
+def _core_block_calls(m: LoopLM, x: torch.Tensor):
+    """m(x) and, per call of core block 0 in step order, its input, context and output."""
+    calls = []
+    hook = m.core[0][0].register_forward_hook(lambda mod, args, out: calls.append((args[0], args[1], out[0])))
+    try:
+        return m(x), calls
+    finally:
+        hook.remove()
+
+
+def _block_over_first_step_kv(block, x_first: torch.Tensor, x: torch.Tensor, ctx) -> torch.Tensor:
+    """Block output at a later step by hand (§2.2.2): queries from x, keys and values the
+    block's attention projects from the first step's input x_first, causal SDPA, W_O, FFN."""
+    from looplm.modules.rotary import apply_rotary_heads_last
+
+    a = block.attn
+    H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
+    B, T, _ = x.shape
+    first = a.qkv(block.attn_norm(x_first)).view(B, T, H + 2 * Hkv, D)
+    k = apply_rotary_heads_last(first[:, :, H:H + Hkv], *ctx.rope).transpose(1, 2).repeat_interleave(H // Hkv, 1)
+    v = first[:, :, H + Hkv:].transpose(1, 2).repeat_interleave(H // Hkv, 1)
+    q = apply_rotary_heads_last(a.qkv(block.attn_norm(x)).view(B, T, H + 2 * Hkv, D)[:, :, :H], *ctx.rope)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * D)
+    y = x + a.o_proj(y)
+    return y + block.ffn(block.ffn_norm(y), ctx)
+
+
+@pytest.mark.parametrize("routing", ["expert_choice", "token_choice"])
+def test_shared_kv_later_steps_attend_over_the_first_steps_keys_and_values(routing):
+    """kv: shared: core block 0 at steps 1 and 2 equals the hand computation with queries of
+    its own input and keys/values of its step-0 input (grouped heads, biases); under kv: all
+    the same hand computation does not hold (the check can fail)."""
+    fields = dict(layout="1+1R3+1", n_kv_heads=2)
+    shared = LoopLM(tiny_config("anchor", halting=mor(kv="shared", routing=routing), **fields)).eval()
+    plain = LoopLM(tiny_config("anchor", halting=mor(routing=routing), **fields)).eval()
+    plain.load_state_dict(shared.state_dict())
+    x = random_ids(2, 11)
+    for m, reuses in ((shared, True), (plain, False)):
+        with torch.no_grad():
+            _, calls = _core_block_calls(m, x)
+        assert len(calls) == 3
+        for x_t, ctx, out in calls[1:]:
+            expected = _block_over_first_step_kv(m.core[0][0], calls[0][0], x_t, ctx)
+            if reuses:
+                torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+            else:
+                assert (out - expected).abs().max() > 1e-3
+
+
+def test_shared_kv_caches_the_first_steps_entries_alone():
+    """Decoding keeps core entries of step 0 only (the later steps read them), needs no
+    catch-up, and gives the full forward's logits."""
+    from looplm import LoopCache
+
+    m = model(mor(kv="shared")).eval()
+    x = random_ids(2, 12)
+    cache = LoopCache()
+    m(x[:, :7], cache=cache)
+    out = m(x[:, 7:8], cache=cache)
+    assert sorted(cache.states) == [("coda.0", 0), ("core.0", 0), ("prelude.0", 0)]
+    assert int(out.catch_up_passes) == 0
+    for end in range(9, 13):
+        out = m(x[:, end - 1:end], cache=cache)
+    torch.testing.assert_close(out.logits[:, -1], m(x).logits[:, -1], atol=2e-5, rtol=1e-5)
+    full_loop = LoopCache(full_loop=True)
+    m(x, cache=full_loop)
+    assert sorted(full_loop.states) == sorted(cache.states)
+
+
+def test_shared_kv_flops_match_the_flop_counter_and_the_hand_count():
+    """With every position taking every step (the routers' starting bias), FlopCounterMode
+    measures what count_flops says (convention torch); the later steps save exactly their K/V
+    projections: 2 steps × core blocks × rows·d·2·H_kv·D MACs (2 FLOPs each)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looplm.accounting import count_flops
+
+    cfg = tiny_config("anchor", layout="1+2R3+1", n_kv_heads=2, halting=mor(kv="shared"))
+    m = LoopLM(cfg).eval()
+    B, T = 2, 10
+    x = random_ids(B, T)
+    with FlopCounterMode(display=False) as counter:
+        out = m(x, output_attentions=True)
+    assert torch.equal(out.halt_steps, torch.full((B, T), 3))
+    assert sum(counter.get_flop_counts()["Global"].values()) == count_flops(m, T, batch=B, convention="torch").forward
+    plain = count_flops(tiny_config("anchor", layout="1+2R3+1", n_kv_heads=2, halting=mor()), T, batch=B)
+    shared = count_flops(cfg, T, batch=B)
+    saved_mac = 2 * cfg.structure.core * B * T * cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim
+    assert plain.forward - shared.forward == 2 * saved_mac  # the default convention leaves biases out
+
+
+def test_shared_kv_blocked_window_path_equals_the_explicit_one():
+    """A long training sequence takes the blocked sliding-window path at step 0 and the later
+    steps reuse it; the explicit (probability-recording) path gives the same logits."""
+    m = LoopLM(tiny_config("anchor", layout="1R3", max_seq_len=160, mixer={"kind": "sliding_window", "window": 4},
+                           halting=mor(kv="shared"))).train()
+    x = random_ids(1, 140)
+    torch.testing.assert_close(m(x).logits, m(x, output_attentions=True).logits, atol=2e-5, rtol=1e-5)
+
+
+def test_shared_kv_gradients_survive_activation_checkpointing():
+    """Recomputed regions do not keep the first step's keys again: same loss and gradients."""
+    from looplm.train.activation_checkpointing import apply_activation_checkpointing
+
+    x = random_ids(2, 12)
+    grads = []
+    for mode in ("none", "block", "iteration"):
+        torch.manual_seed(0)
+        m = model(mor(kv="shared")).train()
+        apply_activation_checkpointing(m, mode)
+        out = m(x, targets=x)
+        out.loss.backward()
+        grads.append((out.loss.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None]))
+    for loss, g in grads[1:]:
+        torch.testing.assert_close(loss, grads[0][0], atol=0, rtol=0)
+        assert len(g) == len(grads[0][1])
+        for a, b in zip(g, grads[0][1]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(mixer={"kind": "gated_deltanet"}), r"model\.halting\.kv.*gated_deltanet"),
+    (dict(share_core=False), r"model\.share_core"),
+    (dict(loop_mixers=[{"kind": "attention"}, {"kind": "sliding_window", "window": 4}, {"kind": "attention"}]),
+     r"model\.loop_mixers"),
+    (dict(streams={"kind": "two", "outer": 1, "inner": 1}), r"model\.streams\.kind"),
+    (dict(lora={"rank": 2}), r"model\.lora\.targets"),
+])
+def test_shared_kv_refuses_cores_whose_steps_differ(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        tiny_config("base", layout="1R3", halting=mor(kv="shared"), **overrides)
+    tiny_config("base", layout="1R3", halting=mor(kv="shared"), lora={"rank": 2, "targets": ["o_proj", "mlp"]})

@@ -82,7 +82,10 @@ class Cost:
 class Call:
     """How a module is called: ``batch`` rows of ``tokens`` new positions seeing ``keys``
     positions in all (``keys == tokens`` for a full forward). ``phase``: ``start`` or
-    ``step`` for topologies. ``iteration``: loop iteration (-1 outside the loop)."""
+    ``step`` for topologies. ``iteration``: loop iteration (-1 outside the loop).
+    ``reuses_first_step_kv``: a later loop step whose softmax attention reads the keys and
+    values of the first step (Mixture-of-Recursions' recursive KV sharing; the halting
+    rule says which steps, ``Halting.reuses_first_step_kv``), so it projects queries only."""
 
 
     batch: int
@@ -91,6 +94,7 @@ class Call:
     phase: str = "step"
     iteration: int = -1
     width: int = 0  # d_model, for modules without a parameter that says it
+    reuses_first_step_kv: bool = False
 
     @property
     def rows(self) -> int:

@@ -81,7 +81,7 @@ def _recurrence_plan(model: LoopLM, full: Call, targets: bool, iterations: int) 
     plan = streams.start_calls(topology, full)
     no_grad = model.cfg.depth.no_grad_iterations(iterations)  # truncated backprop: steps t < r − k
     for t in range(iterations):
-        at = dataclasses.replace(full, iteration=t)
+        at = dataclasses.replace(full, iteration=t, reuses_first_step_kv=halting.reuses_first_step_kv(t))
         plan += in_pass(streams.step_calls(topology, t, at, model._pass_calls(t, at)), grad=t >= no_grad)
         plan += halting.step_calls(t, at, readout, targets)
     return plan

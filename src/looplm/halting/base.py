@@ -7,7 +7,7 @@ which travels in a :class:`HaltState` so one module serves every forward."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class HaltState:
     steps: Union[torch.Tensor, int]
     valid: torch.Tensor
     readout: Optional[torch.Tensor] = None
-    extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # tensors; MoR's FirstStepKV
     losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     record: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
@@ -64,6 +64,10 @@ class Halting(nn.Module):
     """No halting: every position runs every step; the readout is the last state."""
 
     freezes = False  # whether halted positions stop updating (the loop may then stop early)
+    #: whether a decoding cache must give positions that stopped early the entries of the
+    #: later steps before a new position needs them (``LoopLM._catch_up``); false where the
+    #: later steps keep no entries (MoR's recursive KV sharing reads the first step's)
+    catches_up = True
     #: whether the LM loss of the readout is the task term of the training loss; false where
     #: the rule's own losses hold the task loss (the exit gate's expected objective)
     trains_readout = True
@@ -94,8 +98,16 @@ class Halting(nn.Module):
     def step_context(self, state: HaltState, ctx: MixerContext, cache, t: int) -> MixerContext:
         """The mixer context macro step t runs with (``cache``: the decoding cache or None):
         ``ctx`` itself, every position's keys visible. A rule that hides the keys of
-        positions not taking the step (MoR's recursion-wise KV) narrows its ``valid``."""
+        positions not taking the step (MoR's recursion-wise KV) narrows its ``valid``; one
+        that shares the first step's keys and values (MoR's recursive KV sharing) sets its
+        ``first_step_kv``."""
         return ctx
+
+    def reuses_first_step_kv(self, t: int) -> bool:
+        """Whether macro step t's softmax attention reads the keys and values the first step
+        computed instead of projecting its own (Mixture-of-Recursions' recursive KV sharing,
+        arranged by :meth:`step_context`); the FLOP rule then charges queries only."""
+        return False
 
     def fold(self, state: HaltState, old: LoopState, new: LoopState, t: int) -> LoopState:
         """The loop state after macro step t from the state it read (``old``) and the step's

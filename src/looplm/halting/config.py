@@ -37,6 +37,9 @@ class HaltingConfig(KindConfig):
     needs_no_coda: ClassVar[bool] = False
     #: the fewest loop steps the rule's training objective needs
     min_iterations: ClassVar[int] = 1
+    #: whether later loop steps' attention reads the first step's keys and values (MoR's
+    #: recursive KV sharing): each core block must then be the same attention at every step
+    reuses_first_step_kv: ClassVar[bool] = False
     #: fields that say how the rule trains or reads out, not what its weights are:
     #: ``train.init_from`` takes weights saved under other values (Ouro's Stage II from Stage I)
     WEIGHT_FREE_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -289,8 +292,11 @@ class MoRHaltingConfig(HaltingConfig):
     ``aux_loss_weight``, teaches the router the capacity) or ``top_k`` (the paper's training
     form: top-k over the sequence in training, not causal; the threshold at inference).
     ``kv``: ``all`` (a step's attention sees every position, those that left through their
-    frozen states) or ``recursion`` (only the positions taking the step, the paper's
-    recursion-wise KV caching; softmax-attention mixers, decoded with a growing cache).
+    frozen states), ``recursion`` (only the positions taking the step, the paper's
+    recursion-wise KV caching; softmax-attention mixers, decoded with a growing cache) or
+    ``shared`` (the paper's recursive KV sharing, §2.2.2: every later step attends over the
+    keys and values the first step computed, projecting queries only; softmax-attention
+    mixers and one shared core stack run the same way at every step, any cache).
     ``auxiliary`` (expert choice): ``loss`` (the router's own logits take the BCE and the
     threshold) or ``router`` (a second router per step, on the detached state, does: the
     paper's auxiliary router). ``alpha`` scales the gate g; ``init_bias`` starts the routers
@@ -310,9 +316,10 @@ class MoRHaltingConfig(HaltingConfig):
 
     ROUTINGS: ClassVar[tuple[str, ...]] = ("expert_choice", "token_choice")
     SELECTIONS: ClassVar[tuple[str, ...]] = ("threshold", "top_k")
-    KV: ClassVar[tuple[str, ...]] = ("all", "recursion")
+    KV: ClassVar[tuple[str, ...]] = ("all", "recursion", "shared")
     AUXILIARIES: ClassVar[tuple[str, ...]] = ("loss", "router")
-    #: the mixers that can hide a position's keys from a step (``kv: recursion``)
+    #: the mixers that can hide a position's keys from a step (``kv: recursion``) or attend
+    #: over another step's keys and values (``kv: shared``): softmax attention
     KEY_MASKING_MIXERS: ClassVar[tuple[str, ...]] = ("attention", "sliding_window")
 
     def __post_init__(self) -> None:
@@ -359,11 +366,20 @@ class MoRHaltingConfig(HaltingConfig):
     def check_loop(self, iterations: int, layout: str, mixers: Sequence[str] = ()) -> None:
         check(self.depths == iterations, "model.halting.depths", self.depths,
               f"{iterations}, the iterations of layout {layout!r} (one recursion per loop step)")
+        other = sorted(set(mixers) - set(self.KEY_MASKING_MIXERS))
         if self.kv == "recursion":
-            other = sorted(set(mixers) - set(self.KEY_MASKING_MIXERS))
             check(not other, "model.halting.kv", self.kv,
                   f"all with mixer kinds {', '.join(other)}: recursion-wise KV hides keys per step, which "
                   f"{', '.join(self.KEY_MASKING_MIXERS)} can")
+        if self.kv == "shared":
+            check(not other, "model.halting.kv", self.kv,
+                  f"all or recursion with mixer kinds {', '.join(other)}: recursive KV sharing reuses the first "
+                  f"step's keys and values, which {', '.join(self.KEY_MASKING_MIXERS)} have (a recurrent or "
+                  "sparse mixer's state has none to share)")
+
+    @property
+    def reuses_first_step_kv(self) -> bool:  # type: ignore[override]
+        return self.kv == "shared"
 
     def build(self, d_model: int) -> Halting:
         return MoRHalting(d_model, self.depths, self.routing, self.selection, self.capacities, self.alpha,

@@ -55,9 +55,26 @@ How the paper's pieces map onto looplm, and the ambiguities resolved:
   entry), so a cached position's keys are hidden from the steps it did not take; the cache
   still holds (caught-up) entries for them, unread. Softmax-attention mixers only (a
   recurrent mixer cannot drop a position from its state), and a growing cache only (a
-  full-loop or static cache keeps no depth). The paper's recursive KV sharing (later steps
-  reuse the first step's keys and values) is not built: it needs the attention mixer to
-  read another pass's cache entry.
+  full-loop or static cache keeps no depth). ``shared`` is the paper's recursive KV sharing
+  (§2.2.2 "KV caching strategies", below).
+* **Recursive KV sharing** (``kv: shared``, §2.2.2): every token takes the first recursion,
+  so the keys and values its attention computes there exist for all tokens; later
+  recursions reuse them instead of projecting their own. Resolved as the reference does
+  (``RecursiveDynamicCache`` writes the first recursion's entry of each block position and
+  returns it, unchanged, to the same position of every later recursion): step t >= 1 of
+  core block j projects queries only and attends over step 0's keys and values of block j,
+  every position's (causally; padding still masked), not only those of the positions
+  taking step t, whatever the routing (expert or token choice); positions that left keep
+  their frozen state as under ``all``. The seam is the mixer context
+  (:class:`~looplm.mixers.base.FirstStepKV`, set by :meth:`MoRHalting.step_context`): step
+  0's attention keeps how its queries attend over its keys and values, the later steps'
+  attention reads it (``SoftmaxAttention._forward_reusing_kv``). A decoding cache holds
+  core entries of step 0 alone (no catch-up: the later steps keep none), growing,
+  full-loop and static alike. The FLOP rule charges later steps' queries only
+  (:meth:`MoRHalting.reuses_first_step_kv`). Softmax attention only, one shared core
+  stack, one core pass per step, no per-step mixer schedule and no per-step adapter on
+  ``qkv`` (``ModelConfig`` refuses the rest: a later step reads block j's first-step keys,
+  so block j must be the same attention at every step).
 """
 
 from __future__ import annotations
@@ -72,12 +89,14 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost, Step, module_cost
 from looplm.errors import LoopLMError
 from looplm.halting.base import Halting, HaltState, ReadLogits, Readout
-from looplm.mixers.base import MixerContext
+from looplm.mixers.base import FirstStepKV, MixerContext
 from looplm.streams.single import freeze
 from looplm.topology.base import LoopState
 
 #: the carrier key of a position's depth so far (``kv: recursion``), kept with its frozen state
 DEPTH = "mor_depth"
+#: the halting state's entry of the first step's keys and values (``kv: shared``)
+FIRST_STEP_KV = "first_step_kv"
 
 
 class StepRouter(nn.Module):
@@ -108,8 +127,9 @@ class MoRHalting(Halting):
     Eq. 2 and §2.2.1, and how each ambiguity is resolved). ``routing``: ``expert_choice``
     (a router per step after the first, top-k or threshold selection) or ``token_choice``
     (one router picks the depth after the first step). ``kv``: ``all`` (a step's attention
-    sees every position, those that left through their frozen states) or ``recursion`` (only
-    the positions taking the step: the paper's recursion-wise KV caching)."""
+    sees every position, those that left through their frozen states), ``recursion`` (only
+    the positions taking the step: the paper's recursion-wise KV caching) or ``shared``
+    (every later step attends over the first step's keys and values: recursive KV sharing)."""
 
     freezes = True
 
@@ -120,6 +140,7 @@ class MoRHalting(Halting):
         self.depths, self.routing, self.selection, self.capacity = depths, routing, selection, capacity
         self.alpha, self.aux_loss_weight, self.balance_weight = alpha, aux_loss_weight, balance_weight
         self.init_bias, self.kv, self.auxiliary = init_bias, kv, auxiliary
+        self.catches_up = kv != "shared"  # shared: later steps keep no cache entries to catch up
         if routing == "expert_choice":  # routers[r - 1] decides step r = 1..N-1
             self.routers = nn.ModuleList(StepRouter(d_model, auxiliary == "router") for _ in range(depths - 1))
         else:
@@ -137,9 +158,16 @@ class MoRHalting(Halting):
 
     def step_context(self, state: HaltState, ctx: MixerContext, cache, t: int) -> MixerContext:
         """Under ``kv: recursion``, step t's keys are the positions taking it: new positions
-        still running, cached ones whose depth (kept with their frozen loop state) exceeds t."""
+        still running, cached ones whose depth (kept with their frozen loop state) exceeds t.
+        Under ``kv: shared``, step 0's attention keeps its keys and values and the later
+        steps' read them (:class:`~looplm.mixers.base.FirstStepKV`)."""
         if self.kv == "all":
             return ctx
+        if self.kv == "shared":
+            if t == 0:
+                state.extra[FIRST_STEP_KV] = FirstStepKV()
+            first = state.extra[FIRST_STEP_KV]
+            return dataclasses.replace(ctx, first_step_kv=first if t == 0 else first.later())
         frozen = None if cache is None else cache.frozen
         if cache is not None and (cache.full_loop or ctx.slots is not None or (ctx.past and frozen is None)):
             raise LoopLMError("model.halting.kv=recursion decodes with a growing cache only (LoopCache(), "
@@ -150,6 +178,10 @@ class MoRHalting(Halting):
         if ctx.past:
             keep = torch.cat([frozen.carrier[DEPTH] > t, keep], dim=1)
         return dataclasses.replace(ctx, valid=ctx.valid & keep, padded=True, _masks={})
+
+    def reuses_first_step_kv(self, t: int) -> bool:
+        """Under ``kv: shared`` every step after the first reads step 0's keys and values."""
+        return self.kv == "shared" and t > 0
 
     def fold(self, state: HaltState, old: LoopState, new: LoopState, t: int) -> LoopState:
         """The positions that take step t (decided after step t − 1) get the gated update

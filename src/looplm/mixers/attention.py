@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 from looplm.mixers.base import MixerContext
 from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last
@@ -184,6 +185,8 @@ class SoftmaxAttention(nn.Module):
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[KVState] = None
     ) -> tuple[torch.Tensor, KVState]:
         """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
+        if ctx.first_step_kv is not None and ctx.first_step_kv.reusing:  # MoR's recursive KV sharing
+            return self._forward_reusing_kv(x, ctx), None
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
@@ -193,6 +196,21 @@ class SoftmaxAttention(nn.Module):
         if self.gate is not None:  # LT2 §4.4: head-specific elementwise output gate
             y = y * torch.sigmoid(self.gate(x))
         return self.o_proj(y), new_state
+
+    def _forward_reusing_kv(self, x: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
+        """A later recursion step under Mixture-of-Recursions' recursive KV sharing (Bae et al.
+        2025 §2.2.2; :mod:`looplm.halting.mor`): project the queries alone (W_q, the first
+        H·D rows of ``qkv``) and attend over the keys and values this block computed at the
+        first step (:class:`~looplm.mixers.base.FirstStepKV`). x: [B, T, d] -> [B, T, d]; the
+        step keeps no decoding state."""
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        bias = None if self.qkv.bias is None else self.qkv.bias[: H * D]
+        q = apply_rotary_heads_last(F.linear(x, self.qkv.weight[: H * D], bias).view(B, T, H, D), *ctx.rope)
+        y = ctx.first_step_kv.attend(ctx.location[0], q.transpose(1, 2), ctx).transpose(1, 2).reshape(B, T, H * D)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(x))
+        return self.o_proj(y)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                state: Optional[KVState] = None, kv_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KVState]:
@@ -233,18 +251,28 @@ class SoftmaxAttention(nn.Module):
             keys, values = k.index_select(1, kv_index), v.index_select(1, kv_index)
         elif Hkv != H:
             keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-        if ctx.attentions is not None:  # probes want the probabilities: compute them explicitly
-            y = self._explicit(q, keys, values, mask, ctx)
-        elif (self.window is not None and state is None and ctx.past == 0 and not ctx.padded
-              and T > max(self.window, MIN_WINDOW_BLOCK)):  # training / prefill: O(T·w), not T × T
-            y = blocked_window_attention(q, keys, values, self.window)
-        else:  # mask None: the T queries are the last T of the keys and need only causality
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1)
+        blocked = (self.window is not None and state is None and ctx.past == 0 and not ctx.padded
+                   and T > max(self.window, MIN_WINDOW_BLOCK))  # training / prefill: O(T·w), not T × T
+        attend = functools.partial(self._over_keys, keys=keys, values=values, mask=mask, blocked=blocked)
+        y = attend(q, ctx)
+        if ctx.first_step_kv is not None:  # MoR's recursive KV sharing: later steps attend over these
+            ctx.first_step_kv.keep(ctx.location[0], attend)
         new_state = KVState(k, v, start, spare, self.window)
         if self.window is not None and k.shape[2] > self.window - 1:
             drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
             new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop, spare, self.window)
         return y.transpose(1, 2).reshape(B, T, H * D), new_state
+
+    def _over_keys(self, q: torch.Tensor, ctx: MixerContext, keys: torch.Tensor, values: torch.Tensor,
+                   mask: Optional[torch.Tensor], blocked: bool) -> torch.Tensor:
+        """Rotated queries q [B, H, T, D] over the (cached and new) keys and values [B, H, S, D]
+        under ``mask`` (None: plain causality); ``blocked``: by :func:`blocked_window_attention`."""
+        if ctx.attentions is not None:  # probes want the probabilities: compute them explicitly
+            return self._explicit(q, keys, values, mask, ctx)
+        if blocked:
+            return blocked_window_attention(q, keys, values, self.window)
+        # mask None: the T queries are the last T of the keys and need only causality
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1)
 
     def _attend_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                        state: StaticKVState, kv_index: Optional[torch.Tensor]) -> torch.Tensor:
@@ -266,22 +294,39 @@ class SoftmaxAttention(nn.Module):
             mask = ("ring", rows, self.window, False)
         if kv_index is not None:
             keys, values = keys.index_select(1, kv_index), values.index_select(1, kv_index)
-        if ctx.attentions is not None:
-            y = self._explicit(q, keys.repeat_interleave(H // keys.shape[1], dim=1),
-                               values.repeat_interleave(H // keys.shape[1], dim=1),
-                               ctx.static_mask(*mask), ctx)
-        else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.static_bias(mask, q.dtype),
-                                               enable_gqa=keys.shape[1] != H)
+        attend = functools.partial(self._over_static_keys, keys=keys, values=values, mask=mask)
+        y = attend(q, ctx)
+        if ctx.first_step_kv is not None:  # MoR's recursive KV sharing: later steps attend over these
+            ctx.first_step_kv.keep(ctx.location[0], attend)
         if state.window is not None and T > 1:
             last = min(T, rows)  # earlier new rows would be overwritten within this write
             state.write(ctx.slots[-last:] % rows, k[:, :, -last:], v[:, :, -last:])
         return y.transpose(1, 2).reshape(B, T, H * D)
 
+    @staticmethod
+    def _over_static_keys(q: torch.Tensor, ctx: MixerContext, keys: torch.Tensor, values: torch.Tensor,
+                          mask: tuple) -> torch.Tensor:
+        """Rotated queries q [B, H, T, D] over a static cache's key rows [B, H_kv, K, D] under
+        :meth:`MixerContext.static_mask` ``(*mask)`` -> [B, H, T, D]."""
+        H = q.shape[1]
+        if ctx.attentions is not None:
+            return SoftmaxAttention._explicit(q, keys.repeat_interleave(H // keys.shape[1], dim=1),
+                                              values.repeat_interleave(H // keys.shape[1], dim=1),
+                                              ctx.static_mask(*mask), ctx)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.static_bias(mask, q.dtype),
+                                              enable_gqa=keys.shape[1] != H)
+
     def flop_cost(self, call: Call) -> Cost:
         """Projections (and the output gate's multiply) plus q·kᵀ and p·v over the pairs; the
-        output gate's sigmoid and multiply are elementwise, left out like activations."""
+        output gate's sigmoid and multiply are elementwise, left out like activations. A
+        later step of MoR's recursive KV sharing (``call.reuses_first_step_kv``) projects
+        the queries alone: the K/V rows of ``qkv`` (2·H_kv of its H + 2·H_kv heads) are not run."""
         per_pair = self.n_heads * 2 * self.head_dim  # scores and values, every query head
         full = call.batch * call.tokens * call.keys
         causal = call.batch * causal_pairs(call.tokens, call.keys, self.window)
-        return children_cost(self, call) + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
+        cost = children_cost(self, call) + Cost(attn_full=full * per_pair, attn_causal=causal * per_pair)
+        if call.reuses_first_step_kv:
+            qkv, kv_heads = module_cost(self.qkv, call), 2 * self.n_kv_heads
+            qkv_heads = self.n_heads + kv_heads  # qkv's MACs and biases split evenly over its heads
+            cost = cost + Cost(mac=-(qkv.mac // qkv_heads) * kv_heads, bias=-(qkv.bias // qkv_heads) * kv_heads)
+        return cost

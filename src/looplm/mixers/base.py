@@ -10,7 +10,7 @@ and select rows (:class:`MixerState`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Optional, Protocol
 
 import torch
@@ -82,6 +82,40 @@ class AuxLosses:
         return f"AuxLosses({self._values!r})"
 
 
+#: how a step's queries q [B, H, T, D] attend over the keys and values a block's attention
+#: prepared, called with the running step's context; returns [B, H, T, D]
+AttendOver = Callable[[torch.Tensor, "MixerContext"], torch.Tensor]
+
+
+class FirstStepKV:
+    """Mixture-of-Recursions' recursive KV sharing (Bae et al. 2025, arXiv 2507.10524,
+    §2.2.2 "KV caching strategies"; :mod:`looplm.halting.mor`): the keys and values each
+    core block's attention computes at the first recursion step serve every later step of
+    that block. One per forward, made by the halting rule; the first step's context holds
+    it with ``reusing`` False and each block's attention keeps how its queries attend over
+    its keys and values (:meth:`keep`, by block name); the later steps' contexts hold a view
+    with ``reusing`` True, whose attention projects queries only and attends over the first
+    step's (:meth:`attend`). A decoding cache then holds entries of the first step alone."""
+
+    def __init__(self, kept: Optional[dict[str, AttendOver]] = None, reusing: bool = False) -> None:
+        self.kept: dict[str, AttendOver] = {} if kept is None else kept
+        self.reusing = reusing
+
+    def later(self) -> "FirstStepKV":
+        """The view a later recursion step reads through (the same kept attention)."""
+        return FirstStepKV(self.kept, reusing=True)
+
+    def keep(self, block: str, attend: AttendOver) -> None:
+        """Keep block ``block``'s attention over its first-step keys and values. Not again in
+        an activation-checkpointing recomputation: the forward's are kept already."""
+        if not recomputing():
+            self.kept[block] = attend
+
+    def attend(self, block: str, q: torch.Tensor, ctx: "MixerContext") -> torch.Tensor:
+        """Queries q [B, H, T, D] of a later step of ``block`` over its first step's keys -> [B, H, T, D]."""
+        return self.kept[block](q, ctx)
+
+
 @dataclasses.dataclass
 class MixerContext:
     """Computed once per forward and passed to every mixer.
@@ -96,7 +130,9 @@ class MixerContext:
     losses mixers add during this forward (e.g. DSA's indexer loss), summed per name over
     every block and iteration; the model adds them to its loss. attentions: when a dict,
     softmax mixers store their attention probabilities under ``location``, the
-    (block, iteration) the model is running.
+    (block, iteration) the model is running. first_step_kv: within a loop step of
+    Mixture-of-Recursions' recursive KV sharing (:class:`FirstStepKV`), where softmax
+    attention keeps (first step) or reuses (later steps) the first step's keys and values.
     """
 
     rope: tuple[torch.Tensor, torch.Tensor]
@@ -107,6 +143,7 @@ class MixerContext:
     losses: Optional[AuxLosses] = None  # a new AuxLosses (__post_init__)
     attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
     location: tuple[str, int] = ("", 0)
+    first_step_kv: Optional[FirstStepKV] = None
     _masks: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

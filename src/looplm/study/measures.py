@@ -306,13 +306,17 @@ def realised_depth(run: Run, samples: int = 16) -> Measures:
     (eval mode): ``passes``, the mean block passes per token it needed
     (:func:`~looplm.accounting.realised_block_passes`; a dense model: its blocks), ``steps``,
     the mean loop steps per token, and ``train_flops_realised``: ``train_flops`` with the core
-    blocks charged at the realised share of their steps (steps / iterations; the rest of the
-    step as counted). The batched forward computes frozen positions too (looplm's halting
-    freezes, it does not gather): the realised count is what a gathering kernel would run,
-    ``train_flops`` what this one runs."""
+    blocks of the steps after the first charged at the realised share of them ((steps − 1) /
+    (iterations − 1): every position takes the first step; the rest of the step as counted;
+    the later steps may cost less than the first, as under MoR's recursive KV sharing). The
+    batched forward computes frozen positions too (looplm's halting freezes, it does not
+    gather): the realised count is what a gathering kernel would run, ``train_flops`` what
+    this one runs."""
     import torch
 
-    from looplm.accounting import count_flops, realised_block_passes
+    from looplm.accounting import count_flops, execution_plan, realised_block_passes
+    from looplm.accounting.cost import module_cost
+    from looplm.accounting.flops import build_meta_model
     from looplm.probes import load_probe_input
 
     measures = lm(run)
@@ -327,9 +331,12 @@ def realised_depth(run: Run, samples: int = 16) -> Measures:
             steps += (0.0 if out.halt_steps is None else float(out.halt_steps.float().mean())) * n
             count += n
     report = count_flops(cfg.model, cfg.data.seq_len, batch=cfg.train.batch_size)
-    looped = cfg.model.parsed_layout.is_looped
-    unused = 1.0 - steps / count / cfg.model.iterations if looped else 0.0
-    core_share = report.convention.training_multiplier * report.components.get("core", 0.0) / report.training
+    looped, iterations = cfg.model.parsed_layout.is_looped, cfg.model.iterations
+    unused = (iterations - steps / count) / (iterations - 1) if looped and iterations > 1 else 0.0
+    later_core = sum(module_cost(s.module, s.call).flops(report.convention)
+                     for s in execution_plan(build_meta_model(cfg.model), cfg.data.seq_len, cfg.train.batch_size)
+                     if s.component == "core" and s.call.iteration > 0) if unused else 0.0
+    core_share = report.convention.training_multiplier * later_core / report.training
     measures["scalars"].update({
         "passes": passes / count,
         "steps": steps / count if looped else None,

@@ -362,10 +362,12 @@ _DEPTH_FIXED = {
 
 #: Mixture-of-Recursions (Bae et al. 2025, §2.2.1; looplm.halting.mor): expert choice with the
 #: causal threshold rule, with the paper's top-k training form (not causal in training; its
-#: validation runs the threshold rule), and token choice.
+#: validation runs the threshold rule), with recursive KV sharing (§2.2.2: later recursions
+#: attend over the first one's keys and values), and token choice.
 _DEPTH_MOR = {
     "mor-expert": RunSpec("mor-tiny"),
     "mor-expert-topk": RunSpec("mor-tiny", ("model.halting.selection=top_k",)),
+    "mor-expert-shared": RunSpec("mor-tiny-shared"),
     "mor-token": RunSpec("mor-tiny-token"),
 }
 
@@ -481,8 +483,10 @@ DEPTH = Study(
         "Realised passes and FLOPs are measured on 16 held-out sequences in eval mode; looplm's batched forward "
         "computes every position at every step and freezes the ones that left (train FLOPs as run), MoR's "
         "reference gathers the selected tokens.",
-        "MoR's KV policy here is looplm's: positions that left keep their keys from their frozen state; the "
-        "paper's recursion-wise caching and recursive KV sharing are not built.",
+        "MoR's KV policy in mor-expert / -topk / mor-token is looplm's: positions that left keep their keys "
+        "from their frozen state; mor-expert-shared is the paper's recursive KV sharing (every later recursion "
+        "attends over the first one's keys and values of all tokens); recursion-wise caching (kv: recursion) "
+        "has no row.",
         *DEPTH_EXIT_DEVIATIONS,
     ),
 )
