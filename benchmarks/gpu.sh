@@ -135,7 +135,7 @@ part "generate" 80 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --
 LONG=(benchmarks/long_context.py --device cuda --contexts 2048 8192 --batch 8 --new 16 --decode-via generate)
 part "long context, tiny" 40 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --heads 16 \
   --out "$RESULTS/long-context-cuda.md"
-part "long context, tiny, compiled" 50 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --heads 16 --compile \
+part "long context, tiny, compiled" 45 "$PY" "${LONG[@]}" --shape tiny --d-model 1024 --heads 16 --compile \
   --out "$RESULTS/long-context-compiled-cuda.md"
 part "long context, lt2-0.6b" 75 "$PY" "${LONG[@]}" --shape lt2-0.6b \
   --out "$RESULTS/long-context-lt2-0.6b-cuda.md"
@@ -144,7 +144,7 @@ part "long context, lt2-0.6b, compiled" 60 "$PY" "${LONG[@]}" --shape lt2-0.6b -
 
 # 4. What a decoded token launches on the GPU (profiled kernels and launch calls per block
 # pass; the CPU-counted targets of issue 30 beside them).
-part "launches" 25 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
+part "launches" 20 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
 
 # 5. Training throughput, bf16 autocast.
 part "train throughput" 40 "$PY" benchmarks/train_throughput.py --device cuda --dtype bf16 --width 512 --seq 1024 \

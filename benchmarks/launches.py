@@ -158,14 +158,18 @@ def cuda_report(dtype: str, compile: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> str:
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu: dispatched operators (default); cuda: profiled GPU kernels and launches")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="parameters' dtype on CUDA")
     parser.add_argument("--compile", action="store_true", help="on CUDA: decode through the captured step")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    args = parse(argv)
     text = report() if args.device == "cpu" else cuda_report(args.dtype, args.compile)
     print(text, end="")
     if args.out:
