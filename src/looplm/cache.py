@@ -169,7 +169,12 @@ class LoopCache:
 
 class NotStatic(ValueError):
     """A cache that has no static form (a growing state, adaptive halting that stopped
-    early); the message says which part and why."""
+    early); the message says which part and why. ``after``: the cache has one once it holds
+    that many positions (a multi-resolution iteration before its first chunk), else None."""
+
+    def __init__(self, message: str, after: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.after = after
 
 
 class StaticLoopCache(LoopCache):
@@ -226,8 +231,9 @@ class StaticLoopCache(LoopCache):
         for t, chunk in cache.chunks.items():
             try:
                 static.chunks[t] = chunk.static(capacity)
-            except TypeError as reason:
-                raise NotStatic(f"multi-resolution iteration {t}: {reason}") from None
+            except TypeError as reason:  # no chunk completed yet
+                raise NotStatic(f"multi-resolution iteration {t}: {reason}", after=chunk.resolution.trigger(0) + 1) \
+                    from None
         static.padded, static.iterations = cache.padded, cache.iterations
         static._move_to(length)
         return static
