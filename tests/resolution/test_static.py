@@ -83,14 +83,21 @@ def test_static_cache_waits_for_the_first_chunk():
     assert error.value.after == 8
 
 
+def _prefilled(model: LoopLM, x: torch.Tensor, prefill: int, capacity: int):
+    """(the full forward's logits of x, a static cache for ``capacity`` positions holding
+    x[:, :prefill])."""
+    cache = LoopCache(full_loop=True)
+    with torch.no_grad():
+        full = model(x).logits
+        model(x[:, :prefill], cache=cache)
+    return full, cache.static(capacity)
+
+
 def test_static_crop_and_beam_reorder():
     model = _model("c2f-router")
     x = random_ids(3, 24, seed=5)
-    full = model(x).logits
-    cache = LoopCache(full_loop=True)
+    full, static = _prefilled(model, x, 13, 32)
     with torch.no_grad():
-        model(x[:, :13], cache=cache)
-        static = cache.static(32)
         buffers = [t.data_ptr() for t in static.tensors()]
         model(x[:, 13:16], cache=static)
         static.crop(15)  # the current chunks start at 12, 14, 15 (g = 8, 4, 2 with ω = 4, 2, 1)
@@ -112,11 +119,8 @@ def test_static_crop_of_a_recurrent_coarse_core():
     model = LoopLM(tiny_config("anchor", layout="1x{1/8,1/4}", mixer={"kind": "gated_deltanet"},
                                resolution={"offsets": [0, 0]})).eval()
     x = random_ids(2, 20, seed=6)
-    full = model(x).logits
-    cache = LoopCache(full_loop=True)
+    full, static = _prefilled(model, x, 13, 24)
     with torch.no_grad():
-        model(x[:, :13], cache=cache)
-        static = cache.static(24)
         model(x[:, 13:18], cache=static)
         static.crop(16)  # a boundary of both iterations' chunks, and no completed chunk is lost
         out = [model(x[:, i : i + 1], cache=static).logits[:, 0] for i in range(16, 20)]
