@@ -297,6 +297,12 @@ class StaticLoopCache(LoopCache):
     def get_seq_length(self) -> int:
         return self.length
 
+    def phase_count(self) -> int:
+        """Distinct host-side phases of the positions left (each multi-resolution iteration's
+        ``closing``): the graphs a captured step compiles, 1 without such iterations."""
+        chunks = [chunk.resolution for chunk in self.chunks.values()]
+        return len({tuple(it.closing(p) for it in chunks) for p in range(self.length, self.capacity)}) or 1
+
     def set_chunk(self, t: int, state: ChunkState) -> None:
         raise NotStatic(f"multi-resolution iteration {t} has no chunk state in this static cache "
                         "(make it from a cache filled by a prefill forward)")

@@ -391,6 +391,9 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optiona
         for tensor in static.tensors():
             torch._dynamo.mark_static_address(tensor, guard=False)  # a new cache re-records, never recompiles
     compiled = torch.compile(_decode_step, fullgraph=True, dynamic=False, **options)
+    graphs = static.phase_count()  # multi-resolution iterations: one graph per phase
+    if graphs > torch._dynamo.config.recompile_limit:
+        compiled = torch._dynamo.config.patch(recompile_limit=graphs)(compiled)
     first = static.get_seq_length()
     run = compiled
 
