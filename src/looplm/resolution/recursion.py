@@ -79,18 +79,15 @@ class Compressed:
 class StaticCompressed:
     """:class:`Compressed` against a static cache. z, ctx: as there (ctx's slots are the
     completing chunks' rows in the core's compressed states). state: the iteration's buffers.
-    slots: [T] the new positions' rows. start: P on the host (None in a captured step).
-    first: the first completing chunk (host; None for a single position, whose chunk is
-    found on the device). lead: the empty slots of the first completing chunk (ω for
-    chunk 0, else 0), None when none completes."""
+    slots: [T] the new positions' rows. first: the first completing chunk where the host
+    knows it (several positions, or chunk 0), None where only the device does (a single
+    position completing a later chunk) or none completes."""
 
     z: torch.Tensor
     ctx: MixerContext
     state: StaticChunkState
     slots: torch.Tensor
-    start: Optional[int]
     first: Optional[int]
-    lead: Optional[int]
 
 
 class MultiResolution(nn.Module):
@@ -167,12 +164,12 @@ class MultiResolution(nn.Module):
         place; the chunks they complete are down-scaled and marked valid for the core."""
         it = self.schedule[t]
         g, w = it.chunk, it.offset
-        B, T, d = h.shape
+        B, T = h.shape[:2]
         if torch.compiler.is_compiling():
             if T != 1:
                 raise ValueError(f"a captured decoding step of multi-resolution iteration {t} takes one new "
                                  f"position at a time, not {T}")
-            start, lead = None, state.closing  # set on the host for this position: never P itself
+            lead = state.closing  # set on the host for this position: never P itself
         else:
             start = cache.get_seq_length() - T  # P: the static cache has counted the new positions
             lead = it.closing(start) if T == 1 else None
@@ -180,11 +177,11 @@ class MultiResolution(nn.Module):
             grid_slot = ctx.slots + w if w else ctx.slots  # [1]: g·π(P) + ρ(P), Eq. (12)
             state.pending.index_copy_(1, grid_slot % g, h)  # B^(t)[ρ(P)] ← h_P (Algorithm 2)
             if lead is None:  # no chunk completes: the core does not run
-                return StaticCompressed(h[:, :0], ctx, state, ctx.slots, start, None, None)
+                return StaticCompressed(h[:, :0], ctx, state, ctx.slots, None)
             x = state.pending[:, None]  # [B, 1, g, d]
             if lead:  # chunk 0: its ω empty slots hold zeros (as chunk_grid pads them)
                 x = F.pad(x[:, :, lead:], (0, 0, lead, 0))
-            chunks, first = grid_slot // g, None  # [1]: π(P), the chunk P completes
+            chunks, first = grid_slot // g, 0 if lead else None  # [1]: π(P), the chunk P completes
         else:  # several positions (eager): host indices
             done, total = it.complete_chunks(start), it.complete_chunks(start + T)
             tokens_start = it.chunk_start(done)
@@ -194,7 +191,7 @@ class MultiResolution(nn.Module):
             rest = it.in_chunk(it.chunk_start(total))
             state.pending[:, rest : rest + tokens.shape[1] - kept] = tokens[:, kept:]
             if total == done:
-                return StaticCompressed(h[:, :0], ctx, state, ctx.slots, start, None, None)
+                return StaticCompressed(h[:, :0], ctx, state, ctx.slots, None)
             lead = tokens_start - (done * g - w)
             x = chunk_grid(tokens, lead, total - done, g)  # [B, n, g, d]
             chunks, first = torch.arange(done, total, device=h.device), done
@@ -202,7 +199,7 @@ class MultiResolution(nn.Module):
         state.valid.index_fill_(1, chunks, True)
         zctx = dataclasses.replace(ctx, rope=rotary(chunks.expand(B, -1), h.dtype), valid=state.valid, past=None,
                                    padded=False, slots=chunks, _masks={})
-        return StaticCompressed(z, zctx, state, ctx.slots, start, first, lead)
+        return StaticCompressed(z, zctx, state, ctx.slots, first)
 
     def _up_static(self, t: int, step: StaticCompressed, z_hat: torch.Tensor) -> torch.Tensor:
         """:meth:`up` against a static cache: S↑ of the completed chunks is written to the
@@ -212,8 +209,8 @@ class MultiResolution(nn.Module):
         if z_hat.shape[1]:
             B, n, d = z_hat.shape
             grid = self.up_ops[str(t)](z_hat).reshape(B, n * self.schedule[t].chunk, d)  # Eq. (19-21)
-            if step.first is not None or step.lead:  # host-known chunk: several positions, or chunk 0
-                state.write_updates(0 if step.first is None else step.first, grid)
+            if step.first is not None:  # host indices
+                state.write_updates(step.first, grid)
             else:  # the chunk completed at P: rows P + s + 1 − g .. P + s (Eq. 22)
                 state.updates.index_copy_(1, step.slots + state.rows, grid)
         return state.updates.index_select(1, step.slots)  # ũ at the new positions (rows < s stay 0)
