@@ -303,10 +303,6 @@ class StaticLoopCache(LoopCache):
         chunks = [chunk.resolution for chunk in self.chunks.values()]
         return len({tuple(it.closing(p) for it in chunks) for p in range(self.length, self.capacity)}) or 1
 
-    def set_chunk(self, t: int, state: ChunkState) -> None:
-        raise NotStatic(f"multi-resolution iteration {t} has no chunk state in this static cache "
-                        "(make it from a cache filled by a prefill forward)")
-
     def coarse_triggers(self) -> dict[int, list[int]]:
         """As :meth:`LoopCache.coarse_triggers`: every completed chunk's last position."""
         return {t: [chunk.resolution.trigger(j) for j in range(chunk.resolution.complete_chunks(self.length))]
@@ -343,7 +339,8 @@ class StaticLoopCache(LoopCache):
                 self.set(*key, state.select(index))  # buffers reorder in place; new values are copied in
             else:
                 self.states[key] = state.select(index)
-        self.chunks = {t: chunk.select(index) for t, chunk in self.chunks.items()}
+        for t, chunk in self.chunks.items():
+            self.chunks[t] = chunk.select(index)  # the same object when in place
         for name in ("valid", "next_position"):
             value = getattr(self, name)
             if same:

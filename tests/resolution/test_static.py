@@ -127,3 +127,17 @@ def test_static_crop_of_a_recurrent_coarse_core():
         torch.testing.assert_close(torch.stack(out, dim=1), full[:, 16:20], atol=2e-5, rtol=1e-5)
         with pytest.raises(ValueError, match=r"block core\.0 \(pass 0\) holds a DeltaRuleState, which cannot be rewound"):
             static.crop(8)  # a boundary too, but chunks 8..15 (g = 8) and three of g = 4 are in the states
+
+
+def test_a_static_cache_without_chunk_states_is_refused_by_name():
+    """A static cache filled by a model of the same blocks but full-resolution iterations
+    holds no chunk state for a multi-resolution one."""
+    torch.manual_seed(0)
+    looped = LoopLM(tiny_config("mesh", layout="1+1R2+1")).eval()
+    spiral = LoopLM(tiny_config("mesh", layout="1+1x{1/2,1}+1")).eval()
+    x = random_ids(1, 6)
+    cache = LoopCache(full_loop=True)
+    with torch.no_grad():
+        looped(x[:, :5], cache=cache)
+        with pytest.raises(ValueError, match="static cache holds no chunk state for multi-resolution iteration 0"):
+            spiral(x[:, 5:], cache=cache.static(8))

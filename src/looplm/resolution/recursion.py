@@ -131,6 +131,9 @@ class MultiResolution(nn.Module):
             return self._down_static(t, h, ctx, rotary, cache, previous)
         B, T, d = h.shape
         P = ctx.past
+        if P is None:  # a static cache's context
+            raise ValueError(f"the static cache holds no chunk state for multi-resolution iteration {t}: "
+                             "make it with LoopCache.static from a cache a prefill forward filled")
         if previous is None and P > 0:
             raise ValueError(f"the cache holds {P} positions but no chunk state for iteration {t}")
         g, done = it.chunk, it.complete_chunks(P)
