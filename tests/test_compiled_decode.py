@@ -353,3 +353,18 @@ def test_spiral_static_decoding_launches_few_operators_and_no_host_sync(preset):
     ops, syncs = (long.ops - short.ops) / 32 / model.cfg.block_passes, (long.syncs - short.syncs) / 32
     assert syncs == 0, dict(long.by_op)
     assert ops <= SPIRAL_OPS_PER_PASS[preset], f"{ops:.2f} operators per decoded token per block pass: {long.by_op}"
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "gated_deltanet"}, {"kind": "sliding_window", "window": 3},
+                                   {"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3},
+                                   {"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8}],
+                         ids=["gdn", "window", "nsa", "dsa"])
+def test_spiral_compiled_generate_with_coarse_mixers(mixer):
+    """The coarse core's static states (a recurrent state, a ring, NSA's blocks, DSA's index
+    keys) written at chunk rows in the captured step."""
+    model = LoopLM(tiny_config("mesh", layout="1+1x{1/8,1/4,1/2,1}+1", mixer=mixer)).eval()
+    ids = random_ids(2, 9, vocab=model.cfg.vocab_size)
+    eager = model.generate(ids, max_new_tokens=30, temperature=0)
+    compiled = model.generate(ids, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(_phases(model, range(9, 38)))

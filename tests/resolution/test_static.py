@@ -15,6 +15,7 @@ from looplm.mixers.attention import StaticKVState
 from looplm.resolution.state import StaticChunkState
 from tests.conftest import random_ids, tiny_config
 from tests.invariants import assert_static_decodes_like_full_forward
+from tests.test_model_invariants import MIXER_SPECS
 
 CONFIGS = {
     "spiralformer-b-tiny": lambda: load_config("spiralformer-b-tiny").model,
@@ -141,3 +142,13 @@ def test_a_static_cache_without_chunk_states_is_refused_by_name():
         looped(x[:, :5], cache=cache)
         with pytest.raises(ValueError, match="static cache holds no chunk state for multi-resolution iteration 0"):
             spiral(x[:, 5:], cache=cache.static(8))
+
+
+@pytest.mark.parametrize("mixer", MIXER_SPECS, ids=[str(sorted(m.items())) for m in MIXER_SPECS])
+def test_every_mixer_kind_decodes_statically_at_coarse_resolution(mixer):
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config("mesh", layout="1+1x{1/8,1/4,1/2,1}+1", mixer=mixer)).eval()
+    x = random_ids(2, 30)
+    with torch.no_grad():
+        for ends in ([9, *range(10, 31)], [9, 10, 14, 22, 30]):
+            assert assert_static_decodes_like_full_forward(model, x, ends, atol=2e-5, capacity=32) is None
