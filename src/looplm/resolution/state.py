@@ -68,11 +68,9 @@ class ChunkState:
             valid=torch.zeros(B, it.complete_chunks(capacity), dtype=torch.bool, device=self.pending.device),
             rows=torch.arange(s + 1 - g, s + 1, device=self.pending.device),
         )
-        first = it.in_chunk(it.chunk_start(done))  # slot of the current chunk's first position (ω in chunk 0)
-        state.pending[:, first : first + self.pending.shape[1]] = self.pending
-        if done:
-            state.write_updates(0, self.up(self.latents).reshape(B, done * g, d))
-            state.valid[:, :done] = True
+        state.pending[:, : self.pending.shape[1]] = self.pending  # a chunk after chunk 0 starts at slot 0
+        state.write_updates(0, self.up(self.latents).reshape(B, done * g, d))
+        state.valid[:, :done] = True
         return state
 
 
