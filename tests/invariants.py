@@ -57,10 +57,6 @@ def assert_static_decodes_like_full_forward(model, x: torch.Tensor, ends: Sequen
     return None
 
 
-#: what may have no static cache yet: multi-resolution chunk states (NotStatic's messages)
-NOT_STATIC_YET = ("multi-resolution",)
-
-
 def error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ (RMS), the measure fla's tests compare kernels by: it
     tolerates TF32-level rounding of fla's fp32 kernels without hiding a wrong result."""

@@ -10,6 +10,7 @@ the default inductor backend runs in tests/test_cli.py and on the GPU (benchmark
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -95,15 +96,18 @@ def test_stopped_rows_trim_the_columns_decoded_after_the_last_stop():
     assert stopped.sequences.shape[1] == 7 + first + 1 and bool(stopped.finished.all())
 
 
-@pytest.mark.parametrize("preset,reason", [("spiralformer-b-tiny", "multi-resolution")])
-def test_models_without_a_static_cache_decode_eagerly_and_say_why(preset, reason, caplog):
-    model = _model(preset)
-    ids = random_ids(1, 9, vocab=model.cfg.vocab_size)
-    eager = model.generate(ids, max_new_tokens=4, temperature=0)
-    with caplog.at_level(logging.WARNING, logger="looplm.generation"):
-        compiled = model.generate(ids, max_new_tokens=4, temperature=0, compile={"backend": "eager"})
+def test_a_cache_static_after_its_first_chunk_decodes_eagerly_until_then(caplog):
+    """SpiralFormer-L's g = 16, ω = 8 iteration completes its first chunk at position 7: before
+    that its coarse core has no state to preallocate, so a 3-token prompt decodes eagerly up
+    to position 8 and then through the captured step, with the same tokens."""
+    model = _model("spiralformer-l-tiny")
+    ids = random_ids(2, 3, vocab=model.cfg.vocab_size)
+    eager = model.generate(ids, max_new_tokens=24, temperature=0)
+    with caplog.at_level(logging.INFO, logger="looplm.generation"):
+        compiled = model.generate(ids, max_new_tokens=24, temperature=0, compile={"backend": "eager"})
     assert torch.equal(compiled.sequences, eager.sequences)
-    assert reason in caplog.text and "decodes eagerly" in caplog.text
+    assert "decodes eagerly up to position 8" in caplog.text and "first chunk (g=16, ω=8)" in caplog.text
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # captured once static
 
 
 def test_static_cache_select_batch_reorders_in_place_and_crop_rewinds():
@@ -266,3 +270,107 @@ def test_compile_argument_is_checked_before_any_work():
     model = _model("tiny-dense")
     with pytest.raises(ConfigError, match="compile='yes' is invalid: True, False or a dict"):
         model.generate([[1, 2]], max_new_tokens=2, compile="yes")
+
+
+# ------------------------------------------------ multi-resolution iterations (SpiralFormer)
+SPIRAL_MODELS = {
+    "spiralformer-b-tiny": lambda: _model("spiralformer-b-tiny"),
+    "spiralformer-l-tiny": lambda: _model("spiralformer-l-tiny"),
+    "c2f-router-offset0": lambda: LoopLM(tiny_config("mesh", layout="2+1x{1/8,1/4,1/2,1}+2",
+                                                     resolution={"offsets": [0, 0, 0, 0]})).eval(),
+    "half-uniform-parallel": lambda: LoopLM(tiny_config("anchor", layout="2+1x{1/2,1}+2", resolution={
+        "down": "mean", "up": "uniform", "shifts": [3, 0]})).eval(),
+    # chunks that complete in many combinations: more graphs than Dynamo's default recompile limit (8)
+    "coprime-chunks": lambda: LoopLM(tiny_config("anchor", layout="1+1x{1/2,1/3,1/5,1/7}+1")).eval(),
+}
+
+
+def _phases(model: LoopLM, positions: range) -> set:
+    """The distinct host-side phases (each multi-resolution iteration's closing) of the
+    positions a captured step decodes: the graphs it may compile."""
+    schedule = [it for it in model.resolution.schedule if not it.identity]
+    return {tuple(it.closing(p) for it in schedule) for p in positions}
+
+
+@pytest.mark.parametrize("name", sorted(SPIRAL_MODELS))
+@pytest.mark.parametrize("prompt", [9, 13])
+def test_spiral_compiled_generate_equals_eager_with_one_graph_per_phase(name, prompt):
+    """65 tokens (64 captured steps) through the static cache: the eager tokens, no graph
+    break, and one graph per distinct set of completing iterations, a number bounded by the
+    schedule (a residue of the position modulo lcm(g_t), or a first chunk), not by the steps."""
+    model = SPIRAL_MODELS[name]()
+    ids = random_ids(2, prompt, vocab=model.cfg.vocab_size)
+    eager = model.generate(ids, max_new_tokens=65, temperature=0)
+    compiled = model.generate(ids, max_new_tokens=65, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    counters = torch._dynamo.utils.counters
+    phases = _phases(model, range(prompt, prompt + 64))
+    assert counters["stats"]["unique_graphs"] == len(phases), dict(counters["stats"])
+    chunks = [it.chunk for it in model.resolution.schedule if not it.identity]
+    assert len(phases) <= math.lcm(*chunks) + len(chunks)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_spiral_functionalised_step_matches_eager():
+    """aot_eager rewrites the chunk buffers' in-place writes (index_copy_ at device rows)."""
+    model = _model("spiralformer-b-tiny")
+    ids = random_ids(2, 11, vocab=model.cfg.vocab_size)
+    kwargs = dict(max_new_tokens=20, temperature=0.9, top_k=7)
+    eager = model.generate(ids, generator=torch.Generator().manual_seed(1), **kwargs)
+    compiled = model.generate(ids, generator=torch.Generator().manual_seed(1), compile={"backend": "aot_eager"},
+                              **kwargs)
+    assert torch.equal(compiled.sequences, eager.sequences)
+
+
+def test_spiral_step_has_no_graph_breaks_in_any_phase():
+    model = _model("spiralformer-b-tiny")
+    x = random_ids(2, 20, vocab=model.cfg.vocab_size)
+    with torch.no_grad():
+        cache = LoopCache(full_loop=True)
+        model(x[:, :11], cache=cache)
+        static = cache.static(24)
+        for i in range(11, 19):  # every phase of the g = 8 / 4 / 2 iterations
+            explained = torch._dynamo.explain(lambda t: model(t, cache=static).logits)(x[:, i : i + 1])
+            assert explained.graph_break_count == 0, (i, explained.break_reasons)
+            if static.get_seq_length() == i:
+                static.advance(1)
+
+
+#: operators per decoded token per block pass, eager, on the static cache (a block pass
+#: counts every nominal core pass, also those of coarse iterations that run no core)
+SPIRAL_OPS_PER_PASS = {"spiralformer-b-tiny": 20.5, "spiralformer-l-tiny": 17.5}
+
+
+@pytest.mark.parametrize("preset", sorted(SPIRAL_OPS_PER_PASS))
+def test_spiral_static_decoding_launches_few_operators_and_no_host_sync(preset):
+    model = _model(preset)
+    ids = random_ids(2, 48, vocab=model.cfg.vocab_size)
+
+    def decode(tokens: int) -> None:
+        cache = LoopCache(full_loop=True)
+        with torch.no_grad():
+            model(ids[:, :16], cache=cache)
+            static = cache.static(64)
+            for i in range(16, 16 + tokens):
+                model(ids[:, i : i + 1], cache=static)
+
+    short, _ = count_dispatch(lambda: decode(0))
+    long, _ = count_dispatch(lambda: decode(32))  # 32 tokens: every phase of a g = 16 iteration twice
+    ops, syncs = (long.ops - short.ops) / 32 / model.cfg.block_passes, (long.syncs - short.syncs) / 32
+    assert syncs == 0, dict(long.by_op)
+    assert ops <= SPIRAL_OPS_PER_PASS[preset], f"{ops:.2f} operators per decoded token per block pass: {long.by_op}"
+
+
+@pytest.mark.parametrize("mixer", [{"kind": "gated_deltanet"}, {"kind": "sliding_window", "window": 3},
+                                   {"kind": "nsa", "block_size": 2, "select_blocks": 3, "window": 3},
+                                   {"kind": "dsa", "top_k": 3, "index_heads": 2, "index_head_dim": 8}],
+                         ids=["gdn", "window", "nsa", "dsa"])
+def test_spiral_compiled_generate_with_coarse_mixers(mixer):
+    """The coarse core's static states (a recurrent state, a ring, NSA's blocks, DSA's index
+    keys) written at chunk rows in the captured step."""
+    model = LoopLM(tiny_config("mesh", layout="1+1x{1/8,1/4,1/2,1}+1", mixer=mixer)).eval()
+    ids = random_ids(2, 9, vocab=model.cfg.vocab_size)
+    eager = model.generate(ids, max_new_tokens=30, temperature=0)
+    compiled = model.generate(ids, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(_phases(model, range(9, 38)))

@@ -12,7 +12,6 @@ from looplm.config import load_config, preset_names
 from tests.conftest import TOPOLOGY_KINDS, all_configs, grow, random_ids, tiny_config
 from tests.invariants import (
     assert_decodes_like_full_forward,
-    NOT_STATIC_YET,
     assert_static_decodes_like_full_forward,
     assert_strictly_causal,
     prefill_then_tokens,
@@ -55,7 +54,7 @@ def test_static_cache_equivalence(name, cfg):
     x = random_ids(2, 13)
     reason = assert_static_decodes_like_full_forward(_model(cfg, name), x, [6, 7, 8, 11, 12, 13], atol=2e-5,
                                                      capacity=20)
-    assert reason is None or any(part in reason for part in NOT_STATIC_YET), reason
+    assert reason is None, reason
 
 
 MIXER_SPECS = [

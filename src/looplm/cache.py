@@ -13,7 +13,9 @@ tokens are decoded; it is recomputed for the new positions only and need not be 
 Multi-resolution iterations (``looplm.resolution``) run the core on chunk latents: their
 core states (block, t) hold compressed positions (one per completed chunk), and
 ``chunks[t]`` holds the chunk buffer and the finalised latents (Algorithm 2 of
-spiralformer.txt).
+spiralformer.txt); in a static cache, the chunk buffer and the shifted updates in
+preallocated buffers (:class:`~looplm.resolution.state.StaticChunkState`), with the
+core's states sized for the chunks that fit the capacity.
 
 Adaptive halting (``looplm.halting``) lets a call stop its loop once all its new positions
 have halted, so later macro steps have no entries for them. The cache then keeps every
@@ -33,7 +35,7 @@ import torch
 
 from looplm.config_base import ConfigError
 from looplm.mixers.base import MixerState
-from looplm.resolution.state import ChunkState
+from looplm.resolution.state import ChunkState, check_crop
 from looplm.topology.base import LoopState
 
 
@@ -167,8 +169,13 @@ class LoopCache:
 
 
 class NotStatic(ValueError):
-    """A cache that has no static form (a growing state, adaptive halting, chunk states);
-    the message says which part and why."""
+    """A cache that has no static form (a growing state, adaptive halting that stopped
+    early); the message says which part and why. ``after``: the cache has one once it holds
+    that many positions (a multi-resolution iteration before its first chunk), else None."""
+
+    def __init__(self, message: str, after: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.after = after
 
 
 class StaticLoopCache(LoopCache):
@@ -185,6 +192,11 @@ class StaticLoopCache(LoopCache):
     copies the new values into them (:meth:`set`). ``length`` mirrors ``position`` on the
     host for the eager callers' checks; a captured step leaves it to its caller
     (:meth:`advance`).
+
+    Multi-resolution iterations keep a :class:`~looplm.resolution.state.StaticChunkState`
+    each; whenever ``length`` moves, the cache tells each one what the next position does at
+    its resolution (``closing``: completes a chunk or not), the host-side phase a captured
+    step branches on.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -200,8 +212,6 @@ class StaticLoopCache(LoopCache):
         if cache.frozen is not None:
             raise NotStatic("adaptive halting with frozen positions: its loop length depends on the data "
                             "(fill the cache with LoopCache(full_loop=True) to give it a static form)")
-        if cache.chunks:
-            raise NotStatic("multi-resolution iterations: their chunk states grow with each completed chunk")
         length = cache.get_seq_length()
         if capacity < length:
             raise NotStatic(f"capacity {capacity} is below the {length} positions already cached")
@@ -211,7 +221,7 @@ class StaticLoopCache(LoopCache):
             if convert is None:
                 raise NotStatic(f"block {key[0]} (pass {key[1]}) holds a {type(state).__name__}, which has no static form")
             try:
-                static.states[key] = convert(capacity)
+                static.states[key] = convert(cache._compressed(key, capacity))  # chunks for a coarse core
             except TypeError as reason:  # a composite state with a part that has none
                 raise NotStatic(f"block {key[0]} (pass {key[1]}): {reason}") from None
         B, device = cache.valid.shape[0], cache.valid.device
@@ -219,14 +229,27 @@ class StaticLoopCache(LoopCache):
         static.valid[:, :length] = cache.valid
         static.next_position = cache.next_position.clone()
         static.position = torch.tensor(length, device=device)
-        static.length, static.padded, static.iterations = length, cache.padded, cache.iterations
+        for t, chunk in cache.chunks.items():
+            try:
+                static.chunks[t] = chunk.static(capacity)
+            except TypeError as reason:  # no chunk completed yet
+                raise NotStatic(f"multi-resolution iteration {t}: {reason}", after=chunk.resolution.trigger(0) + 1) \
+                    from None
+        static.padded, static.iterations = cache.padded, cache.iterations
+        static._move_to(length)
         return static
+
+    def _move_to(self, length: int) -> None:
+        """Set the host length and each multi-resolution iteration's phase at it."""
+        self.length = length
+        for chunk in self.chunks.values():
+            chunk.closing = chunk.resolution.closing(length)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer a decoding step reads or writes (to mark as static addresses for
         CUDA graphs)."""
         found = [self.valid, self.next_position, self.position]
-        for state in self.states.values():
+        for state in [*self.states.values(), *self.chunks.values()]:
             _leaves(state, found)
         return found
 
@@ -270,28 +293,44 @@ class StaticLoopCache(LoopCache):
     def advance(self, length: int) -> None:
         """Count ``length`` more positions on the host (a captured step's caller does this)."""
         if not torch.compiler.is_compiling():
-            self.length += length
+            self._move_to(self.length + length)
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def phase_count(self) -> int:
+        """Distinct host-side phases of the positions left (each multi-resolution iteration's
+        ``closing``): the graphs a captured step compiles, 1 without such iterations."""
+        chunks = [chunk.resolution for chunk in self.chunks.values()]
+        return len({tuple(it.closing(p) for it in chunks) for p in range(self.length, self.capacity)}) or 1
+
+    def coarse_triggers(self) -> dict[int, list[int]]:
+        """As :meth:`LoopCache.coarse_triggers`: every completed chunk's last position."""
+        return {t: [chunk.resolution.trigger(j) for j in range(chunk.resolution.complete_chunks(self.length))]
+                for t, chunk in sorted(self.chunks.items())}
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on; the rows stay and are rewritten later.
         Refused when a state summarises every position (a linear mixer's S)."""
         if length >= self.length:
             return
+        for chunk in self.chunks.values():
+            check_crop(chunk.resolution, self.length, length)
         for (block, t), state in self.states.items():
             rewind = getattr(state, "rewind", 0)  # positions it may lose: None any, 0 none (S summarises all)
-            if rewind == 0:
+            lost = self._compressed((block, t), self.length) - self._compressed((block, t), length)
+            if rewind == 0 and lost:
                 raise ValueError(f"cannot crop the static cache to {length} positions: block {block} (pass {t}) "
                                  f"holds a {type(state).__name__}, which cannot be rewound")
-            if rewind is not None and self.length - length > rewind:
+            if rewind is not None and lost > rewind:
                 raise ValueError(f"cannot crop the static cache by {self.length - length} positions: block {block} "
                                  f"(pass {t}) keeps a sliding window's ring that can rewind {rewind}")
+        for chunk in self.chunks.values():
+            chunk.crop(self.length, length)
         self.valid[:, length:] = False
         self.next_position.copy_(self.valid.long().sum(dim=1))
         self.position.fill_(length)
-        self.length = length
+        self._move_to(length)
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder rows in place when ``index`` keeps the batch size (beam search)."""
@@ -301,6 +340,8 @@ class StaticLoopCache(LoopCache):
                 self.set(*key, state.select(index))  # buffers reorder in place; new values are copied in
             else:
                 self.states[key] = state.select(index)
+        for t, chunk in self.chunks.items():
+            self.chunks[t] = chunk.select(index)  # the same object when in place
         for name in ("valid", "next_position"):
             value = getattr(self, name)
             if same:

@@ -256,9 +256,11 @@ def generate(
     CUDA with ``mode="reduce-overhead"``, so each token is one CUDA-graph replay) over a
     static cache preallocated for the prompt and ``max_new_tokens``; a dict is passed to
     ``torch.compile`` as options (e.g. ``{"backend": "aot_eager"}``). The numbers are the
-    eager path's. A model whose cache has no static form (adaptive halting that stops
-    early, multi-resolution chunks, sparse or head-looped attention states) decodes
-    eagerly instead, and the reason is logged. The prompt's prefill always runs eagerly.
+    eager path's. Multi-resolution iterations (SpiralFormer) capture one graph per set of
+    iterations whose chunk completes at the new position (the coarse core runs there), a
+    host-side phase, and decode eagerly until every iteration's first chunk has completed.
+    A cache with no static form decodes eagerly instead, and the reason is logged. The
+    prompt's prefill always runs eagerly.
 
     Host syncs: none per token for greedy decoding; with ``stop_tokens``, one read every
     ``STOP_CHECK_EVERY`` tokens of whether every row has stopped.
@@ -364,20 +366,38 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optiona
     None), or captured with ``torch.compile(**options)`` on a static copy of it
     (:meth:`LoopCache.static`) sized for ``capacity`` positions, rounded up to a multiple of
     ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. A cache with no
-    static form, or a step that cannot be captured, decodes eagerly, with the reason logged."""
+    static form, or a step that cannot be captured, decodes eagerly, with the reason logged; one
+    that has a static form after more positions (``NotStatic.after``) decodes eagerly until then."""
     if options is None:
         return _decode_step, cache
     try:
         static = cache.static(-(-capacity // STATIC_ROUND) * STATIC_ROUND)
     except NotStatic as reason:
-        logger.warning("generate(compile=True) decodes eagerly: %s", reason)
-        return _decode_step, cache
+        if reason.after is None:
+            logger.warning("generate(compile=True) decodes eagerly: %s", reason)
+            return _decode_step, cache
+        logger.info("generate(compile=True) decodes eagerly up to position %d: %s", reason.after, reason)
+        after, captured = reason.after, None
+
+        def deferred(model, token, growing, iterations):
+            nonlocal captured
+            if captured is not None:
+                return captured[0](model, token, captured[1], iterations)
+            out = _decode_step(model, token, growing, iterations)
+            if growing.get_seq_length() >= after:
+                captured = _decoder(model, growing, capacity, options)
+            return out
+
+        return deferred, cache
     options = dict(options)
     if static.valid.device.type == "cuda":
         options.setdefault("mode", "reduce-overhead")  # CUDA graphs: one replay per token
         for tensor in static.tensors():
             torch._dynamo.mark_static_address(tensor, guard=False)  # a new cache re-records, never recompiles
     compiled = torch.compile(_decode_step, fullgraph=True, dynamic=False, **options)
+    graphs = static.phase_count()  # multi-resolution iterations: one graph per phase
+    if graphs > torch._dynamo.config.recompile_limit:
+        compiled = torch._dynamo.config.patch(recompile_limit=graphs)(compiled)
     first = static.get_seq_length()
     run = compiled
 

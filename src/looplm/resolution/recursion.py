@@ -18,6 +18,15 @@ Positions. The compressed sequence is just a shorter sequence for the mixer: chu
 at position j (its chunk index) for rotary embeddings, in training and in decoding alike,
 so the shared core sees relative distances in chunks at every resolution.
 
+Static cache. Against a :class:`~looplm.cache.StaticLoopCache` the chunk state is a
+:class:`StaticChunkState` of preallocated buffers written in place, and a single new
+position P is handled with device indices only (its row ``ctx.slots``): h_P goes to slot
+ρ(P) of the chunk buffer, and ũ_P is row P of the buffer of shifted updates. Whether P
+completes a chunk (so the coarse core runs) is a host-side fact the cache keeps per
+iteration (``StaticChunkState.closing``, from its host length), so a captured step takes one
+graph per set of completing iterations and never reads P on the host. Several new
+positions against a static cache (an eager chunked forward) use host indices.
+
 Padding. Chunks are cut by position index; with left padding they would be cut
 differently per row and complete at different steps, so left-padded batches are refused
 for multi-resolution iterations (ValueError). Prompts of different lengths can be
@@ -39,7 +48,7 @@ from looplm.mixers.base import MixerContext
 from looplm.resolution.config import ResolutionConfig
 from looplm.resolution.downscale import build_down, chunk_grid
 from looplm.resolution.schedule import IterationResolution, iteration_resolutions
-from looplm.resolution.state import ChunkState
+from looplm.resolution.state import ChunkState, StaticChunkState
 from looplm.resolution.upscale import build_up
 
 if TYPE_CHECKING:
@@ -64,6 +73,21 @@ class Compressed:
     tokens_start: int
     start: int
     previous: Optional[ChunkState]
+
+
+@dataclasses.dataclass
+class StaticCompressed:
+    """:class:`Compressed` against a static cache. z, ctx: as there (ctx's slots are the
+    completing chunks' rows in the core's compressed states). state: the iteration's buffers.
+    slots: [T] the new positions' rows. first: the first completing chunk where the host
+    knows it (several positions, or chunk 0), None where only the device does (a single
+    position completing a later chunk) or none completes."""
+
+    z: torch.Tensor
+    ctx: MixerContext
+    state: StaticChunkState
+    slots: torch.Tensor
+    first: Optional[int]
 
 
 class MultiResolution(nn.Module):
@@ -102,9 +126,14 @@ class MultiResolution(nn.Module):
                 f"left-padded batches are not supported by multi-resolution iteration {t} (r = 1/{it.chunk}): "
                 "chunks are cut by position and would differ per row; run prompts of different lengths separately"
             )
+        previous = cache.chunk(t) if cache is not None else None
+        if isinstance(previous, StaticChunkState):
+            return self._down_static(t, h, ctx, rotary, cache, previous)
         B, T, d = h.shape
         P = ctx.past
-        previous = cache.chunk(t) if cache is not None else None
+        if P is None:  # a static cache's context
+            raise ValueError(f"the static cache holds no chunk state for multi-resolution iteration {t}: "
+                             "make it with LoopCache.static from a cache a prefill forward filled")
         if previous is None and P > 0:
             raise ValueError(f"the cache holds {P} positions but no chunk state for iteration {t}")
         g, done = it.chunk, it.complete_chunks(P)
@@ -132,6 +161,63 @@ class MultiResolution(nn.Module):
         )
         return Compressed(z, zctx, done, tokens, tokens_start, P, previous)
 
+    def _down_static(self, t: int, h: torch.Tensor, ctx: MixerContext, rotary: "Rotary", cache: "LoopCache",
+                     state: StaticChunkState) -> StaticCompressed:
+        """:meth:`down` against a static cache: the new positions enter the chunk buffer in
+        place; the chunks they complete are down-scaled and marked valid for the core."""
+        it = self.schedule[t]
+        g, w = it.chunk, it.offset
+        B, T = h.shape[:2]
+        if torch.compiler.is_compiling():
+            if T != 1:
+                raise ValueError(f"a captured decoding step of multi-resolution iteration {t} takes one new "
+                                 f"position at a time, not {T}")
+            lead = state.closing  # set on the host for this position: never P itself
+        else:
+            start = cache.get_seq_length() - T  # P: the static cache has counted the new positions
+            lead = it.closing(start) if T == 1 else None
+        if T == 1:  # device indices: the same graph for every position of one closing
+            grid_slot = ctx.slots + w if w else ctx.slots  # [1]: g·π(P) + ρ(P), Eq. (12)
+            state.pending.index_copy_(1, grid_slot % g, h)  # B^(t)[ρ(P)] ← h_P (Algorithm 2)
+            if lead is None:  # no chunk completes: the core does not run
+                return StaticCompressed(h[:, :0], ctx, state, ctx.slots, None)
+            x = state.pending[:, None]  # [B, 1, g, d]
+            if lead:  # chunk 0: its ω empty slots hold zeros (as chunk_grid pads them)
+                x = F.pad(x[:, :, lead:], (0, 0, lead, 0))
+            chunks, first = grid_slot // g, 0 if lead else None  # [1]: π(P), the chunk P completes
+        else:  # several positions (eager): host indices
+            done, total = it.complete_chunks(start), it.complete_chunks(start + T)
+            tokens_start = it.chunk_start(done)
+            first_slot, buffered = it.in_chunk(tokens_start), start - tokens_start
+            tokens = torch.cat([state.pending[:, first_slot : first_slot + buffered], h], dim=1) if buffered else h
+            kept = it.chunk_start(total) - tokens_start  # tokens[:, kept:] start the chunk left incomplete
+            rest = it.in_chunk(it.chunk_start(total))
+            state.pending[:, rest : rest + tokens.shape[1] - kept] = tokens[:, kept:]
+            if total == done:
+                return StaticCompressed(h[:, :0], ctx, state, ctx.slots, None)
+            lead = tokens_start - (done * g - w)
+            x = chunk_grid(tokens, lead, total - done, g)  # [B, n, g, d]
+            chunks, first = torch.arange(done, total, device=h.device), done
+        z = self.down_ops[str(t)](x, lead)  # Eq. (16) or (17-18): [B, n, d]
+        state.valid.index_fill_(1, chunks, True)
+        zctx = dataclasses.replace(ctx, rope=rotary(chunks.expand(B, -1), h.dtype), valid=state.valid, past=None,
+                                   padded=False, slots=chunks, _masks={})
+        return StaticCompressed(z, zctx, state, ctx.slots, first)
+
+    def _up_static(self, t: int, step: StaticCompressed, z_hat: torch.Tensor) -> torch.Tensor:
+        """:meth:`up` against a static cache: S↑ of the completed chunks is written to the
+        rows of the positions that read them (Eq. 19-22), then the new positions read their
+        own rows."""
+        state = step.state
+        if z_hat.shape[1]:
+            B, n, d = z_hat.shape
+            grid = self.up_ops[str(t)](z_hat).reshape(B, n * self.schedule[t].chunk, d)  # Eq. (19-21)
+            if step.first is not None:  # host indices
+                state.write_updates(step.first, grid)
+            else:  # the chunk completed at P: rows P + s + 1 − g .. P + s (Eq. 22)
+                state.updates.index_copy_(1, step.slots + state.rows, grid)
+        return state.updates.index_select(1, step.slots)  # ũ at the new positions (rows < s stay 0)
+
     def up(self, t: int, step: Compressed, z_hat: torch.Tensor, cache: Optional["LoopCache"]) -> torch.Tensor:
         """ũ = shift(S↑(ẑ), s_t) at the new positions: [B, T, d]. z_hat: [B, n, d], the core's
         output for the chunks ``step`` down-scaled. Updates the cache's chunk state.
@@ -139,6 +225,8 @@ class MultiResolution(nn.Module):
         Position i reads slot k = i − s + ω of the chunk grid (chunk π(i − s) = k // g, slot
         ρ(i − s) = k mod g, Eq. 12 and 22), so S↑ of the chunks read, reshaped to a sequence
         from the first slot read, is ũ up to one pad: zeros for i < s, the rest cropped."""
+        if isinstance(step, StaticCompressed):
+            return self._up_static(t, step, z_hat)
         it = self.schedule[t]
         g, s = it.chunk, it.shift
         B, _, d = step.tokens.shape
@@ -169,7 +257,7 @@ class MultiResolution(nn.Module):
             keep = it.chunk_start(N) - step.tokens_start  # the current chunk's buffered positions
             triggers = list(step.previous.triggers) if step.previous is not None else []
             triggers += [it.trigger(j) for j in range(step.first, N)]
-            cache.set_chunk(t, ChunkState(it, step.tokens[:, keep:], latents, end, triggers))
+            cache.set_chunk(t, ChunkState(it, step.tokens[:, keep:], latents, end, triggers, self.up_ops[str(t)]))
         return u
 
     def pass_calls(self, t: int, call: Call, core: Callable[[Call], list[Step]]) -> list[Step]:

@@ -70,6 +70,15 @@ class IterationResolution:
         """Last position of chunk j: where decoding runs the coarse core for it (ρ = g − 1)."""
         return (j + 1) * self.chunk - self.offset - 1
 
+    def closing(self, i: int) -> Optional[int]:
+        """What position i does at the chunk level: None if it is no chunk's last position,
+        else the empty slots before the chunk it completes (ω for chunk 0, 0 for the others).
+        Periodic in i with period g_t apart from chunk 0, so a decoding step that branches on
+        it takes at most three forms per iteration."""
+        if (i + self.offset + 1) % self.chunk:
+            return None
+        return self.offset if i + self.offset + 1 == self.chunk else 0
+
     def source_chunk(self, i: int) -> Optional[int]:
         """Chunk whose latent the shifted update of position i reads, Eq. (22); None if i < s."""
         return None if i < self.shift else self.chunk_index(i - self.shift)
