@@ -297,6 +297,11 @@ def _lt2_describe(variant: str, runs: list) -> dict[str, str]:
     return describe_default(variant, [lm])
 
 
+#: the state-tracking half of the default and stdlib sizes (a synthetic task: no corpus to repeat)
+_LT2_CPU_TASK = ("model.d_model=64", "train.batch_size=8", "train.lr=1e-3", "train.max_steps=300", "train.eval_every=37",
+                 "train.save_every=75", "train.keep_last=1", "train.log_every=50", "train.sample_tokens=0",
+                 "train.device=cpu", "data.task.eval_samples=32")
+
 _LT2_QUICK_TASK = ("model.d_model=16", "model.n_heads=2", "train.batch_size=2", "train.max_steps=4",
                    "train.eval_every=2", "train.save_every=0", "train.log_every=1", "train.sample_tokens=0",
                    "train.device=cpu", "data.task.eval_samples=2", "data.task.eval_batch_size=2")
@@ -311,13 +316,14 @@ LT2 = Study(
         "quick": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5], 120, QUICK + ("data.seq_len=16",),
                                 _LT2_QUICK_TASK), seeds=2),
         "default": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176,
-                                  ("model.d_model=64", *_cpu_lm(300, seq_len=64)),
-                                  ("model.d_model=64", "train.batch_size=8", "train.lr=1e-3", "train.max_steps=300",
-                                   "train.eval_every=37", "train.save_every=75", "train.keep_last=1",
-                                   "train.log_every=50", "train.sample_tokens=0", "train.device=cpu",
-                                   "data.task.eval_samples=32")),
+                                  ("model.d_model=64", *_cpu_lm(300, seq_len=64)), _LT2_CPU_TASK),
                         seeds=3, wall_time="≈ 55 min on one thread (36 runs; ≈ 0.2 s per LM step and 0.3 s "
                                            "per state-tracking step measured, GDN's chunked recurrence the most)"),
+        # the language-modelling runs on the unrepeated corpus; the state-tracking runs as by default
+        "stdlib": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176, _cpu_stdlib(), _LT2_CPU_TASK),
+                       seeds=3, max_seeds=5, sweep=STDLIB_SWEEP,
+                       wall_time="not yet timed: 13 runs × 4 rates × a third of their budget, then 39-65 runs "
+                                 "(the 7 LM runs at 1000 steps of 16 × 256 tokens, d = 128)"),
         "paper": Size(_lt2_runs("lt2-0.6b-transformer", 25, 4, [8, 16, 32, 64, 128, 256], 4888, (),
                                 ("model.d_model=256", "model.n_heads=4", "train.max_steps=100000")), seeds=3,
                       wall_time="0.6B, T = 4, 100B tokens per LM run (set data.source / data.tokenizer): ≈ 1.4e21 "
