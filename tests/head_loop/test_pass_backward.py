@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from looplm import LoopLM
 from looplm.head_loop import attention as head_attention
-from looplm.head_loop.attention import _batched_linear, pass_weights
 from looplm.head_loop.block import HeadLoopBlock
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import apply_rotary_heads_last
@@ -37,20 +36,33 @@ VARIANTS = {
 GROWN = {1: (2, [0, 3], 0.5), 2: (1, [1, 3], 0.0)}
 
 
+def _batched_linear(x, weight, bias):
+    """x [N, d] through k stacked projections weight [k, r, d] (+ bias [k, r]): [k, N, r]."""
+    rows = x.to(weight.dtype).expand(weight.shape[0], *x.shape)
+    if bias is None:
+        return torch.bmm(rows, weight.transpose(1, 2))
+    return torch.baddbmm(bias[:, None], rows, weight.transpose(1, 2))
+
+
+def _stacked(weight, bias, k):
+    return weight.view(k, -1, weight.shape[-1]), None if bias is None else bias.view(k, -1)
+
+
 def reference_head_subset_attention(attn, x, ctx, loop, weights, state):
-    """The head pass before issue 25's hand-written pieces: autograd's chain through the
-    split, the rotation and the unbind, and the residual added after W_O."""
+    """The head pass before issue 25's hand-written pieces: q, k, v (k, v under GQA) from
+    one batched product over copies of x, autograd's chain through the split, the rotation
+    and the unbind, and the residual added after W_O."""
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
     rows = x.reshape(B * T, d)
     if weights.qkv is not None:
-        qk, v = _batched_linear(rows, weights.qkv, weights.qkv_bias).view(3, B, T, n, D).split([2, 1])
+        qk, v = _batched_linear(rows, *_stacked(weights.qkv, weights.qkv_bias, 3)).view(3, B, T, n, D).split([2, 1])
         q, k = (t.transpose(1, 2) for t in apply_rotary_heads_last(qk, *ctx.rope).unbind(0))
         v = v.squeeze(0).transpose(1, 2)
     else:
-        m = weights.kv.shape[1] // D
+        m = weights.kv.shape[0] // (2 * D)
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
-        k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
+        k, v = _batched_linear(rows, *_stacked(weights.kv, weights.kv_bias, 2)).view(2, B, T, m, D).unbind(0)
         q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
                                                  apply_rotary_heads_last(k, *ctx.rope), v))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
@@ -135,11 +147,11 @@ def test_rotation_backward_is_the_rotation_by_minus_theta(rotary, dtype):
     angles = torch.randn(B, T, R // 2)
     cos = torch.cat([angles.cos()] * 2, dim=-1)
     sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
-    qkv = torch.randn(3, B, T, n, D).to(dtype).requires_grad_()
+    qkv = torch.randn(B, T, 3, n, D).to(dtype).requires_grad_()
     grads = [torch.randn(B, T, n, D) for _ in range(2)] + [torch.randn(B, T, n, D).to(dtype)]
 
-    qk, v = qkv.split([2, 1])
-    want_out = (*apply_rotary_heads_last(qk, cos, sin).unbind(0), v.squeeze(0))
+    q, k, v = qkv.unbind(2)
+    want_out = (apply_rotary_heads_last(q, cos, sin), apply_rotary_heads_last(k, cos, sin), v)
     want = torch.autograd.grad(want_out, qkv, grads)[0]
     got_out = head_attention._RotatedQKV.apply(qkv, cos, sin)
     got = torch.autograd.grad(got_out, qkv, grads)[0]
@@ -148,7 +160,7 @@ def test_rotation_backward_is_the_rotation_by_minus_theta(rotary, dtype):
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, **tol)
 
-    x = qkv.detach()[0].requires_grad_()
+    x = qkv.detach()[:, :, 0].requires_grad_()
     want = torch.autograd.grad(apply_rotary_heads_last(x, cos, sin), x, grads[0])[0]
     got = torch.autograd.grad(head_attention._Rotation.apply(x, cos, sin), x, grads[0])[0]
     assert got.dtype == dtype

@@ -40,9 +40,12 @@ from looplm.modules.rotary import apply_rotary_heads_last, swap_halves
 @dataclasses.dataclass
 class PassWeights:
     """What the extra passes of one forward read: the weights of S's heads, ``qkv``
-    [3, n·D, d] (MHA: q, k and v of the n heads at once) or ``q`` [n·D, d] and ``kv``
-    [2, m·D, d] (grouped-query attention: the m kv heads S reads); ``gate`` [n·D, d] or
-    None; ``out`` [d, n·D], S's columns of W_O; ``*_bias`` alike (None without biases)."""
+    [3·n·D, d] (MHA: the q, k and v rows of the n heads, one after the other) or ``q``
+    [n·D, d] and ``kv`` [2·m·D, d] (grouped-query attention: the k and v rows of the m kv
+    heads S reads); ``gate`` [n·D, d] or None; ``out`` [d, n·D], S's columns of W_O;
+    ``*_bias`` alike (None without biases). Each projection is one plain matrix, so that a
+    pass runs it as one GEMM (``addmm``) whose backward needs no reduction over a batch of
+    copies of its input."""
 
     qkv: Optional[torch.Tensor]
     qkv_bias: Optional[torch.Tensor]
@@ -59,7 +62,8 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
     """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when its heads
     (and the kv heads they read) lie in consecutive slots, else gathered by the loop's
     device indices; under autocast cast once here for all K_l passes (not again by every
-    pass's products)."""
+    pass's products). The q, k, v rows (k, v under GQA) are made one matrix here, once for
+    the K_l passes: a copy when S is not every head (or the cast's copy under autocast)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     n, m = len(loop.slots), len(loop.kv_slots)
     narrow = loop.narrow
@@ -92,16 +96,11 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
         dtype = torch.get_autocast_dtype(device_type)
         weights = PassWeights(**{f.name: None if getattr(weights, f.name) is None else getattr(weights, f.name).to(dtype)
                                  for f in dataclasses.fields(PassWeights)})
-    return weights
-
-
-def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [N, d] through k stacked projections weight [k, r, d] (+ bias [k, r]) in one batched
-    product: [k, N, r]. x is cast to the weights' dtype (autocast's) before it is repeated."""
-    rows = x.to(weight.dtype).expand(weight.shape[0], *x.shape)
-    if bias is None:
-        return torch.bmm(rows, weight.transpose(1, 2))
-    return torch.baddbmm(bias[:, None], rows, weight.transpose(1, 2))
+    stacked = ("qkv", "kv") if weights.qkv is None else ("qkv",)  # [k, r, d] -> [k·r, d], [k, r] -> [k·r]
+    return dataclasses.replace(weights, **{name: t.reshape(-1, *t.shape[2:]) for name in stacked
+                                           for t in (getattr(weights, name),) if t is not None},
+                               **{f"{name}_bias": t.reshape(-1) for name in stacked
+                                  for t in (getattr(weights, f"{name}_bias"),) if t is not None})
 
 
 def _turn_back_(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,25 +132,28 @@ class _Rotation(torch.autograd.Function):
 
 
 class _RotatedQKV(torch.autograd.Function):
-    """q, k, v [B, T, n, D] of one projection qkv [3, B, T, n, D], q and k rotated by cos,
-    sin [B, T, R] (one call, :func:`~looplm.modules.rotary.apply_rotary_heads_last`) and v
-    a view. The backward stacks the three gradients into qkv's gradient at once and turns
-    q's and k's back in place (:func:`_turn_back_`): four operators where autograd's split,
-    rotation and unbind take seven. The tables take no gradient."""
+    """q, k, v [B, T, n, D] of one projection qkv [B, T, 3, n, D] (its output's layout), q
+    and k rotated by cos, sin [B, T, R] (one call,
+    :func:`~looplm.modules.rotary.apply_rotary_heads_last`) and v a view. The backward
+    stacks the three gradients into qkv's gradient at once and turns q's and k's back in
+    place (:func:`_turn_back_`): four operators where autograd's split, rotation and unbind
+    take seven. The tables take no gradient."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin):
         ctx.save_for_backward(cos, sin)
         ctx.dtype = qkv.dtype
-        q, k = apply_rotary_heads_last(qkv[:2], cos, sin).unbind(0)
-        return q, k, qkv[2]
+        B, T, _, n, D = qkv.shape
+        qk = apply_rotary_heads_last(qkv[:, :, :2].flatten(2, 3), cos, sin)  # [B, T, 2·n, D]
+        q, k = qk.view(B, T, 2, n, D).unbind(2)
+        return q, k, qkv[:, :, 2]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_q, grad_k, grad_v):
         cos, sin = (t[:, :, None] for t in ctx.saved_tensors)  # [B, T, 1, R]
-        grad = torch.stack([grad_q, grad_k, grad_v])  # [3, B, T, n, D]
-        _turn_back_(grad[:2], cos, sin)
+        grad = torch.stack([grad_q, grad_k, grad_v], dim=2)  # [B, T, 3, n, D]
+        _turn_back_(grad[:, :, :2].flatten(2, 3), cos, sin)
         return grad.to(ctx.dtype), None, None
 
 
@@ -174,20 +176,20 @@ def head_subset_attention(
     weights = pass_weights(attn, loop) if weights is None else weights
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
-    rows = x.reshape(B * T, d)
 
-    if weights.qkv is not None:  # MHA: [3, B, T, n, D]; q and k rotated together, before the head transpose
-        qkv = _batched_linear(rows, weights.qkv, weights.qkv_bias).view(3, B, T, n, D)
+    if weights.qkv is not None:  # MHA: [B, T, 3, n, D]; q and k rotated together, before the head transpose
+        qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, 3, n, D)
         if _plain_rotation(ctx.rope):
-            qk, v = qkv.split([2, 1])
-            q, k, v = (*apply_rotary_heads_last(qk, *ctx.rope).unbind(0), v.squeeze(0))
+            qk, v = qkv.split([2, 1], dim=2)
+            q, k = apply_rotary_heads_last(qk.flatten(2, 3), *ctx.rope).view(B, T, 2, n, D).unbind(2)
+            v = v.squeeze(2)
         else:
             q, k, v = _RotatedQKV.apply(qkv, *ctx.rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     else:
-        m = weights.kv.shape[1] // D
+        m = weights.kv.shape[0] // (2 * D)
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
-        k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
+        k, v = F.linear(x, weights.kv, weights.kv_bias).view(B, T, 2, m, D).unbind(2)
         rotate = apply_rotary_heads_last if _plain_rotation(ctx.rope) else _Rotation.apply
         q, k, v = (t.transpose(1, 2) for t in (rotate(q, *ctx.rope), rotate(k, *ctx.rope), v))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
