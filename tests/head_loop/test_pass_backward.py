@@ -165,3 +165,20 @@ def test_rotation_backward_is_the_rotation_by_minus_theta(rotary, dtype):
     got = torch.autograd.grad(head_attention._Rotation.apply(x, cos, sin), x, grads[0])[0]
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, **tol)
+
+
+def test_grown_model_traces_as_one_graph():
+    """Dynamo traces the hand-written pieces without a graph break (train.compile), and
+    the compiled loss and gradients equal eager."""
+    model, _ = _models("mha", arranged=True)
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(3))
+    params = list(model.parameters())
+
+    def loss(inputs, targets):
+        return model(inputs, targets).loss
+
+    want = loss(ids[:, :-1], ids[:, 1:])
+    got = torch.compile(loss, backend="aot_eager", fullgraph=True)(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, b)
