@@ -19,21 +19,13 @@ from looplm.head_loop import attention as head_attention
 from looplm.head_loop.block import HeadLoopBlock
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import apply_rotary_heads_last
+from tests.head_loop.test_arrange import GROWN
+from tests.head_loop.test_arrange import VARIANTS as ARRANGE_VARIANTS
 
-VARIANTS = {
-    "mha": {},
-    "mha_partial_rotary": {"rotary_pct": 0.5},
-    "mha_no_rotary": {"rotary_pct": 0.0},
-    "mha_no_bias_rms": {"norm": "rmsnorm", "bias": False, "mlp": "swiglu"},
-    "gqa_gate_bias": {"n_kv_heads": 2, "mixer": {"kind": "attention", "output_gate": True}},
-    "gqa_4_groups": {"n_heads": 8, "n_kv_heads": 4},
-    "window": {"mixer": {"kind": "sliding_window", "window": 3}, "norm": "rmsnorm", "bias": False},
-    "loop_level_hybrid": {"layout": "1+1R2+1", "loop_mixers": [{"kind": "attention"}, {"kind": "sliding_window",
-                                                                                       "window": 4}]},
-}
-#: {block: (K_l, looping heads, the other heads' weight)}: block 1 mid-fade (every head
-#: loops, two at 0.5), block 2 two heads after the drop
-GROWN = {1: (2, [0, 3], 0.5), 2: (1, [1, 3], 0.0)}
+#: test_arrange's configurations (MHA, RMSNorm without biases, GQA with gate and biases,
+#: GQA of 4 groups, sliding window, loop-level hybrid) and partial / no rotary; grown as
+#: there (GROWN: block 1 mid-fade, every head looping, block 2 after the drop)
+VARIANTS = {**ARRANGE_VARIANTS, "mha_partial_rotary": {"rotary_pct": 0.5}, "mha_no_rotary": {"rotary_pct": 0.0}}
 
 
 def _batched_linear(x, weight, bias):
