@@ -8,7 +8,7 @@ them), taken once per block forward (:func:`pass_weights`) and shared by its K_l
 
 Once the block's heads are arranged (:func:`permute_heads`, at growth events) S occupies
 the first slots and every view is narrow: no gathers, no host-built indices; under MHA
-q, k and v come from one batched product and q, k are rotated in one call. Unarranged
+q, k and v come from one GEMM and q, k are rotated in one call. Unarranged
 heads (a structure written by hand, or S spread over more than two shared GQA groups)
 are gathered with the device indices of :class:`~looplm.head_loop.structure.GrownLoop`:
 the same numbers, more work.
@@ -96,11 +96,10 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
         dtype = torch.get_autocast_dtype(device_type)
         weights = PassWeights(**{f.name: None if getattr(weights, f.name) is None else getattr(weights, f.name).to(dtype)
                                  for f in dataclasses.fields(PassWeights)})
-    stacked = ("qkv", "kv") if weights.qkv is None else ("qkv",)  # [k, r, d] -> [k·r, d], [k, r] -> [k·r]
-    return dataclasses.replace(weights, **{name: t.reshape(-1, *t.shape[2:]) for name in stacked
-                                           for t in (getattr(weights, name),) if t is not None},
-                               **{f"{name}_bias": t.reshape(-1) for name in stacked
-                                  for t in (getattr(weights, f"{name}_bias"),) if t is not None})
+    # one matrix per projection: [k, r, d] -> [k·r, d] and [k, r] -> [k·r] (a copy unless contiguous)
+    stacked = {key: getattr(weights, key).flatten(0, 1) for key in ("qkv", "qkv_bias", "kv", "kv_bias")
+               if getattr(weights, key) is not None}
+    return dataclasses.replace(weights, **stacked)
 
 
 def _turn_back_(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
