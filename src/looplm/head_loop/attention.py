@@ -8,10 +8,16 @@ them), taken once per block forward (:func:`pass_weights`) and shared by its K_l
 
 Once the block's heads are arranged (:func:`permute_heads`, at growth events) S occupies
 the first slots and every view is narrow: no gathers, no host-built indices; under MHA
-q, k and v come from one batched product and q, k are rotated in one call. Unarranged
+q, k and v come from one GEMM and q, k are rotated in one call. Unarranged
 heads (a structure written by hand, or S spread over more than two shared GQA groups)
 are gathered with the device indices of :class:`~looplm.head_loop.structure.GrownLoop`:
 the same numbers, more work.
+
+A training step's operators per pass (DESIGN.md invariant 6): the split of q, k, v, the
+rotation of q and k and its backward are one function with a hand-written backward (the
+rotation by -θ: four operators where autograd's chain takes seven, :class:`_RotatedQKV`),
+and the pass's residual is added by its W_O product (one ``addmm``) where the dtypes
+allow, as the dense FFN adds its own (:func:`looplm.modules.mlp.add_product`).
 """
 
 from __future__ import annotations
@@ -21,20 +27,25 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from looplm.accounting.cost import Call, Cost, causal_pairs
 from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
-from looplm.modules.rotary import apply_rotary_heads_last
+from looplm.modules.mlp import add_product
+from looplm.modules.rotary import apply_rotary_heads_last, swap_halves
 
 
 @dataclasses.dataclass
 class PassWeights:
     """What the extra passes of one forward read: the weights of S's heads, ``qkv``
-    [3, n·D, d] (MHA: q, k and v of the n heads at once) or ``q`` [n·D, d] and ``kv``
-    [2, m·D, d] (grouped-query attention: the m kv heads S reads); ``gate`` [n·D, d] or
-    None; ``out`` [d, n·D], S's columns of W_O; ``*_bias`` alike (None without biases)."""
+    [3·n·D, d] (MHA: the q, k and v rows of the n heads, one after the other) or ``q``
+    [n·D, d] and ``kv`` [2·m·D, d] (grouped-query attention: the k and v rows of the m kv
+    heads S reads); ``gate`` [n·D, d] or None; ``out`` [d, n·D], S's columns of W_O;
+    ``*_bias`` alike (None without biases). Each projection is one plain matrix, so that a
+    pass runs it as one GEMM (``addmm``) whose backward needs no reduction over a batch of
+    copies of its input."""
 
     qkv: Optional[torch.Tensor]
     qkv_bias: Optional[torch.Tensor]
@@ -51,7 +62,8 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
     """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when its heads
     (and the kv heads they read) lie in consecutive slots, else gathered by the loop's
     device indices; under autocast cast once here for all K_l passes (not again by every
-    pass's products)."""
+    pass's products). The q, k, v rows (k, v under GQA) are made one matrix here, once for
+    the K_l passes: a copy when S is not every head (or the cast's copy under autocast)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     n, m = len(loop.slots), len(loop.kv_slots)
     narrow = loop.narrow
@@ -84,48 +96,110 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
         dtype = torch.get_autocast_dtype(device_type)
         weights = PassWeights(**{f.name: None if getattr(weights, f.name) is None else getattr(weights, f.name).to(dtype)
                                  for f in dataclasses.fields(PassWeights)})
-    return weights
+    # one matrix per projection: [k, r, d] -> [k·r, d] and [k, r] -> [k·r] (a copy unless contiguous)
+    stacked = {key: getattr(weights, key).flatten(0, 1) for key in ("qkv", "qkv_bias", "kv", "kv_bias")
+               if getattr(weights, key) is not None}
+    return dataclasses.replace(weights, **stacked)
 
 
-def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [N, d] through k stacked projections weight [k, r, d] (+ bias [k, r]) in one batched
-    product: [k, N, r]. x is cast to the weights' dtype (autocast's) before it is repeated."""
-    rows = x.to(weight.dtype).expand(weight.shape[0], *x.shape)
-    if bias is None:
-        return torch.bmm(rows, weight.transpose(1, 2))
-    return torch.baddbmm(bias[:, None], rows, weight.transpose(1, 2))
+def _turn_back_(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation's transpose, the rotation by -θ, in place on g's first R channels:
+    g·cos - swap_halves(g)·sin (the others pass through); cos, sin broadcast against g."""
+    rot = g[..., : cos.shape[-1]]
+    swapped = swap_halves(rot)
+    rot.mul_(cos).addcmul_(swapped, sin, value=-1)
+    return g
+
+
+class _Rotation(torch.autograd.Function):
+    """RoFormer's rotation of x [B, T, N, D] (heads last) by the tables cos, sin [B, T, R]
+    (:func:`~looplm.modules.rotary.apply_rotary_heads_last`, its forward) with the
+    backward written as the rotation by -θ (:func:`_turn_back_`): four operators where
+    autograd's chain through the forward's three takes five. The tables take no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return apply_rotary_heads_last(x, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = (t[:, :, None] for t in ctx.saved_tensors)  # [B, T, 1, R]
+        return _turn_back_(grad.to(torch.result_type(grad, cos), copy=True), cos, sin).to(ctx.dtype), None, None
+
+
+class _RotatedQKV(torch.autograd.Function):
+    """q, k, v [B, T, n, D] of one projection qkv [B, T, 3, n, D] (its output's layout), q
+    and k rotated by cos, sin [B, T, R] (one call,
+    :func:`~looplm.modules.rotary.apply_rotary_heads_last`) and v a view. The backward
+    stacks the three gradients into qkv's gradient at once and turns q's and k's back in
+    place (:func:`_turn_back_`): four operators where autograd's split, rotation and unbind
+    take seven. The tables take no gradient."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = qkv.dtype
+        B, T, _, n, D = qkv.shape
+        qk = apply_rotary_heads_last(qkv[:, :, :2].flatten(2, 3), cos, sin)  # [B, T, 2·n, D]
+        q, k = qk.view(B, T, 2, n, D).unbind(2)
+        return q, k, qkv[:, :, 2]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v):
+        cos, sin = (t[:, :, None] for t in ctx.saved_tensors)  # [B, T, 1, R]
+        grad = torch.stack([grad_q, grad_k, grad_v], dim=2)  # [B, T, 3, n, D]
+        _turn_back_(grad[:, :, :2].flatten(2, 3), cos, sin)
+        return grad.to(ctx.dtype), None, None
+
+
+def _plain_rotation(rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the rotations run through autograd's own chain: with no rotary channels, or
+    tables that want a gradient (never from :class:`~looplm.modules.rotary.Rotary`)."""
+    return rope[0].shape[-1] == 0 or (torch.is_grad_enabled() and any(t.requires_grad for t in rope))
 
 
 def head_subset_attention(
     attn: SoftmaxAttention, x: torch.Tensor, ctx: MixerContext, loop: GrownLoop,
     weights: Optional[PassWeights] = None, state: Optional[KVState] = None,
+    residual: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, KVState]:
     """Σ_{i∈S} w_i · Attn^(i)(x) over the looping query heads S of ``attn`` (``loop.slots``)
-    (Eq. 6), w_i the loop weights (a fading head). No output bias (Eq. 2 has none per
-    head). weights: :func:`pass_weights` (taken here when None). x: [B, T, d] -> ([B, T, d],
-    state holding the used key/value heads only)."""
+    (Eq. 6), w_i the loop weights (a fading head), plus ``residual`` when given (Eq. 6's
+    H^(k-1): added by the W_O product where the dtypes allow). No output bias (Eq. 2 has
+    none per head). weights: :func:`pass_weights` (taken here when None). x, residual:
+    [B, T, d] -> ([B, T, d], state holding the used key/value heads only)."""
     weights = pass_weights(attn, loop) if weights is None else weights
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
-    rows = x.reshape(B * T, d)
 
-    if weights.qkv is not None:  # MHA: [3, B, T, n, D]; q and k rotated together, before the head transpose
-        qk, v = _batched_linear(rows, weights.qkv, weights.qkv_bias).view(3, B, T, n, D).split([2, 1])
-        q, k = (t.transpose(1, 2) for t in apply_rotary_heads_last(qk, *ctx.rope).unbind(0))
-        v = v.squeeze(0).transpose(1, 2)
+    if weights.qkv is not None:  # MHA: [B, T, 3, n, D]; q and k rotated together, before the head transpose
+        qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, 3, n, D)
+        if _plain_rotation(ctx.rope):
+            qk, v = qkv.split([2, 1], dim=2)
+            q, k = apply_rotary_heads_last(qk.flatten(2, 3), *ctx.rope).view(B, T, 2, n, D).unbind(2)
+            v = v.squeeze(2)
+        else:
+            q, k, v = _RotatedQKV.apply(qkv, *ctx.rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     else:
-        m = weights.kv.shape[1] // D
+        m = weights.kv.shape[0] // (2 * D)
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
-        k, v = _batched_linear(rows, weights.kv, weights.kv_bias).view(2, B, T, m, D).unbind(0)
-        q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
-                                                 apply_rotary_heads_last(k, *ctx.rope), v))
+        k, v = F.linear(x, weights.kv, weights.kv_bias).view(B, T, 2, m, D).unbind(2)
+        rotate = apply_rotary_heads_last if _plain_rotation(ctx.rope) else _Rotation.apply
+        q, k, v = (t.transpose(1, 2) for t in (rotate(q, *ctx.rope), rotate(k, *ctx.rope), v))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
     y, new_state = attn.attend_rotated(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
     if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows
         y = y * torch.sigmoid(F.linear(x, weights.gate, weights.gate_bias))
     if loop.scaled:  # fading heads: scale each head's output before W_O
         y = y * loop.pass_scale[: n * D].to(y.dtype)
-    return F.linear(y, weights.out), new_state
+    if residual is None:
+        return F.linear(y, weights.out), new_state
+    return add_product(residual, y, weights.out), new_state
 
 
 @torch.no_grad()

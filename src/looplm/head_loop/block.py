@@ -147,8 +147,8 @@ class HeadLoopBlock(GrownBlock):
         return pass_weights(mixer, self.head_loop)
 
     def _extra_pass(self, x, ctx, mixer, state, weights):
-        update, state = head_subset_attention(mixer, self.attn_norm(x), ctx, self.head_loop, weights, state)
-        return x + update, state  # Eq. (6): H^(k) = H^(k-1) + Σ_{i∈S} Attn^(i)(H^(k-1))
+        # Eq. (6): H^(k) = H^(k-1) + Σ_{i∈S} Attn^(i)(H^(k-1))
+        return head_subset_attention(mixer, self.attn_norm(x), ctx, self.head_loop, weights, state, residual=x)
 
     def _last(self, x):
         if self.ffn_adds_residual:  # the FFN reads H^(K_l) (Alg. 1 line 13)

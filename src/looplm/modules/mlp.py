@@ -14,14 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def add_projection(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """residual + linear(x): one ``addmm`` (the add done by the GEMM) for a bias-free
-    ``nn.Linear`` in the dtype of both inputs outside autocast (autocast would cast the
-    float32 residual stream to bf16); otherwise the projection, then the add."""
-    if (type(linear) is nn.Linear and linear.bias is None and residual.dtype == x.dtype == linear.weight.dtype
-            and not torch.is_autocast_enabled(x.device.type)):
-        flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
+def add_product(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """residual + x·weightᵀ: one ``addmm`` (the add done by the GEMM) when all three share
+    a dtype outside autocast (autocast would cast the float32 residual stream to bf16);
+    otherwise the product, then the add."""
+    if residual.dtype == x.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
         return flat.view(residual.shape)
+    return residual + F.linear(x, weight)
+
+
+def add_projection(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """residual + linear(x), the add folded into the GEMM (:func:`add_product`) for a
+    bias-free ``nn.Linear``."""
+    if type(linear) is nn.Linear and linear.bias is None:
+        return add_product(residual, x, linear.weight)
     return residual + linear(x)
 
 

@@ -47,6 +47,12 @@ class Rotary(nn.Module):
         return both[..., : self.rotary_dim], both[..., self.rotary_dim :]
 
 
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x₁ | x₂] -> [x₂ | x₁] along the last dimension (one concatenation)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x2, x1], dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoFormer's rotation x·cos + rotate_half(x)·sin on the first R = cos.shape[-1]
     channels of x, written x·cos + [x₂ | x₁]·sin with the sign in :class:`Rotary`'s sin
@@ -56,8 +62,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if rot == 0:
         return x
     x_rot = x if rot == x.shape[-1] else x[..., :rot]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    out = torch.addcmul(x_rot * cos, torch.cat([x2, x1], dim=-1), sin)
+    out = torch.addcmul(x_rot * cos, swap_halves(x_rot), sin)
     return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
