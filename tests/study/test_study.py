@@ -194,6 +194,7 @@ def test_ladder_reports_where_its_halting_rungs_read_out(quick) -> None:
     markdown = (result.out_dir / "results.md").read_text()
     header = next(ln for ln in markdown.splitlines() if ln.startswith("| variant |"))
     assert "halting bias" in header and "readout depth (passes)" in header
+    assert "Readout depth: the block passes behind the readout" in markdown  # what the column measures
 
 
 def test_ladder_bias_sweep_trains_every_act_rung_at_three_starting_biases(tmp_path) -> None:

@@ -275,7 +275,11 @@ def character_task(run: Run, reference: str = "1") -> Measures:
     }
 
 
-def halting_readout(run: Run, samples: int = 64) -> Measures:
+#: held-out problems the ladder's halting measure reads (investigation.md's probes read 64 rows)
+HALTING_SAMPLES = 64
+
+
+def halting_readout(run: Run, samples: int = HALTING_SAMPLES) -> Measures:
     """Where a halting rung reads out (autoregressive-trm.txt App. B.1; the readout depth of
     docs/results/ladder/investigation.md §4), over the answer characters (the scored
     positions) of the first ``samples`` held-out problems: ``readout_depth``, the block passes

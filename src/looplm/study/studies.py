@@ -571,6 +571,7 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
         ),
         deviations=tuple(deviations) + ("ACT and Q-halt in full-compute mode (App. B.1): every rung spends C.",),
         describe=describe,
+        notes=_readout_note,
         build=build,
     )
 
@@ -578,6 +579,17 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
 #: Table 1's columns, in the order of the ladder's MECHANISMS tuples.
 MECHANISM_NAMES = ("tie", "step", "ACT", "2S", "nest", "Q-halt")
 ALPHAS = ("1", "1.5", "2", "3", "5")
+
+
+def _readout_note(result) -> str:
+    """What the readout-depth column measures (results.md), where some run measured it."""
+    if not any(result.values(v, "readout_depth") for v in result.variants):
+        return ""
+    return (f"Readout depth: the block passes behind the readout, on the answer characters of "
+            f"{measures.HALTING_SAMPLES} held-out problems after training: under ACT the expected depth Σ_τ w_τ·τ·(passes per macro step) of its "
+            "weighted readout, under Q-halt's terminal readout every pass run (C); blank without a halting rule. "
+            "The mean ACT weight w_τ (Q-halt: σ(q)) per macro step τ is the series `halting_weight` (`q_halt`) "
+            "in series.csv.")
 
 
 def rung_of(run: str) -> str:
