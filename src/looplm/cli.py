@@ -647,8 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("study", help="train a study (a paper's comparison) over seeds and tabulate it",
                        description="Train every configuration of a study at every seed on the same data and "
                        "budget, then write results.md (mean ± std over seeds, the paper's numbers beside), "
-                       "results.csv, runs.csv, series.csv (the curves) and plots into --out. Rerunning the same command reuses finished "
-                       "runs and resumes an interrupted one. Studies: " + ", ".join(study_names()) + ".")
+                       "results.csv, runs.csv, series.csv (the curves) and plots into --out. Rerunning the same "
+                       "command reuses finished runs and resumes an interrupted one. Studies: " + ", ".join(study_names()) + ".")
     p.add_argument("name", metavar="NAME", help="the study: " + ", ".join(study_names()))
     p.add_argument("overrides", nargs="*", metavar="key=value", help="fields shared by every run, e.g. train.device=cuda")
     size = p.add_mutually_exclusive_group()

@@ -178,8 +178,8 @@ def test_ladder_reports_where_its_halting_rungs_read_out(quick) -> None:
     for r in csv.DictReader(open(result.out_dir / "series.csv")):
         series.setdefault((r["variant"], r["seed"], r["series"]), []).append((float(r["x"]), float(r["y"])))
     for rung in ("dense", "tied", "tied_step"):
-        assert runs[(rung, "0")]["readout_depth"] == "" and not any(k[0] == rung and k[2] in ("halting_weight",
-                                                                                                "q_halt") for k in series)
+        assert runs[(rung, "0")]["readout_depth"] == ""
+        assert not any(k[0] == rung and k[2] in ("halting_weight", "q_halt") for k in series)
     for rung in ("ut_act", "dual_ut", "dual_nested_ut"):
         model = result.runs[rung][0].config.model
         for seed in ("0", "1"):

@@ -308,7 +308,8 @@ def halting_readout(run: Run, samples: int = HALTING_SAMPLES) -> Measures:
             for name, values in out.record.items():
                 if name in ("act_weights", "q_halt"):
                     sums = torch.stack([v.double()[scored].sum() for v in values])
-                    sums = torch.nn.functional.pad(sums, (0, cfg.iterations - len(sums)))  # steps a stopped loop skipped
+                    # steps a stopped loop skipped weigh nothing
+                    sums = torch.nn.functional.pad(sums, (0, cfg.iterations - len(sums)))
                     by_step[name] = by_step.get(name, 0) + sums
     series = {{"act_weights": "halting_weight"}.get(name, name): [[t, float(v) / count] for t, v in enumerate(sums, 1)]
               for name, sums in by_step.items()}

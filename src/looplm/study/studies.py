@@ -530,7 +530,8 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
         model = runs[0].config.model
         cells = {n: ("✓" if on else "") for n, on in zip(MECHANISM_NAMES, MECHANISMS[rung_of(variant)])}
         bias = f"{model.halting.bias:g}" if isinstance(model.halting, HaltingHeadConfig) else ""
-        return {**cells, "C": str(model.block_passes), "halting bias": bias, "params": f"{runs[0].parameters['total']:,}"}
+        return {**cells, "C": str(model.block_passes), "halting bias": bias,
+                "params": f"{runs[0].parameters['total']:,}"}
 
     metrics = []
     for a in ALPHAS:
@@ -586,10 +587,10 @@ def _readout_note(result) -> str:
     if not any(result.values(v, "readout_depth") for v in result.variants):
         return ""
     return (f"Readout depth: the block passes behind the readout, on the answer characters of "
-            f"{measures.HALTING_SAMPLES} held-out problems after training: under ACT the expected depth Σ_τ w_τ·τ·(passes per macro step) of its "
-            "weighted readout, under Q-halt's terminal readout every pass run (C); blank without a halting rule. "
-            "The mean ACT weight w_τ (Q-halt: σ(q)) per macro step τ is the series `halting_weight` (`q_halt`) "
-            "in series.csv.")
+            f"{measures.HALTING_SAMPLES} held-out problems after training: under ACT the expected depth "
+            "Σ_τ w_τ·τ·(passes per macro step) of its weighted readout, under Q-halt's terminal readout every pass "
+            "run (C); blank without a halting rule. The mean ACT weight w_τ (Q-halt: σ(q)) per macro step τ is the "
+            "series `halting_weight` (`q_halt`) in series.csv.")
 
 
 def rung_of(run: str) -> str:
@@ -625,7 +626,7 @@ _LADDER_PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length
 #: whether the readout's depth or the starting bias's sign matters. The autoregressive TRM's
 #: Q-halt is left out: in full-compute mode its readout is the last solution whatever its bias.
 HALTING_BIASES = (-1.0, -3.0)
-ACT_RUNGS = tuple(r for r, (tie, step, act, *_) in MECHANISMS.items() if act)
+ACT_RUNGS = tuple(r for r in RUNGS if MECHANISMS[r][MECHANISM_NAMES.index("ACT")])
 
 
 def _bias_sweep_runs() -> dict[str, RunSpec]:
@@ -642,15 +643,15 @@ def _ladder_sizes() -> dict[str, Size]:
     runs = {r: RunSpec("task-addition") for r in RUNGS}
     return {
         "quick": Size(runs, _LADDER_QUICK, seeds=2),
+        "default": Size(runs, _LADDER_CPU, seeds=3,
+                        wall_time="≈ 110 min on one thread, ≈ 55 min as two processes on 2 cores (21 runs of 4500 "
+                                "steps; ≈ 0.07 s per step measured, 9 greedy evaluations of 5 α × 100 "
+                                "problems per run)"),
         "bias-sweep-quick": Size(_bias_sweep_runs(), _LADDER_QUICK, seeds=2),
         "bias-sweep": Size(_bias_sweep_runs(), _LADDER_CPU, seeds=3,
                            wall_time="≈ 4.5 h on one thread, ≈ 2.3 h as two processes on 2 cores (27 runs of 4500 "
                                      "steps; the ACT rungs' runs of the default size and of the bias −3 rerun "
                                      "trained in 430-920 s each on this machine while it ran other jobs)"),
-        "default": Size(runs, _LADDER_CPU, seeds=3,
-                        wall_time="≈ 110 min on one thread, ≈ 55 min as two processes on 2 cores (21 runs of 4500 "
-                                "steps; ≈ 0.07 s per step measured, 9 greedy evaluations of 5 α × 100 "
-                                "problems per run)"),
         "paper": Size(runs, _LADDER_PAPER, seeds=3,
                       wall_time="C = 24, d = 384, 6 heads, L_train = 10, 5000 steps of batch 64: on one H100 "
                                 "about 10-20 minutes per rung"),
