@@ -647,8 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("study", help="train a study (a paper's comparison) over seeds and tabulate it",
                        description="Train every configuration of a study at every seed on the same data and "
                        "budget, then write results.md (mean ± std over seeds, the paper's numbers beside), "
-                       "results.csv, runs.csv and plots into --out. Rerunning the same command reuses finished "
-                       "runs and resumes an interrupted one. Studies: " + ", ".join(study_names()) + ".")
+                       "results.csv, runs.csv, series.csv (the curves) and plots into --out. Rerunning the same "
+                       "command reuses finished runs and resumes an interrupted one. Studies: " + ", ".join(study_names()) + ".")
     p.add_argument("name", metavar="NAME", help="the study: " + ", ".join(study_names()))
     p.add_argument("overrides", nargs="*", metavar="key=value", help="fields shared by every run, e.g. train.device=cuda")
     size = p.add_mutually_exclusive_group()
@@ -656,7 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--paper", action="store_true", help="the paper's size (GPUs; see README 'Reproductions')")
     size.add_argument("--size", default=None, metavar="NAME",
                       help="a size by name: default, quick, paper, or stdlib (the unrepeated standard-library "
-                           "corpus: a learning-rate sweep, then 3 paired seeds, up to 5 while undecided)")
+                           "corpus: a learning-rate sweep, then 3 paired seeds, up to 5 while undecided); the "
+                           "ladder's bias-sweep (every ACT rung at starting bias 1, -1, -3) and bias-sweep-quick")
     p.add_argument("--seeds", type=int, default=None, metavar="N", help="seeds 0 … N-1 (default: the size's, 3)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/study-NAME[-quick|-paper])")
     p.add_argument("--threads", type=_POSITIVE, default=None, metavar="N", help="torch threads (torch.set_num_threads)")

@@ -178,3 +178,6 @@ def test_halting_probe_reports_where_positions_stop(tmp_path):
     assert numbers["mean_halt_step"] == pytest.approx(steps.double().mean().item(), rel=1e-5)
     assert numbers["block_passes_per_token"] == pytest.approx(steps.double().mean().item(), rel=1e-5)
     assert sum(numbers["act_weights_mean_by_step"]) == pytest.approx(1.0, rel=1e-5)
+    by_step = numbers["act_weights_mean_by_step"]  # 1 block pass per step: the readout's expected step
+    assert numbers["readout_depth"] == pytest.approx(sum(w * t for t, w in enumerate(by_step, 1)), rel=1e-4)
+    assert 1.0 <= numbers["readout_depth"] <= numbers["mean_halt_step"] + 1e-6

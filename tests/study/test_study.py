@@ -149,6 +149,88 @@ def test_quick_study_writes_mean_and_std_over_two_seeds(quick, name) -> None:
         assert (out / figure.file).read_bytes()[:8] == PNG
 
 
+@pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder", "sharing", "depth", "conversion"])
+def test_series_csv_holds_every_runs_curves_point_by_point(quick, name) -> None:
+    """series.csv is the figures' data: read back with the csv module, its rows are exactly
+    the series each run's measure returned (run, seed, series, every (x, y) in order)."""
+    result = quick[name]
+    with open(result.out_dir / "series.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and set(rows[0]) == {"study", "run", "variant", "seed", "series", "x", "y"}
+    got: dict[tuple, list] = {}
+    for r in rows:
+        assert r["study"] == name and r["variant"] == r["run"].split("/")[0]
+        got.setdefault((r["run"], int(r["seed"]), r["series"]), []).append(
+            [float(r["x"]), None if r["y"] == "" else float(r["y"])])
+    want = {(run_name, run.seed, key): [[float(x), None if y is None else float(y)] for x, y in points]
+            for run_name, runs in result.runs.items() for run, m in zip(runs, result.measures[run_name])
+            for key, points in m["series"].items() if points}  # an empty series has no point to write
+    assert got == want
+
+
+def test_ladder_reports_where_its_halting_rungs_read_out(quick) -> None:
+    """readout_depth (runs.csv) is the block passes behind the readout on held-out answers:
+    ACT's Σ_τ w̄_τ·τ·passes per step from the halting_weight series (series.csv), Q-halt's
+    terminal readout all C passes (full compute), blank without a halting rule."""
+    result = quick["ladder"]
+    runs = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(result.out_dir / "runs.csv"))}
+    series: dict[tuple, list] = {}
+    for r in csv.DictReader(open(result.out_dir / "series.csv")):
+        series.setdefault((r["variant"], r["seed"], r["series"]), []).append((float(r["x"]), float(r["y"])))
+    for rung in ("dense", "tied", "tied_step"):
+        assert runs[(rung, "0")]["readout_depth"] == ""
+        assert not any(k[0] == rung and k[2] in ("halting_weight", "q_halt") for k in series)
+    for rung in ("ut_act", "dual_ut", "dual_nested_ut"):
+        model = result.runs[rung][0].config.model
+        for seed in ("0", "1"):
+            weights = series[(rung, seed, "halting_weight")]
+            assert [t for t, _ in weights] == list(range(1, model.iterations + 1))
+            assert sum(w for _, w in weights) == pytest.approx(1.0, rel=1e-5)  # ACT's weights sum to one
+            depth = sum(w * t * model.passes_per_step for t, w in weights)
+            assert float(runs[(rung, seed)]["readout_depth"]) == pytest.approx(depth, rel=1e-9)
+            assert model.passes_per_step <= depth < model.block_passes  # UT's bias 1: shallower than C
+    assert float(runs[("ar_trm", "0")]["readout_depth"]) == result.runs["ar_trm"][0].config.model.block_passes
+    assert len(series[("ar_trm", "0", "q_halt")]) == result.runs["ar_trm"][0].config.model.iterations
+    markdown = (result.out_dir / "results.md").read_text()
+    header = next(ln for ln in markdown.splitlines() if ln.startswith("| variant |"))
+    assert "halting bias" in header and "readout depth (passes)" in header
+    assert "Readout depth: the block passes behind the readout" in markdown  # what the column measures
+
+
+def test_ladder_bias_sweep_trains_every_act_rung_at_three_starting_biases(tmp_path) -> None:
+    """``--size bias-sweep``: every ACT rung at its default bias, −1 and −3, otherwise the
+    default size's run; its quick form trains in seconds and reads out deeper the lower the
+    bias; the bias is the sweep's, not an override's."""
+    from looplm.ladder import RUNGS
+    from looplm.study.studies import ACT_RUNGS
+
+    study = get_study("ladder", "bias-sweep")
+    default = study.configs("default", tmp_path / "default", seed=1)
+    act = [r for r in RUNGS if default[r].model.halting.kind == "act"]
+    assert list(ACT_RUNGS) == act == ["ut_act", "dual_ut", "dual_nested_ut"]
+    sweep = study.configs("bias-sweep", tmp_path / "sweep", seed=1)
+    assert list(sweep) == [f"{r}{b}" for r in act for b in ("", "@bias-1", "@bias-3")]
+    for name, cfg in sweep.items():
+        rung = name.split("@")[0]
+        assert cfg.model.halting.bias == {"": 1.0, "bias-1": -1.0, "bias-3": -3.0}[name[len(rung) + 1:]]
+        assert cfg.train.out_dir == str(tmp_path / "sweep" / name / "seed-1")
+        mine, theirs = cfg.to_dict(), default[rung].to_dict()
+        for data in (mine, theirs):
+            del data["train"]["out_dir"], data["model"]["halting"]["init_bias"]
+        assert mine == theirs  # the default CPU size's run but for the starting bias
+    assert study.size("bias-sweep").seeds == 3 and "h" in study.size("bias-sweep").wall_time
+    with pytest.raises(ConfigError) as err:
+        study.configs("bias-sweep", tmp_path, seed=0, overrides=["model.halting.init_bias=-2"])
+    assert err.value.field == "model.halting.init_bias" and "variants" in str(err.value)
+
+    result = run_study("ladder", tmp_path / "quick", size="bias-sweep-quick", seeds=1, threads=1)
+    depth = {v: result.scalars(v)[0]["readout_depth"] for v in result.variants}
+    for rung in act:
+        assert depth[rung] < depth[f"{rung}@bias-1"] < depth[f"{rung}@bias-3"]
+    markdown = (tmp_path / "quick" / "results.md").read_text()
+    assert "--size bias-sweep-quick" in markdown and "| ut_act@bias-3 |" in markdown
+
+
 @pytest.mark.parametrize("name", ["mesh", "lt2"])
 def test_paired_differences_by_seed(quick, name) -> None:
     """paired.csv and results.md compare every row with the reference seed by seed: the

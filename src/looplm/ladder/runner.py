@@ -10,10 +10,13 @@ run in ``out_dir/<rung>/seed-<seed>/``, and the study runner writes into ``out_d
 
 - ``results.md``: the command line, the machine, and one row per rung: Table 1's ticks, C,
   parameters, exact match and character accuracy at every α, and the quartile (Fig. 4) and
-  last-character (Fig. 5) accuracies at α = 1 (mean ± std where several seeds ran);
-- ``results.csv`` (per rung × metric) and ``runs.csv`` (per rung × seed);
-- ``accuracy.png`` (Fig. 6), ``quartiles.png`` (Fig. 4), ``length.png`` and ``last_char.png``
-  (Fig. 5), when matplotlib is installed (``pip install 'looplm[plot]'``).
+  last-character (Fig. 5) accuracies at α = 1, and the halting rungs' readout depth (mean ±
+  std where several seeds ran);
+- ``results.csv`` (per rung × metric), ``runs.csv`` (per rung × seed) and ``series.csv``
+  (the curves, per rung × seed × point);
+- ``accuracy.png`` (Fig. 6), ``quartiles.png`` (Fig. 4), ``length.png``, ``last_char.png``
+  (Fig. 5) and ``halting_weights.png`` (ACT weight per macro step), when matplotlib is
+  installed (``pip install 'looplm[plot]'``).
 
 Resuming (:mod:`looplm.study.runs`): rerunning the same ladder finishes what an interrupted
 one left. A rung whose directory holds a finished run of the same configuration is read back,

@@ -5,7 +5,7 @@ mean ± standard deviation over seeds and the papers' numbers beside them (``loo
 - :mod:`~looplm.study.runs`: train or reuse one run, resume an interrupted one, refuse foreign ones;
 - :mod:`~looplm.study.measures`: what is read from a finished run (loss, FLOPs, probes, task scores);
 - :mod:`~looplm.study.runner`: every run at every seed, then the tables and figures;
-- :mod:`~looplm.study.results`, :mod:`~looplm.study.plots`: results.md / results.csv / runs.csv, *.png;
+- :mod:`~looplm.study.results`, :mod:`~looplm.study.plots`: results.md / results.csv / runs.csv / series.csv, *.png;
 - :mod:`~looplm.study.studies`: the studies (mesh, spiralformer, sgt, lt2, ladder).
 """
 

@@ -180,14 +180,15 @@ def run_dir(out_dir: Path, run: str, seed: int) -> Path:
     return Path(out_dir) / run / f"seed-{seed}"
 
 
-#: run names are directory names: ``variant`` or ``variant/part`` of these characters
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*(/[A-Za-z0-9][A-Za-z0-9_.+-]*)?$")
+#: run names are directory names: ``variant`` or ``variant/part`` of these characters (``@``
+#: marks a setting of a variant: the ladder's ``ut_act@bias-3``)
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+@-]*(/[A-Za-z0-9][A-Za-z0-9_.+@-]*)?$")
 
 
 def check_run_names(names) -> None:
     for name in names:
         if not RUN_NAME.match(name):
-            raise ConfigError("run", name, "a directory name of letters, digits and _ . + -, optionally "
+            raise ConfigError("run", name, "a directory name of letters, digits and _ . + - @, optionally "
                               "variant/part")
 
 

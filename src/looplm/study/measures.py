@@ -275,6 +275,55 @@ def character_task(run: Run, reference: str = "1") -> Measures:
     }
 
 
+#: held-out problems the ladder's halting measure reads (investigation.md's probes read 64 rows)
+HALTING_SAMPLES = 64
+
+
+def halting_readout(run: Run, samples: int = HALTING_SAMPLES) -> Measures:
+    """Where a halting rung reads out (autoregressive-trm.txt App. B.1; the readout depth of
+    docs/results/ladder/investigation.md §4), over the answer characters (the scored
+    positions) of the first ``samples`` held-out problems: ``readout_depth``, the block passes
+    behind the readout (:func:`~looplm.probes.halting.readout_passes`: ACT's expected depth
+    Σ_τ w_τ·τ·passes per step; Q-halt's terminal readout, the passes run), and per macro step
+    τ the mean ACT weight w_τ (series ``halting_weight``) or Q-halt σ(q) (``q_halt``). None
+    and no series without a halting rule."""
+    import torch
+
+    from looplm.probes import load_probe_input
+    from looplm.probes.halting import readout_passes
+    from looplm.targets import IGNORE_INDEX
+
+    cfg = run.config.model
+    if cfg.halting.kind == "none":
+        return {"scalars": {"readout_depth": None}, "series": {}, "notes": []}
+    probe = load_probe_input(run.run_dir, samples=samples, batch_size=samples)
+    depth, count = 0.0, 0
+    by_step: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for inputs, targets in probe.batches:
+            out = probe.model(inputs)
+            scored = targets != IGNORE_INDEX
+            depth += float(readout_passes(out, cfg.passes_per_step)[scored].sum())
+            count += int(scored.sum())
+            for name, values in out.record.items():
+                if name in ("act_weights", "q_halt"):
+                    sums = torch.stack([v.double()[scored].sum() for v in values])
+                    # steps a stopped loop skipped weigh nothing
+                    sums = torch.nn.functional.pad(sums, (0, cfg.iterations - len(sums)))
+                    by_step[name] = by_step.get(name, 0) + sums
+    series = {{"act_weights": "halting_weight"}.get(name, name): [[t, float(v) / count] for t, v in enumerate(sums, 1)]
+              for name, sums in by_step.items()}
+    return {"scalars": {"readout_depth": depth / count}, "series": series, "notes": []}
+
+
+def ladder_rung(run: Run) -> Measures:
+    """The ladder's measure: :func:`character_task` and :func:`halting_readout`."""
+    measures, halting = character_task(run), halting_readout(run)
+    measures["scalars"].update(halting["scalars"])
+    measures["series"].update(halting["series"])
+    return measures
+
+
 #: the zero-shot exits the depth study evaluates every trained loop with (Huginn's KL criterion
 #: at its default threshold, 5e-4, and ten times looser)
 ZERO_SHOT_EXITS = ("kl:5e-4", "kl:5e-3")

@@ -1,5 +1,6 @@
 """A finished study as data, and its tables: results.md, results.csv (mean ± std per row and
-metric) and runs.csv (every run's numbers, one row per run and seed)."""
+metric), runs.csv (every run's numbers, one row per run and seed) and series.csv (every
+run's curves, one row per point)."""
 
 from __future__ import annotations
 
@@ -309,6 +310,19 @@ def run_rows(result: StudyResult) -> tuple[list[str], list[dict[str, Any]]]:
     fields = ["study", "run", "variant", "seed", "steps", "parameters", "non_embedding", "train_time_s", "wall_time_s", "reused",
               *keys]
     return fields, rows
+
+
+SERIES_FIELDS = ("study", "run", "variant", "seed", "series", "x", "y")
+
+
+def series_rows(result: StudyResult) -> list[dict[str, Any]]:
+    """series.csv: the curves behind the figures as data, long format: one row per run ×
+    seed × series × point (x as the measure gives it: a step, FLOPs, α, a loop step; y blank
+    where undefined)."""
+    return [{"study": result.study.name, "run": name, "variant": variant_of(name), "seed": run.seed, "series": key,
+             "x": x, "y": y}
+            for name, runs in result.runs.items() for run, measures in zip(runs, result.measures[name])
+            for key, points in measures["series"].items() for x, y in points]
 
 
 def csv_text(fields, rows) -> str:

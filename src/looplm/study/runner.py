@@ -14,6 +14,8 @@ writes into ``out_dir``:
 - ``runs.csv``: one row per run × seed with everything measured;
 - ``paired.csv``: every variant against the reference variant, per metric, paired by seed
   (the per-seed differences, how many favour the variant, whether they are under 2 sd);
+- ``series.csv``: every run's curves (learning curves, accuracy against α, a measure's
+  per-iteration values), one row per run × seed × series × point (x, y);
 - the study's figures (``*.png``) when matplotlib is installed;
 - ``lr-sweep.md`` / ``lr-sweep.csv`` when the size sweeps learning rates first
   (:mod:`looplm.study.sweep`).
@@ -46,6 +48,7 @@ from looplm.study.definition import Measures, Study, variant_of
 from looplm.study.plots import write_plots
 from looplm.study.results import (
     PAIRED_FIELDS,
+    SERIES_FIELDS,
     SUMMARY_FIELDS,
     StudyResult,
     csv_text,
@@ -53,6 +56,7 @@ from looplm.study.results import (
     paired_rows,
     results_markdown,
     run_rows,
+    series_rows,
     summary_rows,
 )
 from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse
@@ -236,8 +240,8 @@ def equivalent_command(name, size, out_dir, seeds, overrides, threads, variants=
 
 
 def write_results(result: StudyResult, figures: bool = True) -> list[Path]:
-    """results.md, results.csv, runs.csv and, with ``figures``, the figures (skipped, with a
-    note, without matplotlib)."""
+    """results.md, results.csv, runs.csv, paired.csv, series.csv and, with ``figures``, the
+    figures (skipped, with a note, without matplotlib)."""
     result.out_dir.mkdir(parents=True, exist_ok=True)
     md = result.out_dir / "results.md"
     write_text(md, results_markdown(result), atomic=True)
@@ -247,7 +251,9 @@ def write_results(result: StudyResult, figures: bool = True) -> list[Path]:
     write_text(per_run, csv_text(*run_rows(result)), atomic=True)
     pairs = result.out_dir / "paired.csv"
     write_text(pairs, csv_text(PAIRED_FIELDS, paired_rows(result)), atomic=True)
-    return [md, summary, per_run, pairs, *(write_plots(result) if figures else [])]
+    curves = result.out_dir / "series.csv"
+    write_text(curves, csv_text(SERIES_FIELDS, series_rows(result)), atomic=True)
+    return [md, summary, per_run, pairs, curves, *(write_plots(result) if figures else [])]
 
 
 # ---------------------------------------------------------------------- the ladder

@@ -22,6 +22,7 @@ from typing import Sequence
 from looplm.config import RunConfig
 from looplm.config_base import ConfigError
 from looplm.data.source_kinds import TaskSource
+from looplm.halting.config import HaltingHeadConfig
 from looplm.ladder.rungs import MECHANISMS, RUNGS
 from looplm.ladder.runner import QUICK_OVERRIDES, ladder_configs
 from looplm.study import measures
@@ -36,6 +37,7 @@ from looplm.study.definition import (
     Sweep,
     check_overrides,
     run_dir,
+    varied_keys,
 )
 from looplm.study.results import describe_default
 
@@ -512,16 +514,24 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
                  "default": Size({r: RunSpec(f"task-{task}") for r in rungs}, (), seeds=1)}
 
     def build(study: Study, size: str, out_dir: Path, seed: int, overrides: Sequence[str]) -> dict[str, RunConfig]:
-        check_overrides(overrides, ())
+        """Each run is its rung (the name before any ``@``) with the run's overrides (the
+        bias sweep's starting bias) over the size's."""
         spec = study.size(size)
-        configs = ladder_configs(task, budget, out_dir, rungs=rungs, seed=seed, outer=outer, inner=inner,
-                                 overrides=[*spec.shared, *overrides])
-        return {rung: RunConfig.from_dict(_with_out_dir(cfg, run_dir(out_dir, rung, seed)))
-                for rung, cfg in configs.items()}
+        check_overrides(overrides, varied_keys(spec))
+        configs = {}
+        for run, run_spec in spec.runs.items():
+            rung = rung_of(run)
+            cfg = ladder_configs(task, budget, out_dir, rungs=[rung], seed=seed, outer=outer, inner=inner,
+                                 overrides=[*spec.shared, *run_spec.overrides, *overrides])[rung]
+            configs[run] = RunConfig.from_dict(_with_out_dir(cfg, run_dir(out_dir, run, seed)))
+        return configs
 
     def describe(variant: str, runs: list) -> dict[str, str]:
-        cells = {n: ("✓" if on else "") for n, on in zip(MECHANISM_NAMES, MECHANISMS[variant])}
-        return {**cells, "C": str(runs[0].config.model.block_passes), "params": f"{runs[0].parameters['total']:,}"}
+        model = runs[0].config.model
+        cells = {n: ("✓" if on else "") for n, on in zip(MECHANISM_NAMES, MECHANISMS[rung_of(variant)])}
+        bias = f"{model.halting.bias:g}" if isinstance(model.halting, HaltingHeadConfig) else ""
+        return {**cells, "C": str(model.block_passes), "halting bias": bias,
+                "params": f"{runs[0].parameters['total']:,}"}
 
     metrics = []
     for a in ALPHAS:
@@ -530,6 +540,7 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
     metrics += [Metric(f"q{q}", f"Q{q} (α=1)", percent=True) for q in range(1, 5)]
     metrics.append(Metric("last", "last (α=1)", percent=True))
     metrics += [Metric("em_seen", "seen EM (L_train)", percent=True), Metric("char_seen", "seen char", percent=True)]
+    metrics.append(Metric("readout_depth", "readout depth (passes)", 2))
     paper = ()
     if task == "addition":
         paper = (PaperColumn("char acc, addition L=10", "autoregressive-trm.txt §5 RQ1, Fig. 3: character accuracy "
@@ -545,7 +556,7 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
               "and reverse, the autoregressive TRM stays near chance; two-stream rungs resist late-position collapse",
         sizes=sizes,
         metrics=tuple(metrics),
-        measure=measures.character_task,
+        measure=measures.ladder_rung,
         paper_columns=paper,
         figures=(
             Curve("accuracy.png", "char", "character accuracy over training (Fig. 6)", "training step",
@@ -556,9 +567,12 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
                   ylim=(-0.02, 1.02)),
             Curve("last_char.png", "last", "last character over training (Fig. 5)", "training step",
                   "last-character accuracy (α=1)", ylim=(-0.02, 1.02)),
+            Curve("halting_weights.png", "halting_weight", "ACT weight per macro step, held-out answers",
+                  "macro step τ", "mean ACT weight w_τ", ylim=(-0.02, 1.02)),
         ),
         deviations=tuple(deviations) + ("ACT and Q-halt in full-compute mode (App. B.1): every rung spends C.",),
         describe=describe,
+        notes=_readout_note,
         build=build,
     )
 
@@ -566,6 +580,22 @@ def ladder_study(task: str = "addition", budget: int = 12, *, rungs: Sequence[st
 #: Table 1's columns, in the order of the ladder's MECHANISMS tuples.
 MECHANISM_NAMES = ("tie", "step", "ACT", "2S", "nest", "Q-halt")
 ALPHAS = ("1", "1.5", "2", "3", "5")
+
+
+def _readout_note(result) -> str:
+    """What the readout-depth column measures (results.md), where some run measured it."""
+    if not any(result.values(v, "readout_depth") for v in result.variants):
+        return ""
+    return (f"Readout depth: the block passes behind the readout, on the answer characters of "
+            f"{measures.HALTING_SAMPLES} held-out problems after training: under ACT the expected depth "
+            "Σ_τ w_τ·τ·(passes per macro step) of its weighted readout, under Q-halt's terminal readout every pass "
+            "run (C); blank without a halting rule. The mean ACT weight w_τ (Q-halt: σ(q)) per macro step τ is the "
+            "series `halting_weight` (`q_halt`) in series.csv.")
+
+
+def rung_of(run: str) -> str:
+    """The rung a ladder run trains: its name before any ``@`` (``ut_act@bias-3``: ut_act)."""
+    return run.split("@", 1)[0]
 
 
 def _with_out_dir(cfg: RunConfig, path: Path) -> dict:
@@ -589,6 +619,26 @@ _LADDER_PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length
                  "train.eval_every=500", "train.save_every=1000", "train.keep_last=1")
 
 
+#: The halting-bias sweep (issue 28; investigation.md §4): every rung with ACT's weighted
+#: readout at its default starting bias (UT's 1: σ ≈ 0.73, the weights sum to one after two
+#: iterates, a readout 1.3 of 12 passes deep) and at these. −3 (σ ≈ 0.05: the weights spread
+#: over every iterate) let UT+ACT learn the carry; −1 (σ ≈ 0.27: about four iterates) tells
+#: whether the readout's depth or the starting bias's sign matters. The autoregressive TRM's
+#: Q-halt is left out: in full-compute mode its readout is the last solution whatever its bias.
+HALTING_BIASES = (-1.0, -3.0)
+ACT_RUNGS = tuple(r for r in RUNGS if MECHANISMS[r][MECHANISM_NAMES.index("ACT")])
+
+
+def _bias_sweep_runs() -> dict[str, RunSpec]:
+    """``<rung>`` (its default bias) and ``<rung>@bias<b>`` for every ACT rung and b in HALTING_BIASES."""
+    runs = {}
+    for rung in ACT_RUNGS:
+        runs[rung] = RunSpec("task-addition")
+        runs.update({f"{rung}@bias{b:g}": RunSpec("task-addition", (f"model.halting.init_bias={b:g}",))
+                     for b in HALTING_BIASES})
+    return runs
+
+
 def _ladder_sizes() -> dict[str, Size]:
     runs = {r: RunSpec("task-addition") for r in RUNGS}
     return {
@@ -597,6 +647,11 @@ def _ladder_sizes() -> dict[str, Size]:
                         wall_time="≈ 110 min on one thread, ≈ 55 min as two processes on 2 cores (21 runs of 4500 "
                                 "steps; ≈ 0.07 s per step measured, 9 greedy evaluations of 5 α × 100 "
                                 "problems per run)"),
+        "bias-sweep-quick": Size(_bias_sweep_runs(), _LADDER_QUICK, seeds=2),
+        "bias-sweep": Size(_bias_sweep_runs(), _LADDER_CPU, seeds=3,
+                           wall_time="≈ 4.5 h on one thread, ≈ 2.3 h as two processes on 2 cores (27 runs of 4500 "
+                                     "steps; the ACT rungs' runs of the default size and of the bias −3 rerun "
+                                     "trained in 430-920 s each on this machine while it ran other jobs)"),
         "paper": Size(runs, _LADDER_PAPER, seeds=3,
                       wall_time="C = 24, d = 384, 6 heads, L_train = 10, 5000 steps of batch 64: on one H100 "
                                 "about 10-20 minutes per rung"),
