@@ -838,7 +838,7 @@ def _distill_sizes() -> dict[str, Size]:
         "default": Size(distillation.runs("tiny-lt2-transformer", teacher_model, 1000, 50, 200, lr=2e-3,
                                           stage1_lr=3e-3, stage2_lr=1e-3),
                         (*_cpu_stdlib(), "train.eval_every=50"), seeds=3,
-                        wall_time="≈ 7 h on one thread (3 seeds × 2500 steps: teacher and scratch-teacher-budget "
+                        wall_time="≈ 7 h on one thread (3 seeds × 2700 steps: teacher and scratch-teacher-budget "
                                   "1000 each, scratch 250, stage 1 50, two stage-2 runs of 200; per step measured "
                                   "over 5-15 steps of each row on the shared 2-core machine: teacher 2.7 s, hybrid "
                                   "2.2-3.7 s, stage 1 1.7 s, stage 2 2.6-3.6 s; evaluations every 50 steps ≈ 10 % "
