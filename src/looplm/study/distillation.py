@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -46,12 +45,11 @@ from looplm.distill.selection import Selection, uniform_layers
 from looplm.distill.stages import SELECTION_FILE, alignment_trainer, choose_layers, kd_trainer, write_selection
 from looplm.distill.student import block_paths, init_student, load_teacher, student_config
 from looplm.errors import LoopLMError
+from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 from looplm.study.definition import Measures, RunSpec, Study, preset_configs, run_dir
 from looplm.study.runs import Run, events_by_step
 from looplm.train.trainer import Trainer
-
-log = logging.getLogger("looplm")
 
 TEACHER, LONG, SCRATCH, STAGE1 = "teacher", "scratch-teacher-budget", "scratch", "stage1"
 #: distilled rows -> their stage-2 loop-weight schedule (``distill.kd.schedule``)
@@ -171,8 +169,6 @@ def trainer(name: str, cfg: RunConfig, resume: bool, progress: bool) -> Optional
     if name == STAGE1:
         return alignment_trainer(cfg, teacher, lambda student: init_student(student, teacher), resume=resume,
                                  progress=progress)
-    from looplm.model import LoopLM
-
     aligned = LoopLM.from_pretrained(sibling(cfg, STAGE1))
     settings = _kd_settings(name)
     return kd_trainer(cfg, teacher, lambda student: init_student(student, teacher, linear_from=aligned),
