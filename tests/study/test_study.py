@@ -431,7 +431,7 @@ def test_cli_variants_select_a_part_of_a_two_part_study(tmp_path, caplog) -> Non
 
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("kwargs, field, hint", [
-    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, depth, sharing, conversion, ladder"),
+    (dict(study="meshh"), "study", "mesh, spiralformer, sgt, lt2, depth, sharing, conversion, distill, ladder"),
     (dict(seeds=0), "seeds", ">= 1"),
     (dict(seeds=[1, 1]), "seeds", "distinct"),
     (dict(size="huge"), "size", "quick, default, stdlib, paper"),

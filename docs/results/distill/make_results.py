@@ -4,7 +4,8 @@
 
 Everything in the report is read from the runs' metrics.jsonl, summary.json and
 selection.json, except the per-loop validation losses, which this script measures on the
-runs' own held-out batches (the readout head(norm(h^(τ))) after each loop τ)."""
+runs' own held-out batches (the readout head(norm(h^(τ))) after each loop τ), as the
+``distill`` study does (``looplm study distill``: the same comparison over 3 paired seeds)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,7 @@ import math
 import statistics
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-from looplm.data import data_tokenizer, validation_batches
-from looplm.eval.load import load_run
+from looplm.study.distillation import per_loop_val_loss
 from looplm.train import read_metrics
 
 RUNS = {  # name in the table -> run directory under OUT
@@ -32,22 +29,6 @@ RUNS = {  # name in the table -> run directory under OUT
 
 def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
-
-
-@torch.no_grad()
-def per_loop_val_loss(run: Path) -> list[float]:
-    """Mean next-token loss of the readout after each loop iteration on the run's held-out
-    batches (the batches of its val_loss, so the last loop's equals it)."""
-    loaded = load_run(run)
-    model, cfg = loaded.model, loaded.config
-    data = validation_batches(cfg.data, data_tokenizer(cfg.data), cfg.train.batch_size // cfg.train.grad_accum)
-    totals = None
-    for x, y in data:
-        out = model(x, output_states=True)
-        logits = model.loop_logits(x, out.states[1:]) if out.states is not None else [out.logits]
-        losses = [F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1)).item() for z in logits]
-        totals = losses if totals is None else [a + b for a, b in zip(totals, losses)]
-    return [t / len(data) for t in totals]
 
 
 def events(run: Path, name: str) -> list[dict]:

@@ -39,7 +39,8 @@ from looplm.config import RunConfig
 from looplm.config_base import ConfigError
 from looplm.data import data_tokenizer, validation_batches
 from looplm.distill.alignment import alignment_loss, record_teacher
-from looplm.distill.config import STAGES, DistillRunConfig, KDConfig
+from looplm.data.config import DataConfig
+from looplm.distill.config import STAGES, DistillConfig, DistillRunConfig, KDConfig
 from looplm.distill.losses import kd_loss, length_at, loop_weights, split_length, topk_kl
 from looplm.distill.selection import Selection, kl_guided, uniform_layers
 from looplm.distill.student import (
@@ -273,8 +274,7 @@ def run_distill(teacher_path: Union[str, Path], cfg: DistillRunConfig, stage: st
     teacher = load_teacher(teacher_path)
     write_text(root / "distill.json", json.dumps({"teacher": str(teacher_path), "config": cfg.to_dict()}, indent=2)
                + "\n", atomic=True)
-    n_blocks = len(block_paths(teacher.cfg))
-    keep = cfg.distill.keep_count(n_blocks)
+    cfg.distill.keep_count(len(block_paths(teacher.cfg)))  # distill.layers checked before any stage trains
     results: dict[str, Any] = {}
     for name in (("1", "select", "2", "3") if stage == "all" else (stage,)):
         out_dir = root / (f"stage{name}" if name != "select" else "")
@@ -290,7 +290,7 @@ def run_distill(teacher_path: Union[str, Path], cfg: DistillRunConfig, stage: st
         if name == "1":
             results[name] = _stage1(teacher, cfg, resume, progress)
         elif name == "select":
-            results[name] = _select(teacher, cfg, keep, root).to_dict()
+            results[name] = _select(teacher, cfg, root).to_dict()
         elif name == "2":
             results[name] = _stage2(teacher, cfg, root, resume, progress)
         else:
@@ -305,26 +305,38 @@ def _stage1(teacher: LoopLM, cfg: DistillRunConfig, resume: bool, progress: bool
     return trainer.fit()
 
 
-def _select(teacher: LoopLM, cfg: DistillRunConfig, keep: int, root: Path) -> Selection:
-    d = cfg.distill
+def choose_layers(teacher: LoopLM, distill: DistillConfig, data: DataConfig, batch_size: int, device: str,
+                  stage1_dir: Path) -> Selection:
+    """The kept-attention set F of ``distill`` (lt2.txt §5, Stage 2): ``distill.layers`` as
+    given, the uniform interleave, or the KL-guided selector on the stage-1 student in
+    ``stage1_dir`` scored on ``distill.select_batches`` held-out batches of ``data``
+    (micro-batches of ``batch_size``) on ``device`` (``train.device``)."""
     n_blocks = len(block_paths(teacher.cfg))
-    if d.layers is not None:
-        selection = Selection("layers", sorted(set(d.layers)))
-    elif d.selector == "uniform" or keep == 0:
-        selection = Selection("uniform", uniform_layers(n_blocks, keep))
-    else:
-        device = _device(cfg.train.device)
-        aligned = _final_student(root / "stage1", "1").to(device)
-        tokenizer = data_tokenizer(cfg.data)
-        micro = cfg.train.batch_size // cfg.train.grad_accum
-        batches = [x.to(device) for x, _ in validation_batches(cfg.data, tokenizer, micro)[: d.select_batches]]
-        if not batches:
-            raise ConfigError("data.val_fraction", cfg.data.val_fraction,
-                              "a held-out split with at least one batch: the KL-guided selector scores on it")
-        selection = kl_guided(teacher.to(device), aligned, keep, batches)
-    write_text(root / SELECTION_FILE, json.dumps(selection.to_dict(), indent=2) + "\n", atomic=True)
+    keep = distill.keep_count(n_blocks)
+    if distill.layers is not None:
+        return Selection("layers", sorted(set(distill.layers)))
+    if distill.selector == "uniform" or keep == 0:
+        return Selection("uniform", uniform_layers(n_blocks, keep))
+    torch_device = _device(device)
+    aligned = _final_student(stage1_dir, "1").to(torch_device)
+    batches = [x.to(torch_device) for x, _ in validation_batches(data, data_tokenizer(data), batch_size)]
+    if not batches:
+        raise ConfigError("data.val_fraction", data.val_fraction,
+                          "a held-out split with at least one batch: the KL-guided selector scores on it")
+    return kl_guided(teacher.to(torch_device), aligned, keep, batches[: distill.select_batches])
+
+
+def write_selection(selection: Selection, path: Path) -> None:
+    """``selection.json``, and every score in the log."""
+    write_text(path, json.dumps(selection.to_dict(), indent=2) + "\n", atomic=True)
     log.info("distill: kept softmax attention in blocks %s (%s selector)%s", selection.layers, selection.selector,
              "".join(f"\n  block {i}: KL {selection.kl[i]:.4f}, score {s:+.4f}" for i, s in selection.scores.items()))
+
+
+def _select(teacher: LoopLM, cfg: DistillRunConfig, root: Path) -> Selection:
+    selection = choose_layers(teacher, cfg.distill, cfg.data, cfg.train.batch_size // cfg.train.grad_accum,
+                              cfg.train.device, root / "stage1")
+    write_selection(selection, root / SELECTION_FILE)
     return selection
 
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from looplm.config import RunConfig, parse_overrides, read_config_source
 from looplm.config_base import ConfigError, set_dotted
+
+if TYPE_CHECKING:
+    from looplm.train import Trainer
 
 #: a run's measurements: ``scalars`` (table metrics; None where undefined), ``series`` (name ->
 #: [[x, y], ...] for curves) and ``notes`` (markdown lines, e.g. SGT's growth decisions)
@@ -130,7 +133,13 @@ class Study:
     after the table; ``build`` replaces the preset-based configuration builder (the ladder's
     rungs are model fields, not presets); ``prepare(run, config)`` runs before a run trains
     (not when a finished run is reused) and writes what its config reads (the ``conversion``
-    study's converted start, ``train.init_from``, made from an earlier run). ``reference``:
+    study's converted start, ``train.init_from``, made from an earlier run); it may return
+    the config the run trains with when that depends on an earlier run of the seed (the
+    ``distill`` study's hybrid, whose kept-attention blocks its stage-1 run selects).
+    ``trainer(run, config, resume, progress)`` builds the Trainer of a run that does not
+    train on the next-token loss alone (the ``distill`` study's stages: a loss function and
+    callbacks on the Trainer's seams); None from it, or no hook, trains ``Trainer(config)``.
+    ``reference``:
     the variant every other row is compared with seed by seed in results.md and paired.csv
     (default: the size's first)."""
 
@@ -147,7 +156,8 @@ class Study:
     describe: Optional[Callable[[str, list], dict[str, str]]] = None
     notes: Optional[Callable[[Any], str]] = None
     build: Optional[Builder] = None
-    prepare: Optional[Callable[[str, RunConfig], None]] = None
+    prepare: Optional[Callable[[str, RunConfig], Optional[RunConfig]]] = None
+    trainer: Optional[Callable[[str, RunConfig, bool, bool], Optional["Trainer"]]] = None
     reference: Optional[str] = None
 
     @property

@@ -175,10 +175,13 @@ def prepare_and_train(study: Study, name: str, seed: int, cfg: "RunConfig", summ
                       progress: bool) -> Run:
     """Run ``name`` at ``seed``: read back when ``summary`` (its finished run) is given, else
     the study's ``prepare`` first (e.g. a converted start made from an earlier run of this
-    seed), then trained or resumed."""
+    seed; the config it returns, if any, replaces ``cfg``), then trained or resumed (by the
+    study's ``trainer`` hook where it has one)."""
     if study.prepare is not None and summary is None:
-        study.prepare(name, cfg)
-    return train_or_reuse(name, seed, cfg, summary, progress=progress)
+        prepared = study.prepare(name, cfg)
+        if prepared is not None and prepared != cfg:
+            cfg, summary = prepared, finished_run(prepared)
+    return train_or_reuse(name, seed, cfg, summary, progress=progress, trainer=study.trainer)
 
 
 def undecided(result: StudyResult) -> bool:

@@ -21,7 +21,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -139,14 +139,16 @@ def check_same_config(run_dir: Path, saved: dict[str, Any], cfg: RunConfig) -> N
 
 
 def train_or_reuse(name: str, seed: int, cfg: RunConfig, summary: Optional[dict[str, Any]], *,
-                   progress: bool = False) -> Run:
+                   progress: bool = False, trainer: Optional[Callable[..., Optional[Trainer]]] = None) -> Run:
     """Train ``cfg`` (resuming from its checkpoints when there are any) unless ``summary``, its
-    finished run found by :func:`finished_run`, is given."""
+    finished run found by :func:`finished_run`, is given. ``trainer(name, cfg, resume,
+    progress)``: the run's Trainer when it is not ``Trainer(cfg)`` (a study's hook)."""
     run_dir = Path(cfg.train.out_dir)
     if summary is None:
         resume = has_checkpoints(run_dir)
         logger.info("%s seed %d: %s in %s", name, seed, "resuming" if resume else "training", run_dir)
-        summary = Trainer(cfg, resume=resume, progress=progress).fit()
+        built = trainer(name, cfg, resume, progress) if trainer is not None else None
+        summary = (built if built is not None else Trainer(cfg, resume=resume, progress=progress)).fit()
         return Run(name, seed, run_dir, cfg, summary, reused=False)
     logger.info("%s seed %d: finished run reused from %s", name, seed, run_dir)
     return Run(name, seed, run_dir, cfg, summary, reused=True)
