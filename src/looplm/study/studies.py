@@ -56,13 +56,19 @@ def _cpu_lm(steps: int, *, seq_len: int = 128, batch: int = 16, lr: float = 2e-3
 
 #: The ``stdlib`` sizes' corpus: the Python standard library's sources (``python-stdlib``, 1,758
 #: files, 31.5 M characters on Python 3.11) in ``bpe:8192`` tokens: 8.65 M tokens, about
-#: 8.2 M in the training split. 1000 steps of 16 × 256 tokens read 4.1 M of them: no token
-#: is trained on twice, where the pydoc sizes repeat their corpus 3-4 times.
-STDLIB_STEPS, STDLIB_BATCH, STDLIB_SEQ = 1000, 16, 256
-#: Learning rates swept per run at seed 0 (a third of the budget) before the seeds.
-STDLIB_SWEEP = Sweep((1e-3, 2e-3, 4e-3, 8e-3), (f"train.max_steps={STDLIB_STEPS // 3}",
-                                                f"train.eval_every={STDLIB_STEPS // 3}",
-                                                f"train.save_every={STDLIB_STEPS // 3}"))
+#: 8.2 M in the training split. 400 steps of 16 × 256 tokens read 1.6 M of them: no token is
+#: trained on twice, where the pydoc sizes repeat their corpus 3-4 times. The budget is what
+#: a CPU affords with the sweep and up to 5 seeds (a few hours per study on two threads; the
+#: 8192-entry head is most of a step); ``train.max_steps`` scales it on a GPU.
+STDLIB_STEPS, STDLIB_BATCH, STDLIB_SEQ = 400, 16, 256
+#: Learning rates swept per run at seed 0 (a third of the budget) before the seeds: the
+#: default sizes' 2e-3 and two larger (the pydoc SpiralFormer check found 4e-3 better).
+STDLIB_SWEEP = Sweep((2e-3, 4e-3, 8e-3), (f"train.max_steps={STDLIB_STEPS // 3}",
+                                          f"train.eval_every={STDLIB_STEPS // 3}",
+                                          f"train.save_every={STDLIB_STEPS // 3}"))
+#: training throughput of the stdlib sizes' models on this project's CPU (tokens/s, the
+#: ``1+2R3+1`` core at d = 128 on two threads, measured), for the wall-time estimates
+STDLIB_TOKENS_PER_S = 4300
 
 
 def _cpu_stdlib(d_model: int = 128, heads: int = 4) -> tuple[str, ...]:
@@ -75,10 +81,21 @@ def _cpu_stdlib(d_model: int = 128, heads: int = 4) -> tuple[str, ...]:
             "train.keep_last=1", "train.log_every=50", "train.sample_tokens=0", "train.device=cpu")
 
 
-def _stdlib_size(runs: dict[str, RunSpec], wall_time: str) -> Size:
+def _stdlib_wall_time(runs: int) -> str:
+    """Hours for ``runs`` runs: the sweep at a third of the budget per rate, then 3-5 seeds."""
+    tokens = STDLIB_BATCH * STDLIB_SEQ
+    sweep = runs * len(STDLIB_SWEEP.lrs) * (STDLIB_STEPS // 3)
+    low, high = ((sweep + runs * seeds * STDLIB_STEPS) * tokens / STDLIB_TOKENS_PER_S / 3600 for seeds in (3, 5))
+    return (f"≈ {low:.1f}-{high:.1f} h on two threads ({runs} runs × {len(STDLIB_SWEEP.lrs)} rates × "
+            f"{STDLIB_STEPS // 3} steps, then {3 * runs}-{5 * runs} runs × {STDLIB_STEPS} steps of "
+            f"{STDLIB_BATCH} × {STDLIB_SEQ} tokens, at the ≈ {STDLIB_TOKENS_PER_S:,} tokens/s measured for "
+            "the 1+2R3+1 core at d = 128; deeper or wider rows run longer)")
+
+
+def _stdlib_size(runs: dict[str, RunSpec]) -> Size:
     """The unrepeated-corpus size: the sweep picks each run's rate, 3 paired seeds, up to 5
     while a difference to the reference is under two standard deviations."""
-    return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=wall_time)
+    return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(len(runs)))
 
 
 def _runs(preset: str, variants: dict[str, Sequence[str]]) -> dict[str, RunSpec]:
@@ -117,9 +134,7 @@ MESH = Study(
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 45 min on one thread (18 runs; ≈ 0.22 s per step measured, "
                                   "probes ≈ 2 s per run)"),
-        "stdlib": _stdlib_size(_runs("tiny-base", _mesh_variants("6", "1+2R2+1")),
-                               "not yet timed: 6 runs × 4 rates × 333 steps, then 18-30 runs × 1000 steps of "
-                               "16 × 256 tokens at d = 128"),
+        "stdlib": _stdlib_size(_runs("tiny-base", _mesh_variants("6", "1+2R2+1"))),
         "paper": Size(_runs("pythia-160m", _mesh_variants("12", "2+4R2+2")), seeds=3,
                       wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
                                 "paper's 250B tokens: ≈ 2.4e20 training FLOPs per run, about a week per run on one "
@@ -168,9 +183,7 @@ SPIRALFORMER = Study(
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(700)), seeds=3,
                         wall_time="≈ 45 min on one thread (12 runs; ≈ 0.30 s per step measured, "
                                   "the T = 4 loop 0.45)"),
-        "stdlib": _stdlib_size(_runs("tiny-mesh", _spiral_variants(1, 2, 1, 2, 2)),
-                               "not yet timed: 4 runs × 4 rates × 333 steps, then 12-20 runs × 1000 steps of "
-                               "16 × 256 tokens at d = 128"),
+        "stdlib": _stdlib_size(_runs("tiny-mesh", _spiral_variants(1, 2, 1, 2, 2))),
         "paper": Size(_runs("spiralformer-b-160m", _spiral_variants(2, 4, 2, 4, 4)), seeds=3,
                       wall_time="Pythia-160M recipe; set data.source / data.tokenizer and train.max_steps to the "
                                 "paper's 250B tokens: about a week per run on one H100 at 40 % MFU (12 runs)"),
@@ -229,9 +242,8 @@ SGT = Study(
                         ("model.d_model=96", "model.n_heads=4", *_cpu_lm(800)), seeds=3,
                         wall_time="≈ 50 min on one thread (15 runs; ≈ 0.22 s per step measured before growth, "
                                   "+5-25 % once grown)"),
-        "stdlib": _stdlib_size(_runs("sgt-tiny-vanilla", _sgt_variants(125, 60)),
-                               "not yet timed: 5 runs × 4 rates × 333 steps, then 15-25 runs × 1000 steps of "
-                               "16 × 256 tokens at d = 128"),
+        # growth from step 50 every 40: every looped layer grown by step 130 (within the sweep's budget)
+        "stdlib": _stdlib_size(_runs("sgt-tiny-vanilla", _sgt_variants(50, 40))),
         "paper": Size(_runs("sgt-275m-vanilla", _sgt_variants(250, 250)), seeds=3,
                       wall_time="SGT 275M (Table 8; 5035 steps of 128 × 4096 tokens; set data.source / "
                                 "data.tokenizer): ≈ 4.3e19 FLOPs per run (Table 1), about 30 hours per run on one "
@@ -324,8 +336,7 @@ LT2 = Study(
         # the language-modelling runs on the unrepeated corpus; the state-tracking runs as by default
         "stdlib": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176, _cpu_stdlib(), _LT2_CPU_TASK),
                        seeds=3, max_seeds=5, sweep=STDLIB_SWEEP,
-                       wall_time="not yet timed: 13 runs × 4 rates × a third of their budget, then 39-65 runs "
-                                 "(the 7 LM runs at 1000 steps of 16 × 256 tokens, d = 128)"),
+                       wall_time=_stdlib_wall_time(7) + "; the 6 state-tracking runs add ≈ 30 min per seed"),
         "paper": Size(_lt2_runs("lt2-0.6b-transformer", 25, 4, [8, 16, 32, 64, 128, 256], 4888, (),
                                 ("model.d_model=256", "model.n_heads=4", "train.max_steps=100000")), seeds=3,
                       wall_time="0.6B, T = 4, 100B tokens per LM run (set data.source / data.tokenizer): ≈ 1.4e21 "
@@ -468,8 +479,7 @@ DEPTH = Study(
         "default": Size(_depth_runs("default"), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 75 min on one thread (24 runs of 600 steps; MoR rows not yet timed, Huginn's "
                                   "≈ 0.2 s per step for the fixed loops and ≈ 0.35 s for the drawn counts)"),
-        "stdlib": _stdlib_size(_depth_runs("default"), "not yet timed: 8 runs × 4 rates × 333 steps, then 24-40 runs "
-                                                       "× 1000 steps of 16 × 256 tokens at d = 128"),
+        "stdlib": _stdlib_size(_depth_runs("default")),
         "paper": Size(DEPTH_HUGINN["paper"], seeds=1,
                       wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
                                 "data.tokenizer and train.max_steps"),
@@ -736,9 +746,8 @@ SHARING = Study(
                         wall_time="≈ 80 min on one thread (18 runs of 600 steps; estimated from the mesh study's "
                                   "0.22 s per step at the same width and block passes, MoE steps taken as 1.5× "
                                   "slower: not timed)"),
-        "stdlib": _stdlib_size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, (4, 16), 512)),
-                               "not yet timed: 6 runs × 4 rates × 333 steps, then 18-30 runs × 1000 steps of "
-                               "16 × 256 tokens at d = 128 (the dense FFN 512 wide, experts 256)"),
+        # the dense FFN 512 wide, experts 256
+        "stdlib": _stdlib_size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, (4, 16), 512))),
     },
     metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True)),
     measure=measures.lm,
