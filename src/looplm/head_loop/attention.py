@@ -34,7 +34,7 @@ from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
 from looplm.modules.mlp import add_product
-from looplm.modules.rotary import apply_rotary_heads_last, swap_halves
+from looplm.modules.rotary import apply_rotary_heads_last, turn_back_
 
 
 @dataclasses.dataclass
@@ -102,41 +102,13 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
     return dataclasses.replace(weights, **stacked)
 
 
-def _turn_back_(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotation's transpose, the rotation by -θ, in place on g's first R channels:
-    g·cos - swap_halves(g)·sin (the others pass through); cos, sin broadcast against g."""
-    rot = g[..., : cos.shape[-1]]
-    swapped = swap_halves(rot)
-    rot.mul_(cos).addcmul_(swapped, sin, value=-1)
-    return g
-
-
-class _Rotation(torch.autograd.Function):
-    """RoFormer's rotation of x [B, T, N, D] (heads last) by the tables cos, sin [B, T, R]
-    (:func:`~looplm.modules.rotary.apply_rotary_heads_last`, its forward) with the
-    backward written as the rotation by -θ (:func:`_turn_back_`): four operators where
-    autograd's chain through the forward's three takes five. The tables take no gradient."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        ctx.dtype = x.dtype
-        return apply_rotary_heads_last(x, cos, sin)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        cos, sin = (t[:, :, None] for t in ctx.saved_tensors)  # [B, T, 1, R]
-        return _turn_back_(grad.to(torch.result_type(grad, cos), copy=True), cos, sin).to(ctx.dtype), None, None
-
-
 class _RotatedQKV(torch.autograd.Function):
     """q, k, v [B, T, n, D] of one projection qkv [B, T, 3, n, D] (its output's layout), q
     and k rotated by cos, sin [B, T, R] (one call,
     :func:`~looplm.modules.rotary.apply_rotary_heads_last`) and v a view. The backward
     stacks the three gradients into qkv's gradient at once and turns q's and k's back in
-    place (:func:`_turn_back_`): four operators where autograd's split, rotation and unbind
-    take seven. The tables take no gradient."""
+    place (:func:`~looplm.modules.rotary.turn_back_`): four operators where autograd's
+    split, rotation and unbind take seven. The tables take no gradient."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin):
@@ -152,7 +124,7 @@ class _RotatedQKV(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k, grad_v):
         cos, sin = (t[:, :, None] for t in ctx.saved_tensors)  # [B, T, 1, R]
         grad = torch.stack([grad_q, grad_k, grad_v], dim=2)  # [B, T, 3, n, D]
-        _turn_back_(grad[:, :, :2].flatten(2, 3), cos, sin)
+        turn_back_(grad[:, :, :2].flatten(2, 3), cos, sin)
         return grad.to(ctx.dtype), None, None
 
 
@@ -189,8 +161,8 @@ def head_subset_attention(
         m = weights.kv.shape[0] // (2 * D)
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
         k, v = F.linear(x, weights.kv, weights.kv_bias).view(B, T, 2, m, D).unbind(2)
-        rotate = apply_rotary_heads_last if _plain_rotation(ctx.rope) else _Rotation.apply
-        q, k, v = (t.transpose(1, 2) for t in (rotate(q, *ctx.rope), rotate(k, *ctx.rope), v))
+        q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
+                                               apply_rotary_heads_last(k, *ctx.rope), v))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
     y, new_state = attn.attend_rotated(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
     if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 class Rotary(nn.Module):
@@ -53,17 +54,56 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x2, x1], dim=-1)
 
 
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    x_rot = x if rot == x.shape[-1] else x[..., :rot]
+    out = torch.addcmul(x_rot * cos, swap_halves(x_rot), sin)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
+
+
+def turn_back_(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation's transpose, the rotation by -θ, in place on g's first R channels:
+    g·cos - swap_halves(g)·sin (the others pass through); cos, sin broadcast against g."""
+    rot = g[..., : cos.shape[-1]]
+    swapped = swap_halves(rot)
+    rot.mul_(cos).addcmul_(swapped, sin, value=-1)
+    return g
+
+
+class _Rotation(torch.autograd.Function):
+    """The rotation with its backward written as the rotation by -θ: three operators for
+    full rotary (g·cos - swap_halves(g)·sin), :func:`turn_back_` on a copy for partial,
+    where autograd's chain through the forward's three operators takes five. The tables
+    take no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _rotated(x, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        if cos.shape[-1] == grad.shape[-1]:
+            turned = torch.addcmul(grad * cos, swap_halves(grad), sin, value=-1)
+        else:
+            turned = turn_back_(grad.to(torch.result_type(grad, cos), copy=True), cos, sin)
+        return turned.to(ctx.dtype), None, None
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoFormer's rotation x·cos + rotate_half(x)·sin on the first R = cos.shape[-1]
     channels of x, written x·cos + [x₂ | x₁]·sin with the sign in :class:`Rotary`'s sin
     table; the tables already broadcast against x. Full rotary (R = D) skips the
-    pass-through concatenation: three operators for any number of heads."""
-    rot = cos.shape[-1]
-    if rot == 0:
+    pass-through concatenation: three operators for any number of heads, and three in the
+    backward (:class:`_Rotation`) when x takes a gradient and the tables do not."""
+    if cos.shape[-1] == 0:
         return x
-    x_rot = x if rot == x.shape[-1] else x[..., :rot]
-    out = torch.addcmul(x_rot * cos, swap_halves(x_rot), sin)
-    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
+    if torch.is_grad_enabled() and x.requires_grad and not (cos.requires_grad or sin.requires_grad):
+        return _Rotation.apply(x, cos, sin)
+    return _rotated(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
