@@ -899,11 +899,12 @@ def _distill_sizes() -> dict[str, Size]:
         "quick": Size(distillation.runs("tiny-lt2-transformer", ("model.layout=4R2", "model.topology={kind: base}"),
                                         8, 2, 2, lr=3e-3, stage1_lr=3e-3, stage2_lr=1e-3),
                       QUICK + ("data.seq_len=16",), seeds=3),
-        "default": Size(distillation.runs("tiny-lt2-transformer", teacher_model, 1000, 50, 200, lr=2e-3,
+        # the stdlib sizes' budget (400 steps of 16 × 256 tokens) for the teacher; the student a quarter
+        "default": Size(distillation.runs("tiny-lt2-transformer", teacher_model, STDLIB_STEPS, 20, 80, lr=2e-3,
                                           stage1_lr=3e-3, stage2_lr=1e-3),
                         (*_cpu_stdlib(), "train.eval_every=50"), seeds=3,
-                        wall_time="≈ 7 h on one thread (3 seeds × 2700 steps: teacher and scratch-teacher-budget "
-                                  "1000 each, scratch 250, stage 1 50, two stage-2 runs of 200; per step measured "
+                        wall_time="≈ 2.7 h on one thread (3 seeds × 1080 steps: teacher and scratch-teacher-budget "
+                                  "400 each, scratch 100, stage 1 20, two stage-2 runs of 80; per step measured "
                                   "over 5-15 steps of each row on the shared 2-core machine: teacher 2.7 s, hybrid "
                                   "2.2-3.7 s, stage 1 1.7 s, stage 2 2.6-3.6 s; evaluations every 50 steps ≈ 10 % "
                                   "more)"),
@@ -941,10 +942,10 @@ DISTILL = Study(
     notes=distillation.notes,
     deviations=(
         "The teacher is trained here (4 LLaMA blocks looped 3 times, 4R3, base topology like Ouro's, d = 128, "
-        "1000 steps of 16 × 256 tokens: 4.1 M tokens) and stands in for Ouro-1.4B; the student's budget is a "
-        "quarter of it (stage 1: 50 steps, stage 2: 200 steps, 1.0 M tokens), the paper's 0.7 B against "
+        "400 steps of 16 × 256 tokens: 1.6 M tokens) and stands in for Ouro-1.4B; the student's budget is a "
+        "quarter of it (stage 1: 20 steps, stage 2: 80 steps, 0.4 M tokens), the paper's 0.7 B against "
         "Ouro's pretraining. The student's tokens leave the teacher's out (a sunk cost, as Ouro's are in LT2).",
-        "Corpus: the Python standard library in bpe:8192, single epoch (the teacher reads 4.1 M of the 8.2 M "
+        "Corpus: the Python standard library in bpe:8192, single epoch (the teacher reads 1.6 M of the 8.2 M "
         "training tokens). The earlier one-seed run on pydoc bytes (docs/results/distill) trained 2-4 epochs "
         "of a 465 KB corpus that every model learns within 900 steps (teacher 1.211, distilled 1.215, hybrid "
         "from scratch 1.216): a repeated corpus cannot show a token saving.",
