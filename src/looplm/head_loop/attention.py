@@ -34,7 +34,7 @@ from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
 from looplm.modules.mlp import add_product
-from looplm.modules.rotary import apply_rotary_heads_last, turn_back_
+from looplm.modules.rotary import apply_rotary_heads_last, hand_written_backward, turn_back_
 
 
 @dataclasses.dataclass
@@ -128,12 +128,6 @@ class _RotatedQKV(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None
 
 
-def _plain_rotation(rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Whether the rotations run through autograd's own chain: with no rotary channels, or
-    tables that want a gradient (never from :class:`~looplm.modules.rotary.Rotary`)."""
-    return rope[0].shape[-1] == 0 or (torch.is_grad_enabled() and any(t.requires_grad for t in rope))
-
-
 def head_subset_attention(
     attn: SoftmaxAttention, x: torch.Tensor, ctx: MixerContext, loop: GrownLoop,
     weights: Optional[PassWeights] = None, state: Optional[KVState] = None,
@@ -150,7 +144,7 @@ def head_subset_attention(
 
     if weights.qkv is not None:  # MHA: [B, T, 3, n, D]; q and k rotated together, before the head transpose
         qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, 3, n, D)
-        if _plain_rotation(ctx.rope):
+        if not hand_written_backward(*ctx.rope):
             qk, v = qkv.split([2, 1], dim=2)
             q, k = apply_rotary_heads_last(qk.flatten(2, 3), *ctx.rope).view(B, T, 2, n, D).unbind(2)
             v = v.squeeze(2)

@@ -151,9 +151,7 @@ class HeadLoopBlock(GrownBlock):
         return head_subset_attention(mixer, self.attn_norm(x), ctx, self.head_loop, weights, state, residual=x)
 
     def _last(self, x):
-        if self.ffn_adds_residual:  # the FFN reads H^(K_l) (Alg. 1 line 13)
-            return self.ffn(self.ffn_norm(x), residual=x)
-        return x + self.ffn(self.ffn_norm(x))
+        return self._ffn_sublayer(x, self.ffn, None)  # the FFN reads H^(K_l) (Alg. 1 line 13)
 
     def flop_cost(self, call: Call) -> Cost:
         """The block plus K_l passes of norm -> S's slice of the attention -> residual (Eq. 6)

@@ -114,10 +114,13 @@ class Block(nn.Module):
         mixed = self.attn_out_norm(mixed)
         if self.parallel_residual:
             return x + mixed + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
-        x = x + mixed
-        if self.ffn_adds_residual:  # the dense FFN adds x in its down projection
-            return ffn(self.ffn_norm(x), ctx, residual=x), state
-        return x + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx)), state
+        return self._ffn_sublayer(x + mixed, ffn, ctx), state
+
+    def _ffn_sublayer(self, x: torch.Tensor, ffn: nn.Module, ctx: Optional[MixerContext]) -> torch.Tensor:
+        """x + out_norm(FFN(norm(x))); a dense FFN adds x in its down projection (one GEMM)."""
+        if self.ffn_adds_residual:
+            return ffn(self.ffn_norm(x), ctx, residual=x)
+        return x + self.ffn_out_norm(ffn(self.ffn_norm(x), ctx))
 
     def sublayer_costs(self, call: Call) -> tuple[Cost, Cost]:
         """norm -> mixer (this iteration's view) -> output norm -> residual, and norm -> FFN ->

@@ -93,6 +93,13 @@ class _Rotation(torch.autograd.Function):
         return turned.to(ctx.dtype), None, None
 
 
+def hand_written_backward(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether a rotation by these tables takes the backward written as the rotation by -θ
+    (:class:`_Rotation`, head looping's ``_RotatedQKV``): it has rotary channels and the
+    tables want no gradient (never those of :class:`Rotary`)."""
+    return cos.shape[-1] > 0 and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoFormer's rotation x·cos + rotate_half(x)·sin on the first R = cos.shape[-1]
     channels of x, written x·cos + [x₂ | x₁]·sin with the sign in :class:`Rotary`'s sin
@@ -101,7 +108,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     backward (:class:`_Rotation`) when x takes a gradient and the tables do not."""
     if cos.shape[-1] == 0:
         return x
-    if torch.is_grad_enabled() and x.requires_grad and not (cos.requires_grad or sin.requires_grad):
+    if torch.is_grad_enabled() and x.requires_grad and hand_written_backward(cos, sin):
         return _Rotation.apply(x, cos, sin)
     return _rotated(x, cos, sin)
 
