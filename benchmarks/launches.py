@@ -155,6 +155,7 @@ def cuda_report(dtype: str, compile: bool) -> str:
     for label, (preset, target) in DECODE.items():
         kernels, launches = cuda_decode_counts(preset, dtype, compile)
         lines.append(f"| {label} | `{preset}` | {kernels:.1f} | {launches:.1f} | ≤ {target} |")
+        print(f"[launches] {lines[-1]}", file=sys.stderr, flush=True)  # a run cut at its deadline keeps its rows
     return "\n".join(lines) + "\n"
 
 
