@@ -2,11 +2,13 @@
 
 One run times, at batch 1 and batch 8, greedy generation of ``--new-tokens`` tokens after a
 ``--prompt-len`` prompt by the same 12-layer, d_model 1024 LLaMA-shaped model (RMSNorm,
-SwiGLU, rotary, no loop, untied head; random weights from a fixed seed) four ways:
+SwiGLU, rotary, no loop, untied head; random weights from a fixed seed) five ways:
 
 * ``looplm eager``: ``LoopLM.generate``;
 * ``looplm compiled``: ``LoopLM.generate(..., compile=True)``, the captured static-cache
   decode step (skipped, and said so, where this looplm's ``generate`` has no ``compile``);
+* ``looplm CUDA graph``: ``LoopLM.generate(..., compile="cuda-graph")``, the eager step on the
+  static cache recorded as a CUDA graph (no torch.compile; on a CPU the static step, eager);
 * ``transformers eager``: ``LlamaForCausalLM.generate`` with its default dynamic cache;
 * ``transformers static + compile``: the same with ``cache_implementation="static"``, which
   makes transformers' ``generate`` compile the decoding forward itself (its ``CompileConfig``
@@ -47,7 +49,8 @@ from typing import Callable, Optional
 
 import torch
 
-SYSTEMS = ("looplm eager", "looplm compiled", "transformers eager", "transformers static + compile")
+SYSTEMS = ("looplm eager", "looplm compiled", "looplm CUDA graph", "transformers eager",
+           "transformers static + compile")
 BASELINE = "transformers eager"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -111,6 +114,7 @@ def generators(model, hf, args: argparse.Namespace) -> dict[str, Optional[Callab
     return {
         "looplm eager": looplm(),
         "looplm compiled": looplm(compile=True) if has_compile else None,
+        "looplm CUDA graph": looplm(compile="cuda-graph") if has_compile else None,
         "transformers eager": transformers(disable_compile=True),
         "transformers static + compile": transformers(cache_implementation="static", compile_config=compile_config),
     }

@@ -21,7 +21,8 @@ Measured per model and context S, batch B:
   attention's reads all S keys per step; DSA scores the indexer's one small key per
   position and then reads only its top-k keys and values;
 * decode, ``--decode-via generate`` (implied by ``--compile``, which passes
-  ``compile=True``: the captured decode step): greedy ``model.generate`` of 1 and of
+  ``compile=True``: the captured decode step; ``--compile cuda-graph`` passes
+  ``compile="cuda-graph"``: the eager step recorded as CUDA graphs): greedy ``model.generate`` of 1 and of
   1 + ``--new`` tokens; prefill tokens/s = B·S / the first call's time, decode tokens/s =
   B·new / the difference (the decode steps alone, ``generate``'s own per-token work
   included);
@@ -190,7 +191,7 @@ def through_generate(model, prompt: torch.Tensor, job: dict) -> dict:
     the job compiles), both calls run once untimed first: prefill from the first call, decode
     from the difference."""
     device, clock = job["device"], _clock(job)
-    options = {"compile": True} if job["compile"] else {}
+    options = {"compile": job["compile"]} if job["compile"] else {}
     generate = functools.partial(model.generate, temperature=0.0, **options)
 
     def seconds(new_tokens: int) -> float:
@@ -344,7 +345,7 @@ def method_line(args: argparse.Namespace) -> str:
     precision = ("bf16 (parameters cast with `model.to(torch.bfloat16)`, no autocast)" if args.dtype == "bf16"
                  else "fp32")
     if args.decode_via == "generate":
-        how = (f"decode through greedy `model.generate`{' with `compile=True`' if args.compile else ''}: "
+        how = (f"decode through greedy `model.generate`{f' with `compile={args.compile!r}`' if args.compile else ''}: "
                f"1 and 1 + {args.new} tokens, decode tokens/s from the difference; warm-up: both calls once, untimed")
     else:
         how = (f"decode through the cache API: {args.new} single-token steps, tokens/s from the median step; "
@@ -398,8 +399,9 @@ def render(args: argparse.Namespace, results: dict, header: list[str]) -> str:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """benchmarks/results/long-context[-SHAPE][-compiled]-DEVICE.md (the tiny shape unnamed)."""
-    parts = ["long-context"] + ([args.shape] if args.shape != "tiny" else []) + (["compiled"] if args.compile else [])
+    """benchmarks/results/long-context[-SHAPE][-compiled|-cuda-graph]-DEVICE.md (the tiny shape unnamed)."""
+    how = {True: ["compiled"], "cuda-graph": ["cuda-graph"]}.get(args.compile, [])
+    parts = ["long-context"] + ([args.shape] if args.shape != "tiny" else []) + how
     return Path("benchmarks/results") / ("-".join(parts + [args.device.split(":")[0]]) + ".md")
 
 
@@ -422,8 +424,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=None, help=f"tiny shape only (default {TINY_WIDTH['heads']})")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="bf16 casts the model's parameters (default bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--compile", action="store_true",
-                        help="decode through model.generate(..., compile=True), the captured decode step")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["cuda-graph"],
+                        help="decode through model.generate(..., compile=True), the captured decode step; "
+                             "--compile cuda-graph: compile='cuda-graph', the eager step recorded as CUDA graphs")
     parser.add_argument("--decode-via", choices=("cache", "generate"), default=None,
                         help="time decode steps through the cache API or through model.generate "
                              "(default: generate with --compile, else cache)")
@@ -435,7 +438,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also report where this model's decode step spends its time at the longest context")
     parser.add_argument("--note", default=None, help="a paragraph added to the results (e.g. the machine's load)")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/long-context[-SHAPE]"
-                                                    "[-compiled]-DEVICE.md)")
+                                                    "[-compiled|-cuda-graph]-DEVICE.md)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:

@@ -76,6 +76,10 @@ def test_train_eval_generate_resume_through_the_cli(tmp_path, capsys):
     assert greedy.startswith("def ")
     assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == greedy
+    # the eager step on the static cache (recorded as CUDA graphs on a GPU) decodes the same text
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0",
+                 "--compile", "cuda-graph"]) == 0
+    assert capsys.readouterr().out == greedy
     if shutil.which("g++") or shutil.which("c++"):  # inductor's CPU backend compiles C++
         # the captured static-cache step (torch.compile's default backend) decodes the same text
         assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0",

@@ -268,7 +268,7 @@ def test_compile_argument_is_checked_before_any_work():
     from looplm.config_base import ConfigError
 
     model = _model("tiny-dense")
-    with pytest.raises(ConfigError, match="compile='yes' is invalid: True, False or a dict"):
+    with pytest.raises(ConfigError, match="compile='yes' is invalid: True, False, a dict of torch.compile options or 'cuda-graph'"):
         model.generate([[1, 2]], max_new_tokens=2, compile="yes")
 
 

@@ -245,6 +245,16 @@ class StaticLoopCache(LoopCache):
         for chunk in self.chunks.values():
             chunk.closing = chunk.resolution.closing(length)
 
+    def recount(self, length: int) -> None:
+        """Set the host count to ``length`` positions (a recorded CUDA graph ran the step's
+        Python, which counted, but none of its kernels)."""
+        self._move_to(length)
+
+    def phase(self) -> tuple:
+        """The host-side phase of the next position: each multi-resolution iteration's
+        ``closing`` (empty without such iterations). A captured step is one graph per phase."""
+        return tuple(chunk.closing for chunk in self.chunks.values())
+
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer a decoding step reads or writes (to mark as static addresses for
         CUDA graphs)."""

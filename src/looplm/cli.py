@@ -6,7 +6,7 @@ probe, flops, ladder, study, config, presets.
     looplm eval RUN_OR_CHECKPOINT [key=value ...] [--corpus NAME=PATH ...] [--stride S] [--json] [--no-verify]
     looplm lm-eval RUN_OR_CHECKPOINT --tasks TASK ... | --suite {mesh,spiralformer,sgt,lt2} [--batch-size B] [--include-path DIR] ...
     looplm niah RUN_OR_CHECKPOINT [--lengths N ...] [--depths PCT ...] [--samples N] [--haystack repeat|essay:PATH] [--out DIR]
-    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--compile] [--no-verify]
+    looplm generate RUN_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] ... [--compile [cuda-graph]] [--no-verify]
     looplm export RUN_OR_CHECKPOINT OUT [--iterations T] [--tokenizer SPEC] [--no-verify]
     looplm import HF_DIR OUT [--tokenizer SPEC]
     looplm convert HF_DIR OUT --layout P+CRT+Q --init {average,select,stepwise} [--lora-rank R] [model.key=value ...]
@@ -535,8 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_TOP_P, default=None)
     _loop_options(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action="store_true",
-                   help="decode through one captured step over a static cache (CUDA graphs on a GPU)")
+    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["cuda-graph"],
+                   help="decode through one captured step over a static cache (torch.compile; CUDA graphs on a "
+                        "GPU); --compile cuda-graph records the eager step as CUDA graphs instead (no torch.compile)")
     p.add_argument("--exit", type=_exit_spec, default=None, metavar="CRITERION:THRESHOLD",
                    help="decode with a zero-shot adaptive exit (kl:5e-4, entropy:NATS); logs the block passes per token")
     p.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)

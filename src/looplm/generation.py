@@ -231,7 +231,7 @@ def generate(
     pad_token_id: int = 0,
     iterations: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
-    compile: Union[bool, dict] = False,
+    compile: Union[bool, dict, str] = False,
 ) -> GenerationOutput:
     """Continue each prompt by up to ``max_new_tokens`` tokens of ``model`` (a
     :class:`~looplm.model.LoopLM`; this is its ``generate`` method) through the decoding cache.
@@ -262,6 +262,12 @@ def generate(
     A cache with no static form decodes eagerly instead, and the reason is logged. The
     prompt's prefill always runs eagerly.
 
+    ``compile="cuda-graph"``: no torch.compile; the eager decoding step on the static cache
+    is recorded as a CUDA graph and replayed (:class:`_GraphedStep`). Recording costs one
+    step whatever the loop's depth (torch.compile traces every block pass of every iteration),
+    and flash-linear-attention's kernels, which torch.compile does not trace, run inside the
+    graph. On a CPU the static step runs eagerly (logged).
+
     Host syncs: none per token for greedy decoding; with ``stop_tokens``, one read every
     ``STOP_CHECK_EVERY`` tokens of whether every row has stopped.
     """
@@ -269,8 +275,8 @@ def generate(
     _check_options(max_new_tokens, temperature, top_k, top_p, pad_token_id, cfg.vocab_size)
     if do_sample is not None and not isinstance(do_sample, bool):
         raise _invalid("do_sample", do_sample, "None, True or False")
-    if compile is not None and not isinstance(compile, (bool, dict)):
-        raise _invalid("compile", compile, "True, False or a dict of torch.compile options")
+    if compile is not None and not isinstance(compile, (bool, dict)) and compile != CUDA_GRAPH:
+        raise _invalid("compile", compile, f"True, False, a dict of torch.compile options or {CUDA_GRAPH!r}")
     capture = compile is not None and compile is not False  # {} too: torch.compile's defaults
     stops = _stop_ids(stop_tokens, cfg.vocab_size)
     device = next(model.parameters()).device
@@ -306,7 +312,7 @@ def generate(
                 # generation's, and nothing is added up per token
                 adds_up = spent is not None and model.cfg.halting.adaptive
                 step_fn, cache = _decoder(model, cache, ids.shape[1] + max_new_tokens,
-                                          (compile if isinstance(compile, dict) else {}) if capture else None)
+                                          (compile if isinstance(compile, (dict, str)) else {}) if capture else None)
                 ones = torch.ones(B, 1, dtype=torch.long, device=device)
                 for step in range(max_new_tokens):
                     token = next_token(
@@ -361,9 +367,14 @@ class _Passes:
     catch_up_passes: Optional[torch.Tensor]
 
 
-def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optional[dict]):
+#: ``generate(compile=CUDA_GRAPH)``: record the eager decoding step as CUDA graphs (no torch.compile)
+CUDA_GRAPH = "cuda-graph"
+
+
+def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Union[None, dict, str]):
     """The decoding step and the cache it runs on: eager on the growing cache (``options``
-    None), or captured with ``torch.compile(**options)`` on a static copy of it
+    None), or captured with ``torch.compile(**options)`` (``options`` == CUDA_GRAPH: recorded
+    as CUDA graphs, :class:`_GraphedStep`) on a static copy of it
     (:meth:`LoopCache.static`) sized for ``capacity`` positions, rounded up to a multiple of
     ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. A cache with no
     static form, or a step that cannot be captured, decodes eagerly, with the reason logged; one
@@ -389,6 +400,13 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optiona
             return out
 
         return deferred, cache
+    if options == CUDA_GRAPH:
+        runtime = _graph_runtime(static.valid.device)
+        if runtime is None:
+            logger.warning("generate(compile=%r) decodes eagerly on the static cache: CUDA graphs need a CUDA "
+                           "device, the model is on %s", CUDA_GRAPH, static.valid.device.type)
+            return _decode_step, static  # the eager step counts on the host itself
+        return _GraphedStep(runtime), static
     options = dict(options)
     if static.valid.device.type == "cuda":
         options.setdefault("mode", "reduce-overhead")  # CUDA graphs: one replay per token
@@ -418,6 +436,72 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optiona
         return out
 
     return step, static
+
+
+def _graph_runtime(device: torch.device):
+    """What records and replays CUDA graphs on ``device`` (``torch.cuda``), or None."""
+    return torch.cuda if device.type == "cuda" else None
+
+
+class _GraphedStep:
+    """The eager decoding step on a static cache, recorded as CUDA graphs and replayed, one
+    graph per (loop count, host-side phase) — one phase unless multi-resolution iterations
+    (:meth:`~looplm.cache.StaticLoopCache.phase`) — in one shared memory pool.
+
+    A phase's first step runs eagerly on a side stream (it warms up what must not happen while
+    recording: cuBLAS workspaces, Triton's autotuning, lazily built weights); its second is
+    recorded, then replayed. Recording runs the step's Python but none of its kernels, so the
+    host count is set back and the graph replayed at once. Every later step of the phase copies
+    its token into the graph's input and replays: one launch per token. A step that cannot be
+    recorded (a host sync in it, say) decodes eagerly from then on, with the reason logged.
+    The logits returned are the graph's output buffer, rewritten by the next replay."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime  # torch.cuda (the tests give a CPU stand-in with its semantics)
+        self.graphs: dict = {}  # (iterations, phase) -> (graph, token buffer, step output)
+        self.warm: set = set()
+        self.pool = None
+        self.failed = False
+
+    def __call__(self, model, token, cache, iterations):
+        key = (iterations, cache.phase())
+        if self.failed or key not in self.warm:
+            self.warm.add(key)
+            return self._eager(model, token, cache, iterations)
+        if key not in self.graphs and not self._record(key, model, token, cache, iterations):
+            return self._eager(model, token, cache, iterations)
+        graph, buffer, out = self.graphs[key]
+        buffer.copy_(token)
+        graph.replay()
+        cache.advance(1)
+        return out
+
+    def _eager(self, model, token, cache, iterations):
+        cuda = self.runtime
+        side = cuda.Stream()
+        side.wait_stream(cuda.current_stream())
+        with cuda.stream(side):
+            out = _decode_step(model, token, cache, iterations)
+        cuda.current_stream().wait_stream(side)
+        return out
+
+    def _record(self, key, model, token, cache, iterations) -> bool:
+        cuda = self.runtime
+        before = cache.get_seq_length()
+        self.pool = self.pool if self.pool is not None else cuda.graph_pool_handle()
+        graph, buffer = cuda.CUDAGraph(), token.clone()
+        try:
+            with cuda.graph(graph, pool=self.pool):
+                out = _decode_step(model, buffer, cache, iterations)
+        except RuntimeError as error:  # e.g. "operation not permitted when stream is capturing"
+            self.failed = True
+            logger.warning("generate(compile=%r) could not record the decoding step (%s); decoding eagerly on "
+                           "the static cache", CUDA_GRAPH, " ".join(str(error).split())[:300])
+            return False
+        finally:
+            cache.recount(before)  # the recording ran the Python, not the kernels
+        self.graphs[key] = (graph, buffer, out)
+        return True
 
 
 #: a static cache's capacity is rounded up to a multiple of this many positions

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -31,7 +31,7 @@ def generate_text(
     seed: int = 0,
     step_embeddings: bool = True,
     verify: bool = True,
-    compile: bool = False,
+    compile: Union[bool, str] = False,
     exit: Optional[ExitSpec] = None,
 ) -> str:
     """Prompt plus continuation, decoded with the run's tokenizer (``compile``: through the
