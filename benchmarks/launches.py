@@ -22,7 +22,7 @@ graph), per decoded token per block pass — ``--compile`` also decodes through 
 captured step.
 
     python benchmarks/launches.py [--out benchmarks/results/launches-cpu.md]
-    python benchmarks/launches.py --device cuda [--compile] --out benchmarks/results/launches-cuda.md
+    python benchmarks/launches.py --device cuda [--compile [cuda-graph]] --out benchmarks/results/launches-cuda.md
 """
 
 from __future__ import annotations
@@ -93,10 +93,11 @@ def profiled(fn) -> tuple[int, int]:
     return device, launches
 
 
-def cuda_decode_counts(preset: str, dtype: str, compile: bool) -> tuple[float, float]:
-    """(device kernels, launch calls) per decoded token per block pass on the GPU."""
+def cuda_decode_counts(preset: str, dtype: str, compile) -> tuple[float, float]:
+    """(device kernels, launch calls) per decoded token per block pass on the GPU (``compile``:
+    False, True or "cuda-graph", as ``generate`` takes it)."""
     model, ids = decode_model(preset, "cuda", dtype)
-    options = {"compile": True} if compile else {}
+    options = {"compile": compile} if compile else {}
     for n in (1, 17):  # warm-up: Triton autotuning, compilation, CUDA graph capture
         model.generate(ids, max_new_tokens=n, temperature=0, **options)
     one = profiled(lambda: model.generate(ids, max_new_tokens=1, temperature=0, **options))
@@ -143,10 +144,12 @@ def report() -> str:
     return "\n".join(lines) + "\n"
 
 
-def cuda_report(dtype: str, compile: bool) -> str:
+def cuda_report(dtype: str, compile) -> str:
     name = torch.cuda.get_device_name()
-    command = f"python benchmarks/launches.py --device cuda --dtype {dtype}" + (" --compile" if compile else "")
-    lines = [f"# Launch counts ({name}, {dtype}, {'compiled decode step' if compile else 'eager'})", "",
+    flag = {False: "", True: " --compile", "cuda-graph": " --compile cuda-graph"}[compile]
+    how = {False: "eager", True: "compiled decode step", "cuda-graph": "eager step recorded as CUDA graphs"}[compile]
+    command = f"python benchmarks/launches.py --device cuda --dtype {dtype}{flag}"
+    lines = [f"# Launch counts ({name}, {dtype}, {how})", "",
              f"Written by `{command}`; torch {torch.__version__}. `torch.profiler` over generate(17) minus "
              "generate(1) after one untimed warm-up of each: kernels and copies the GPU ran, and the "
              "host's launch calls, per decoded token per block pass.", "",
@@ -165,7 +168,9 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu: dispatched operators (default); cuda: profiled GPU kernels and launches")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="parameters' dtype on CUDA")
-    parser.add_argument("--compile", action="store_true", help="on CUDA: decode through the captured step")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["cuda-graph"],
+                        help="on CUDA: decode through the captured step (cuda-graph: the eager step recorded as "
+                             "CUDA graphs)")
     return parser.parse_args(argv)
 
 

@@ -148,9 +148,10 @@ def test_graphed_generate_equals_eager_and_replays_one_graph(preset, stand_in):
 
 
 @pytest.mark.parametrize("preset", SPIRAL)
-def test_graphed_spiralformer_records_a_graph_per_phase(preset, stand_in):
+@pytest.mark.parametrize("prompt", [9, 3])  # 3: before the coarsest iteration's first chunk (eager until then)
+def test_graphed_spiralformer_records_a_graph_per_phase(preset, prompt, stand_in):
     model = _model(preset)
-    prompts = _prompts(model.cfg.vocab_size, lengths=(9, 9))  # multi-resolution refuses padding
+    prompts = _prompts(model.cfg.vocab_size, lengths=(prompt, prompt))  # multi-resolution refuses padding
     eager = model.generate(prompts, max_new_tokens=40, temperature=0)
     graphed = model.generate(prompts, max_new_tokens=40, temperature=0, compile="cuda-graph")
     assert torch.equal(graphed.sequences, eager.sequences)
