@@ -23,7 +23,13 @@ query, so the live memory is O(block·S·(H + H^I)); in training each block is r
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
 T × S scores and probabilities of every head. Decoding (T = 1, :func:`decode_step`) is
 O(S·H^I·d^I) in the indexer only; the main attention gathers and reads the k selected
-key/value rows (37 dispatched operators per layer and token).
+key/value rows (one SDPA call over them).
+
+Queries at positions t < top_k have at most top_k candidates, so they select every one and
+DSA is plain causal attention there (:func:`dense_attention`, one SDPA call: flash
+attention on CUDA): no index scores, no top-k, no gathers outside training (where the
+indexer's dense warm-up loss, Eq. (2), still scores them). At LT2 0.6B's top_k = 2048 a
+prefill of up to 2048 tokens is all dense.
 
 Memory of the main attention over the selected keys: the PyTorch reference gathers each
 block's selected rows, [B, H_kv, block, k, D] keys and values, and in training takes a
@@ -136,9 +142,9 @@ def dsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_index: torch.Tensor,
+    q_index: Optional[torch.Tensor],
     k_index: torch.Tensor,
-    w_index: torch.Tensor,
+    w_index: Optional[torch.Tensor],
     valid: Optional[torch.Tensor],
     *,
     top_k: int,
@@ -152,8 +158,9 @@ def dsa_attention(
     among the real keys at or before it (a padding query sees only itself).
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
-    q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding), or None when every position is real. ``index_loss``: also
+    q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I] (q_index and
+    w_index may be None when no query is past top_k and there is no loss: nothing reads
+    them); valid: bool [B, S] (False: left padding), or None when every position is real. ``index_loss``: also
     return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
     Returns (o [B, H_kv, G, T, D], loss).
 
@@ -216,8 +223,6 @@ def dense_attention(
     Returns o [B, H_kv, G, Q, D_v] in v's dtype."""
     B, Hkv, G, Q, D = q.shape
     S = k.shape[2]
-    if Q == 0:
-        return q.new_zeros(B, Hkv, G, 0, v.shape[-1], dtype=v.dtype)
     mask = None
     if valid is not None:
         mask = _candidates(valid, S - Q, Q)[0][:, None]  # [B, 1, Q, S]
