@@ -242,12 +242,10 @@ class DeepSeekSparseAttention(nn.Module):
         scored = self.training or length > self.top_k
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
         q_index, k_index, w_index = self.indexer.project(x.detach(), queries=scored)  # detached: own loss only
-        parts = [qkv[:, :H], qkv[:, H:H + Hkv], k_index] if q_index is None else \
-            [qkv[:, :H], qkv[:, H:H + Hkv], q_index, k_index]
-        q, k, *index = rotate_together(parts, *ctx.rope)
-        q_index, k_index = (None, index[0]) if q_index is None else index
-        q_index = None if q_index is None else q_index.transpose(1, 2)  # [B, T, H^I, d^I]
-        k_index, v = k_index[:, 0], qkv[:, H + Hkv:]  # [B, T, d^I]
+        index = [k_index] if q_index is None else [q_index, k_index]
+        q, k, *index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], *index], *ctx.rope)
+        q_index = index[0].transpose(1, 2) if scored else None  # [B, T, H^I, d^I]
+        k_index, v = index[-1][:, 0], qkv[:, H + Hkv:]  # [B, T, d^I]
         q = q.reshape(B, Hkv, H // Hkv, T, D)
         if static:
             o, new_state = self._attend_static(q, k, v, q_index, k_index, w_index, ctx, state, length), state
