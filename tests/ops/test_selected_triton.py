@@ -88,17 +88,20 @@ def test_selected_attention_in_bfloat16_is_close_to_the_float32_reference():
 
 
 @runs_kernels
-@pytest.mark.parametrize("index_loss,padded,block", [(False, True, 256), (True, True, 5), (True, False, 256)])
-def test_dsa_attention_kernel_equals_the_reference(index_loss, padded, block):
+@pytest.mark.parametrize("index_loss,padded,block,top_k", [(False, True, 256, 5), (True, True, 5, 5),
+                                                          (True, False, 256, 5), (False, True, 256, 12),
+                                                          (True, True, 3, 12)])
+def test_dsa_attention_kernel_equals_the_reference(index_loss, padded, block, top_k):
     """Output, indexer loss and the gradients of all six inputs, with the kernel and with the
-    PyTorch reference (gathered keys in evaluation, dense masked attention in training)."""
+    PyTorch reference (gathered keys in evaluation, dense masked attention in training);
+    top_k 12 puts the first 4 of the 13 queries (positions 8-11) on the dense SDPA path."""
     g = torch.Generator().manual_seed(5)
     B, T, S, Hkv, G, D, HI, DI = 2, 13, 21, 2, 2, 8, 3, 8
     shapes = ((B, Hkv, G, T, D), (B, Hkv, S, D), (B, Hkv, S, D), (B, T, HI, DI), (B, S, DI), (B, T, HI))
     inputs = [torch.randn(*shape, generator=g).to(DEVICE).requires_grad_(True) for shape in shapes]
     valid = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     valid[0, :6] = False
-    args = dict(top_k=5, scale=0.3, index_loss=index_loss, block=block)
+    args = dict(top_k=top_k, scale=0.3, index_loss=index_loss, block=block)
     results = {}
     for kernel in ("torch", "triton"):
         o, loss = dsa_attention(*inputs, valid if padded else None, kernel=kernel, **args)
@@ -112,6 +115,23 @@ def test_dsa_attention_kernel_equals_the_reference(index_loss, padded, block):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, **TOL)
+
+
+@runs_kernels
+def test_dsa_prefill_through_the_kernel_allocates_nothing_of_size_t_k_d():
+    """A prefill past top_k through the kernel allocates at most a block's index products
+    [B, block, H^I, S] and the queries' output: never the B·H_kv·T·k·D of gathered rows
+    (here 16 times the largest allocation)."""
+    from tests.ops.test_dsa import LargestAllocation
+
+    g = torch.Generator().manual_seed(2)
+    B, T, Hkv, G, D, HI, DI, top_k, block = 1, 128, 2, 2, 16, 2, 8, 32, 16
+    shapes = ((B, Hkv, G, T, D), (B, Hkv, T, D), (B, Hkv, T, D), (B, T, HI, DI), (B, T, DI), (B, T, HI))
+    inputs = [torch.randn(*shape, generator=g).to(DEVICE) for shape in shapes]
+    with torch.no_grad(), LargestAllocation() as mode:
+        dsa_attention(*inputs, None, top_k=top_k, scale=0.25, block=block, kernel="triton")
+    assert mode.largest <= max(B * block * HI * T, B * Hkv * G * T * D), (mode.largest, mode.op)
+    assert 16 * mode.largest <= B * Hkv * T * top_k * D
 
 
 @runs_kernels

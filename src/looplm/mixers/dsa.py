@@ -24,6 +24,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
@@ -168,11 +169,17 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim)
         self.w_proj = nn.Linear(dim, heads, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> (q^I [B, H^I, T, d^I], k^I [B, 1, T, d^I], both not yet rotated, w [B, T, H^I])."""
+    def project(
+        self, x: torch.Tensor, queries: bool = True
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+        """x: [B, T, d] -> (q^I [B, H^I, T, d^I], k^I [B, 1, T, d^I], both not yet rotated, w [B, T, H^I]).
+        ``queries`` False: only the index key (q^I and w are None), for positions whose
+        top-k is every candidate: the cache needs their index keys, nothing their scores."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x))[:, None]
+        if not queries:
+            return None, k, None
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         return q, k, self.w_proj(x) * self.heads**-0.5
 
     def forward(
@@ -189,13 +196,14 @@ def rotate_together(tensors: list[torch.Tensor], cos: torch.Tensor, sin: torch.T
     D_i >= R; cos, sin [B, T, R]) as one application to all their first R channels,
     concatenated: elementwise, so the same numbers, in 1 + n operators plus one rotation
     instead of n rotations (a decoding step of DSA rotates its queries, keys, index queries
-    and index key). Each result is a contiguous [B, N_i, T, D_i]."""
+    and index key); a tensor rotated whole (D_i = R) needs no concatenation back. Each
+    result is a contiguous [B, N_i, T, D_i]."""
     R = cos.shape[-1]
     if R == 0:
         return list(tensors)
     rotated = apply_rotary(torch.cat([t[..., :R] for t in tensors], dim=1), cos, sin)  # [B, ΣN_i, T, R]
-    parts = rotated.split([t.shape[1] for t in tensors], dim=1)
-    return [torch.cat([r, t[..., R:]], dim=-1) for r, t in zip(parts, tensors)]
+    parts = rotated.split([t.shape[1] for t in tensors], dim=1)  # contiguous: split along dim 1
+    return [r if t.shape[-1] == R else torch.cat([r, t[..., R:]], dim=-1) for r, t in zip(parts, tensors)]
 
 
 class DeepSeekSparseAttention(nn.Module):
@@ -224,13 +232,23 @@ class DeepSeekSparseAttention(nn.Module):
         B, T, _ = x.shape
         log_backend("dsa", "triton" if T > 1 and use_selected_kernel(x, self.kernel) else "torch")
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        static = isinstance(state, StaticDSAState)
+        if static:  # the rows a query may read: the whole buffer for a decoding step
+            length = state.keys.shape[2] if T == 1 else int(ctx.slots[-1]) + 1  # a chunk runs eagerly
+        else:
+            length = T + (0 if state is None else state.keys.shape[2])
+        # a query at position t < top_k selects every candidate: no index scores, unless a
+        # later query selects or the indexer loss (training) needs them
+        scored = self.training or length > self.top_k
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2 H_kv, T, D]
-        q_index, k_index, w_index = self.indexer.project(x.detach())  # detached: trained by its own loss
-        q, k, q_index, k_index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], q_index, k_index], *ctx.rope)
-        q_index, k_index, v = q_index.transpose(1, 2), k_index[:, 0], qkv[:, H + Hkv:]  # [B, T, H^I, d^I], [B, T, d^I]
+        q_index, k_index, w_index = self.indexer.project(x.detach(), queries=scored)  # detached: own loss only
+        index = [k_index] if q_index is None else [q_index, k_index]
+        q, k, *index = rotate_together([qkv[:, :H], qkv[:, H:H + Hkv], *index], *ctx.rope)
+        q_index = index[0].transpose(1, 2) if scored else None  # [B, T, H^I, d^I]
+        k_index, v = index[-1][:, 0], qkv[:, H + Hkv:]  # [B, T, d^I]
         q = q.reshape(B, Hkv, H // Hkv, T, D)
-        if isinstance(state, StaticDSAState):
-            o, new_state = self._attend_static(q, k, v, q_index, k_index, w_index, ctx, state), state
+        if static:
+            o, new_state = self._attend_static(q, k, v, q_index, k_index, w_index, ctx, state, length), state
         else:
             spare, positions = (None, None, None), None
             if state is not None:  # appended into the cache's spare rows, not a copy of the whole cache
@@ -238,7 +256,7 @@ class DeepSeekSparseAttention(nn.Module):
                                               extend(state.values, v, 2, state.spare[1]))
                 k_index, i_spare = extend(state.index_keys, k_index, 1, state.spare[2])
                 spare = (k_spare, v_spare, i_spare)
-                positions = _positions(state, k.shape[2], x.device)
+                positions = _positions(state, k.shape[2], x.device) if scored else state.positions
             o, index_loss = dsa_attention(
                 q, k, v, q_index, k_index, w_index, ctx.valid if ctx.padded else None,
                 top_k=self.top_k, scale=D**-0.5, index_loss=self.training, positions=positions,
@@ -253,19 +271,25 @@ class DeepSeekSparseAttention(nn.Module):
         return self.o_proj(y), new_state
 
     def _attend_static(self, q, k, v, q_index, k_index, w_index, ctx: MixerContext,
-                       state: StaticDSAState) -> torch.Tensor:
+                       state: StaticDSAState, length: int) -> torch.Tensor:
         """DSA against a static cache: write the new rows, then one query picks among the
         valid rows at or before it (the captured decoding step); several new positions
-        (an eager chunk) attend over the rows written so far, read from the host."""
+        (an eager chunk) attend over the ``length`` rows written so far. A buffer of at most
+        top_k rows holds at most top_k candidates for any query: every candidate is
+        selected, so a decoding step is plain attention over the buffer."""
         state.write(ctx.slots, k, v, k_index)
         if q.shape[3] == 1:
-            candidates = ctx.static_mask("window", None)[:, 0, 0]  # [B, C]: causal, valid, itself
-            return decode_step(q, state.keys, state.values, q_index, state.index_keys, w_index, None,
-                               top_k=self.top_k, scale=self.head_dim**-0.5, positions=state.positions,
-                               candidates=candidates)
-        end = int(ctx.slots[-1]) + 1  # a host read: chunks against a static cache run eagerly
-        o, _ = dsa_attention(q, state.keys[:, :, :end], state.values[:, :, :end], q_index,
-                             state.index_keys[:, :end], w_index, ctx.valid[:, :end] if ctx.padded else None,
+            bias = ctx.static_bias(("window", None), q.dtype)  # [B, 1, 1, C]: 0 on causal, valid rows and itself
+            if length > self.top_k:
+                return decode_step(q, state.keys, state.values, q_index, state.index_keys, w_index, None,
+                                   top_k=self.top_k, scale=self.head_dim**-0.5, positions=state.positions,
+                                   bias=bias[:, 0, 0])
+            B, Hkv, G, _, D = q.shape
+            o = F.scaled_dot_product_attention(q.view(B, Hkv * G, 1, D), state.keys, state.values, attn_mask=bias,
+                                               scale=self.head_dim**-0.5, enable_gqa=G > 1)
+            return o.view(B, Hkv, G, 1, D)
+        o, _ = dsa_attention(q, state.keys[:, :, :length], state.values[:, :, :length], q_index,
+                             state.index_keys[:, :length], w_index, ctx.valid[:, :length] if ctx.padded else None,
                              top_k=self.top_k, scale=self.head_dim**-0.5, kernel=self.kernel)
         return o
 

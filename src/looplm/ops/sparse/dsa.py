@@ -23,7 +23,13 @@ query, so the live memory is O(block·S·(H + H^I)); in training each block is r
 (activation checkpointing), so what a forward keeps for its backward is O(T·D), not the
 T × S scores and probabilities of every head. Decoding (T = 1, :func:`decode_step`) is
 O(S·H^I·d^I) in the indexer only; the main attention gathers and reads the k selected
-key/value rows (37 dispatched operators per layer and token).
+key/value rows (one SDPA call over them).
+
+Queries at positions t < top_k have at most top_k candidates, so they select every one and
+DSA is plain causal attention there (:func:`dense_attention`, one SDPA call: flash
+attention on CUDA): no index scores, no top-k, no gathers outside training (where the
+indexer's dense warm-up loss, Eq. (2), still scores them). At LT2 0.6B's top_k = 2048 a
+prefill of up to 2048 tokens is all dense.
 
 Memory of the main attention over the selected keys: the PyTorch reference gathers each
 block's selected rows, [B, H_kv, block, k, D] keys and values, and in training takes a
@@ -40,9 +46,16 @@ import importlib.util
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from looplm.ops.sparse.common import gathered_attention, grouped_attention, topk_indices, topk_mask
+from looplm.ops.sparse.common import (
+    gathered_attention,
+    grouped_attention,
+    masked_softmax,
+    topk_indices,
+    topk_mask,
+)
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
@@ -129,9 +142,9 @@ def dsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_index: torch.Tensor,
+    q_index: Optional[torch.Tensor],
     k_index: torch.Tensor,
-    w_index: torch.Tensor,
+    w_index: Optional[torch.Tensor],
     valid: Optional[torch.Tensor],
     *,
     top_k: int,
@@ -142,94 +155,169 @@ def dsa_attention(
     kernel: str = "auto",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """DSA for the last T of S positions: each query attends to its top-k keys by index score
-    among the real keys at or before it (a padding query sees only itself), block by block.
+    among the real keys at or before it (a padding query sees only itself).
 
     q: [B, H_kv, G, T, D] (query head h·G + g uses KV head h); k, v: [B, H_kv, S, D];
-    q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I]; valid: bool
-    [B, S] (False: left padding), or None when every position is real. A decoding step (T =
-    1, no loss) is :func:`decode_step`; ``positions`` is passed on to it. ``index_loss``:
-    also return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
+    q_index: [B, T, H^I, d^I]; k_index: [B, S, d^I]; w_index: [B, T, H^I] (q_index and
+    w_index may be None when no query is past top_k and there is no loss: nothing reads
+    them); valid: bool [B, S] (False: left padding), or None when every position is real. ``index_loss``: also
+    return the indexer's KL loss (mean over real queries, Eq. (2)-(3)), else None.
     Returns (o [B, H_kv, G, T, D], loss).
-    With grad enabled and more than one block, each block is checkpointed. ``kernel``
-    (:data:`KERNELS`): where the selected-key attention of a prefill or training block runs;
-    the Triton kernel reads the selected rows in place (no [B, H_kv, T, k, D] gathers, no
-    dense [B, H, T, S] probabilities for the indexer loss, see
-    :mod:`~looplm.ops.sparse.selected_triton`).
+
+    Two kinds of queries, split at position top_k:
+
+    * a query at position t < top_k has at most t + 1 <= top_k candidates, so its top-k is
+      every candidate and DSA is exactly causal attention over them: all such queries run as
+      one :func:`dense_attention` (SDPA: flash attention on CUDA), without index scores or a
+      top-k unless the indexer loss needs them (then blocks of ``block`` queries score their
+      keys for the dense warm-up loss, Eq. (2), the attention target recomputed without grad);
+    * the later queries go block by block: score the keys up to the block's last query,
+      select, attend (:func:`decode_step` for one decoding query). ``kernel``
+      (:data:`KERNELS`): where the selected-key attention of these blocks runs; the Triton
+      kernel reads the selected rows in place (no [B, H_kv, T, k, D] gathers, no dense
+      [B, H, T, S] probabilities for the indexer loss, see
+      :mod:`~looplm.ops.sparse.selected_triton`).
+
+    With grad enabled and more than ``block`` queries, each block is checkpointed.
+    ``positions`` is passed on to :func:`decode_step`.
     """
     T, S = q.shape[3], k.shape[2]
-    if T == 1 and not index_loss and top_k < S:  # a decoding step
+    first = S - T  # the position of the first query
+    dense = min(T, max(top_k - first, 0))  # queries at positions < top_k: every candidate selected
+    if T == 1 and not index_loss and not dense:  # a decoding step past top_k
         return decode_step(q, k, v, q_index, k_index, w_index, valid, top_k=top_k, scale=scale, positions=positions), None
+    outputs = []
+    if dense:
+        end = first + dense
+        outputs.append(dense_attention(q[:, :, :, :dense], k[:, :, :end], v[:, :, :end],
+                                       None if valid is None else valid[:, :end], scale))
     keep = torch.is_grad_enabled() and T > block
     fast = use_selected_kernel(q, kernel)
-    outputs, total, rows = [], 0.0, 0
-    for start in range(0, max(T, 1), block):  # one (empty) block when T = 0
-        end = min(start + block, T)
+    total, rows = 0.0, 0
+    starts = [*range(0, dense, block)] if index_loss else []
+    for start in starts + [*range(dense, T, block)]:
+        end = min(start + block, dense if start < dense else T)  # a block is all dense or all sparse
         args = (q[:, :, :, start:end], k, v, q_index[:, start:end], k_index, w_index[:, start:end], valid,
-                S - T + start, top_k, scale, index_loss, fast)
-        o, block_total, block_rows = checkpoint(_dsa_block, *args, use_reentrant=False) if keep else _dsa_block(*args)
-        outputs.append(o)
+                first + start, top_k, scale, index_loss, fast)
+        run = _dense_loss_block if start < dense else _dsa_block
+        o, block_total, block_rows = checkpoint(run, *args, use_reentrant=False) if keep else run(*args)
+        if o is not None:
+            outputs.append(o)
         if index_loss:
             total, rows = total + block_total, rows + block_rows
+    if not outputs:  # no queries
+        outputs.append(q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype))
     o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=3)
-    return o, (total / rows.clamp_min(1) if index_loss else None)
+    return o, (total / torch.as_tensor(rows, device=q.device).clamp_min(1) if index_loss else None)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """DSA where every candidate is selected (each query has at most top_k): softmax
+    attention of the last Q of S positions over the real keys at or before each, a padding
+    query over itself only, through ``F.scaled_dot_product_attention`` (flash attention on
+    CUDA without padding; no [Q, S] probabilities kept for the backward).
+
+    q: [B, H_kv, G, Q, D]; k, v: [B, H_kv, S, D]; valid: bool [B, S] or None (all real).
+    Returns o [B, H_kv, G, Q, D_v] in v's dtype."""
+    B, Hkv, G, Q, D = q.shape
+    S = k.shape[2]
+    mask = None
+    if valid is not None:
+        mask = _candidates(valid, S - Q, Q)[0][:, None]  # [B, 1, Q, S]
+    elif 1 < Q < S:  # later queries of a chunk: causal, aligned to the last key
+        mask = torch.ones(Q, S, dtype=torch.bool, device=q.device).tril(S - Q)
+    if mask is not None and G > 1:  # grouped heads with a mask: SDPA's GQA is not on every masked backend
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    o = F.scaled_dot_product_attention(q.reshape(B, Hkv * G, Q, D), k, v, attn_mask=mask,
+                                       is_causal=mask is None and Q > 1, scale=scale,
+                                       enable_gqa=mask is None and G > 1)
+    return o.view(B, Hkv, G, Q, v.shape[-1])
 
 
 def decode_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
     w_index: torch.Tensor, valid: Optional[torch.Tensor], *, top_k: int, scale: float,
-    positions: Optional[torch.Tensor] = None, candidates: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One decoding step of DSA (one query, the last of S positions, top_k < S): score the
     index keys, take one exact :func:`topk_indices` over the row and attend to the k gathered
-    rows only, O(S·H^I·d^I + k·H·D). Shapes as :func:`dsa_attention` with T = 1. valid: None
-    when every key is real (then no candidate mask and no -inf flags), else bool [B, S]: the
-    real keys are the candidates (a padding query's only candidate is itself). ``positions``:
-    an int32 arange of at least S entries kept by the caller (built here when None).
-    ``candidates``: bool [B, S], the keys the query may pick, given whole (a static cache's
-    rows, where the query is not the last row); then ``valid`` is unused and fillers, when
-    fewer than top_k rows are candidates, get no weight.
+    rows only (one SDPA call), O(S·H^I·d^I + k·H·D). Shapes as :func:`dsa_attention` with
+    T = 1. valid: None when every key is real (then no candidate mask and no -inf flags),
+    else bool [B, S]: the real keys are the candidates (a padding query's only candidate is
+    itself). ``positions``: an int32 arange of at least S entries kept by the caller (built
+    here when None). ``bias``: [B, S], 0 on the keys the query may pick and -inf elsewhere,
+    given whole (a static cache's rows, where the query is not the last row; the static
+    cache's attention bias, made once per forward); then ``valid`` is unused, the scores
+    are masked by adding it (x + 0 is x: the same ranking as a masked fill) and the picks'
+    own entries of it give fillers, when fewer than top_k rows are candidates, no weight.
     Returns o [B, H_kv, G, 1, D].
     """
     B, Hkv, G, _, D = q.shape
     S = k.shape[2]
     scores = index_scores(q_index, k_index, w_index)[:, 0]  # Eq. (1): [B, S]
-    if candidates is not None:
-        scores, valid = scores.masked_fill(~candidates, float("-inf")), candidates
+    if bias is not None:
+        scores = scores + bias
     elif valid is not None:
         candidates = valid & valid[:, S - 1:]  # a padding query: nothing ...
         candidates[:, S - 1] = True  # ... but itself (a real query's own key is real)
         scores = scores.masked_fill(~candidates, float("-inf"))
-    index, keep = topk_indices(scores, top_k, positions, need_keep=valid is not None)  # [B, k]
+    index, keep = topk_indices(scores, top_k, positions, need_keep=valid is not None and bias is None)  # [B, k]
     rows = index[:, None, :, None]  # [B, 1, k, 1], broadcast over heads and channels
     k_sel = k.gather(2, rows.expand(B, Hkv, -1, D))  # [B, H_kv, k, D]
     v_sel = v.gather(2, rows.expand(B, Hkv, -1, v.shape[-1]))
-    s = torch.matmul(q[:, :, :, 0], k_sel.transpose(-1, -2)) * scale  # [B, H_kv, G, k]
-    if keep is not None:  # fewer candidates than k: the fillers get no weight (a row always has itself)
-        s = s.masked_fill(~keep[:, None, None], float("-inf"))
-    p = torch.softmax(s, dim=-1, dtype=s.dtype if s.dtype == torch.float64 else torch.float32)  # float32 at least
-    return torch.matmul(p.to(v.dtype), v_sel)[:, :, :, None]  # [B, H_kv, G, 1, D]
+    # fewer candidates than k: the fillers get no weight (a row always has itself)
+    mask = bias.gather(1, index) if bias is not None else keep
+    o = F.scaled_dot_product_attention(  # one fused attention over the k picks (flash on CUDA)
+        q.reshape(B, Hkv * G, 1, D), k_sel, v_sel, attn_mask=None if mask is None else mask[:, None, None],
+        scale=scale, enable_gqa=G > 1)
+    return o.view(B, Hkv, G, 1, v.shape[-1])
+
+
+def _candidates(valid: Optional[torch.Tensor], first: int, Q: int, batch: int = 1,
+                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidates bool [B, Q, S], query_valid bool [B, Q]) of the Q queries at positions
+    first .. first + Q − 1 = S − 1: causal and real keys; a padding query has only itself.
+    ``valid`` None: every position real (``batch``, ``device`` then shape the result)."""
+    S = first + Q
+    device = valid.device if valid is not None else device
+    key = torch.arange(S, device=device)
+    query = torch.arange(first, S, device=device)[:, None]  # [Q, 1]
+    causal = (key <= query)[None]  # [1, Q, S]
+    if valid is None:
+        return causal.expand(batch, Q, S), torch.ones(batch, Q, dtype=torch.bool, device=device)
+    query_valid = valid[:, first:S]
+    return torch.where(query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]), query_valid
 
 
 def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float, index_loss: bool,
                fast: bool):
     """One block of Q queries at absolute positions first .. first + Q − 1 against the keys at
     or before its last query (the later ones are never candidates)."""
-    Q = q.shape[3]
-    S = first + Q
+    S = first + q.shape[3]
     k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
-    key = torch.arange(S, device=q.device)
-    query = torch.arange(first, first + Q, device=q.device)[:, None]  # [Q, 1]
-    causal = (key <= query)[None]  # [1, Q, S]
-    if valid is None:
-        query_valid = torch.ones(q.shape[0], Q, dtype=torch.bool, device=q.device)
-        candidates = causal.expand(q.shape[0], Q, S)
-    else:
-        query_valid = valid[:, first:S]
-        candidates = torch.where(  # [B, Q, S]: causal and real; a padding query sees only itself
-            query_valid[..., None], causal & valid[:, None, :S], (key == query)[None]
-        )
+    candidates, query_valid = _candidates(None if valid is None else valid[:, :S], first, q.shape[3], q.shape[0],
+                                          q.device)
     return _selected_block(q, k, v, scores, candidates, query_valid, top_k, scale, index_loss, fast)
+
+
+def _dense_loss_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int, scale: float,
+                      index_loss: bool, fast: bool):
+    """The indexer loss pieces of a block of queries that select every candidate (the dense
+    warm-up loss, Eq. (2)); their output comes from :func:`dense_attention`, so the
+    attention target is recomputed here without grad (it is detached in the loss anyway).
+    Returns (None, total, rows)."""
+    S = first + q.shape[3]
+    scores = index_scores(q_index, k_index[:, :S], w_index)  # Eq. (1): [B, Q, S]
+    candidates, query_valid = _candidates(None if valid is None else valid[:, :S], first, q.shape[3], q.shape[0],
+                                          q.device)
+    with torch.no_grad():
+        dots = torch.matmul(q, k[:, :, None, :S].transpose(-1, -2)) * scale  # [B, H_kv, G, Q, S]
+        mass = masked_softmax(dots, candidates[:, None, None]).sum(dim=(1, 2))  # summed over heads: [B, Q, S]
+    total, rows = index_kl_sum(scores, mass, candidates & query_valid[..., None], query_valid)
+    return None, total, rows
 
 
 def _selected_block(q, k, v, scores, candidates, query_valid, top_k: int, scale: float, index_loss: bool, fast: bool):
