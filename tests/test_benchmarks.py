@@ -92,15 +92,16 @@ def test_long_context_in_process_cells_warm_up_and_share_one_model(decode_via, p
     """The CUDA path, on CPU: one bf16 model serves every context of a run, and each cell
     runs untimed what it times first (a prefill; with generate both calls)."""
     lc = benchmark("long_context")
+    # 6 new tokens: their decode time stands clear of the timer's noise on a loaded machine
     args = lc.parse(["--models", "GDN+DSA hybrid", "--contexts", "16", "32", "--d-model", "32", "--heads", "2",
-                     "--new", "2", "--dtype", "bf16", "--decode-via", decode_via, "--threads", "1"])
+                     "--new", "6", "--dtype", "bf16", "--decode-via", decode_via, "--threads", "1"])
     job = {"model": "GDN+DSA hybrid", **lc.job_options(args)}
-    model = lc.build(job, lc.max_len_for(32, 2))
+    model = lc.build(job, lc.max_len_for(32, 6))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # cast, not autocast
     for context in (16, 32):
         calls = count_prefills(model, context)
         result = lc.measure({**job, "context": context}, model)
-        assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0 and "error" not in result, result
+        assert result.get("prefill_tok_s", 0) > 0 and result.get("decode_tok_s", 0) > 0 and "error" not in result, result
         assert len(calls) == prefills
 
 
