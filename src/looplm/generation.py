@@ -371,9 +371,12 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Optiona
     """The decoding step and the cache it runs on: eager on the growing cache (``options``
     None), or captured with ``torch.compile(**options)`` on a static copy of it
     (:meth:`LoopCache.static`) sized for ``capacity`` positions, rounded up to a multiple of
-    ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. A cache with no
-    static form, or a step that cannot be captured, decodes eagerly, with the reason logged; one
-    that has a static form after more positions (``NotStatic.after``) decodes eagerly until then."""
+    ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. The step's block
+    passes are nested compile regions (:mod:`looplm.modules.region`) unless ``options`` holds
+    ``BLOCK_REGIONS: False``; a first capture that fails with them is retried unrolled. A cache
+    with no static form, or a step that cannot be captured, decodes eagerly, with the reason
+    logged; one that has a static form after more positions (``NotStatic.after``) decodes
+    eagerly until then."""
     if options is None:
         return _decode_step, cache
     try:
