@@ -450,3 +450,17 @@ def test_block_regions_option_is_checked_before_any_work():
     model = _model("tiny-dense")
     with pytest.raises(ConfigError, match="block_regions.*True \\(the default\\) or False"):
         model.generate([[1, 2]], max_new_tokens=2, compile={"block_regions": "yes"})
+
+
+@pytest.mark.parametrize("name", ["ut-act-adaptive-anchor", "nested-act-prelude-coda"])
+def test_halting_losses_of_an_unpadded_batch_do_not_stop_the_capture(name):
+    """ACT adds its ponder loss to the step's context in decoding too; the output's copy of
+    those losses is traced (it once raised inside Dynamo and the step decoded eagerly)."""
+    from tests.conftest import all_configs
+
+    model = LoopLM(dict(all_configs())[name]).eval()
+    ids = random_ids(2, 9, vocab=model.cfg.vocab_size)
+    eager = model.generate(ids, max_new_tokens=12, temperature=0)
+    compiled = model.generate(ids, max_new_tokens=12, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -193,7 +193,7 @@ class LoopLM(nn.Module):
                 loss = sum(ctx.losses.values())  # the halting rule's losses hold the task loss (Ouro's Stage I)
             else:
                 loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
-        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=dict(ctx.losses),
+        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=dict(ctx.losses.items()),
                              attentions=ctx.attentions)
         if recurrence is not None:
             output.states = recurrence.states if output_states else None
