@@ -15,7 +15,9 @@ included (no compile happens elsewhere in that call). Then ms/token is (fastest 
 ``--repeats`` calls making 1 + N new tokens - fastest making 1) / N, N = ``--new-tokens``
 (the fastest: a shared machine's load only ever adds time), through
 the captured step and eagerly; "equal" says whether the compiled and the eager tokens agree
-(greedy, fp32). Models: LT2 0.6B's looped transformer narrowed to d_model 64, 2 heads,
+(greedy, fp32); "operators compiled" counts what Dynamo hands the backend: the captured
+graph's operators plus each distinct region's once (a load-proof measure of compile work:
+the machine's load moves the seconds). Models: LT2 0.6B's looped transformer narrowed to d_model 64, 2 heads,
 FFN 128, vocabulary 512 at layouts 5R2, 10R4 and 25R4 (10, 40, 100 block passes), and the
 tiny LT2 GDN and Full+GDN presets at 5R2 and 25R4. The CPU numbers time Dynamo, AOTAutograd
 and inductor's C++ code generation; a GPU adds Triton compiles per distinct kernel, which
@@ -80,7 +82,14 @@ def measure(row: str, regions: bool, device: str, backend: Optional[str], new_to
     """One row, in this process (call it in a fresh one: the compile must be cold)."""
     model, cfg = build(row, device)
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
-    options = {"block_regions": regions} | ({"backend": backend} if backend else {})
+    handed = []
+
+    def recording(graph: torch.fx.GraphModule, example_inputs):
+        handed.append(backend_operators(graph))
+        compile_graph = torch._dynamo.lookup_backend(backend) if backend else torch._inductor.compile_fx.compile_fx
+        return compile_graph(graph, example_inputs)
+
+    options = {"block_regions": regions, "backend": recording}
 
     def timed(tokens: int, compile) -> tuple[float, torch.Tensor]:
         _sync(device)
@@ -102,7 +111,18 @@ def measure(row: str, regions: bool, device: str, backend: Optional[str], new_to
     compiled_ms, compiled = per_token(options)
     eager_ms, eager = per_token(False)
     return dict(row=row, passes=cfg.block_passes, regions=regions, compile_s=compile_s, compiled_ms=compiled_ms,
-                eager_ms=eager_ms, equal=bool(torch.equal(compiled, eager)))
+                eager_ms=eager_ms, equal=bool(torch.equal(compiled, eager)), operators=sum(handed))
+
+
+def backend_operators(graph: torch.fx.GraphModule) -> int:
+    """Operators the backend compiles for a captured graph: its own calls and those of each
+    distinct nested subgraph (a region), once however many passes call it."""
+    def calls(module: torch.fx.GraphModule) -> int:
+        return sum(1 for node in module.graph.nodes if node.op == "call_function")
+
+    called = {node.args[0].target for node in graph.graph.nodes
+              if node.target is torch.ops.higher_order.invoke_subgraph}
+    return calls(graph) + sum(calls(getattr(graph, name)) for name in called)
 
 
 def run_fresh(row: str, regions: bool, args: argparse.Namespace) -> dict:
@@ -123,15 +143,15 @@ def run_fresh(row: str, regions: bool, args: argparse.Namespace) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | layout | block passes | block regions | compile s | compiled ms/token | eager ms/token "
-             "| equal |", "| --- | --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    lines = ["| model | layout | block passes | block regions | operators compiled | compile s | compiled ms/token "
+             "| eager ms/token | equal |", "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in results:
         name, layout = r["row"].split(":")
         regions = "on" if r["regions"] else "off (unrolled)"
         if "error" in r:
-            lines.append(f"| {name} | {layout} | | {regions} | {r['error']} | | | |")
+            lines.append(f"| {name} | {layout} | | {regions} | | {r['error']} | | | |")
             continue
-        lines.append(f"| {name} | {layout} | {r['passes']} | {regions} | {r['compile_s']:.1f} | "
+        lines.append(f"| {name} | {layout} | {r['passes']} | {regions} | {r.get('operators', '')} | {r['compile_s']:.1f} | "
                      f"{r['compiled_ms']:.2f} | {r['eager_ms']:.2f} | {'yes' if r['equal'] else 'NO'} |")
     return "\n".join(lines)
 

@@ -31,9 +31,15 @@ from looplm.mixers.base import MixerContext, MixerState
 from looplm.modules.block import Block
 
 
+#: whether this torch has nested compile regions (torch >= 2.8); without them every pass is traced
+AVAILABLE = hasattr(torch.compiler, "nested_compile_region")
+
+
 def _region(fn):
     """``torch.compiler.nested_compile_region`` with room for every block kind and loop-level
     variant of a model (torch's default stops reusing after 8 entries per function)."""
+    if not AVAILABLE:
+        return fn
     if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
         return torch.compiler.nested_compile_region(fn, max_reuse_entries=REUSE_ENTRIES)
     return torch.compiler.nested_compile_region(fn)
@@ -55,13 +61,13 @@ def _block_pass(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 def takes_region(block: Block, ctx: MixerContext, state: Optional[MixerState]) -> bool:
-    """Whether this pass runs as a region: while ``torch.compile`` traces (eagerly a region
-    is the plain call, and the step's context shares its masks across passes), a static
-    cache's step (``ctx.slots``) with a state to write, in inference, and nothing the pass
-    must hand back on the step's context (recorded attentions, Mixture-of-Recursions'
-    first-step keys)."""
-    return (torch.compiler.is_compiling() and ctx.slots is not None and state is not None and not block.training and ctx.attentions is None
-            and ctx.first_step_kv is None)
+    """Whether this pass runs as a region: where torch has them, while ``torch.compile``
+    traces (eagerly a region is the plain call, and the step's context shares its masks
+    across passes), on a static cache's step (``ctx.slots``) with a state to write, in
+    inference, and nothing the pass must hand back on the step's context (recorded
+    attentions, Mixture-of-Recursions' first-step keys)."""
+    return (AVAILABLE and torch.compiler.is_compiling() and ctx.slots is not None and state is not None
+            and not block.training and ctx.attentions is None and ctx.first_step_kv is None)
 
 
 def static_block_pass(block: Block, x: torch.Tensor, ctx: MixerContext, state: MixerState,
