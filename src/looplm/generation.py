@@ -275,9 +275,9 @@ def generate(
         raise _invalid("do_sample", do_sample, "None, True or False")
     if compile is not None and not isinstance(compile, (bool, dict)):
         raise _invalid("compile", compile, "True, False or a dict of torch.compile options")
+    capture = compile is not None and compile is not False  # {} too: torch.compile's defaults
     if isinstance(compile, dict) and not isinstance(compile.get(BLOCK_REGIONS, True), bool):
         raise _invalid(f"compile[{BLOCK_REGIONS!r}]", compile[BLOCK_REGIONS], "True (the default) or False")
-    capture = compile is not None and compile is not False  # {} too: torch.compile's defaults
     stops = _stop_ids(stop_tokens, cfg.vocab_size)
     device = next(model.parameters()).device
     ids, mask = _prepare_inputs(input_ids, attention_mask, pad_token_id, cfg.vocab_size, device)
