@@ -23,7 +23,7 @@ tiny LT2 GDN and Full+GDN presets at 5R2 and 25R4. The CPU numbers time Dynamo, 
 and inductor's C++ code generation; a GPU adds Triton compiles per distinct kernel, which
 regions share too.
 
-    python benchmarks/compile_time.py [--out benchmarks/results/compile-time-cpu.md]
+    python benchmarks/compile_time.py [--unrolled-rows transformer:5R2 transformer:25R4] [--out FILE]
     python benchmarks/compile_time.py --device cuda --out benchmarks/results/compile-time-cuda.md
     python benchmarks/compile_time.py --rows transformer:5R2 --backend eager  # Dynamo alone
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -82,12 +83,14 @@ def measure(row: str, regions: bool, device: str, backend: Optional[str], new_to
     """One row, in this process (call it in a fresh one: the compile must be cold)."""
     model, cfg = build(row, device)
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
-    handed = []
+    handed, compile_graph = [], torch._dynamo.lookup_backend(backend or "inductor")
 
     def recording(graph: torch.fx.GraphModule, example_inputs):
         handed.append(backend_operators(graph))
-        compile_graph = torch._dynamo.lookup_backend(backend) if backend else torch._inductor.compile_fx.compile_fx
         return compile_graph(graph, example_inputs)
+
+    fell_back = _Warnings()
+    logging.getLogger("looplm.generation").addHandler(fell_back)
 
     options = {"block_regions": regions, "backend": recording}
 
@@ -110,8 +113,21 @@ def measure(row: str, regions: bool, device: str, backend: Optional[str], new_to
 
     compiled_ms, compiled = per_token(options)
     eager_ms, eager = per_token(False)
+    if fell_back.messages:  # the step was not captured as asked: its times measure something else
+        return dict(row=row, regions=regions, error=" ".join(fell_back.messages[0].split())[:200])
     return dict(row=row, passes=cfg.block_passes, regions=regions, compile_s=compile_s, compiled_ms=compiled_ms,
                 eager_ms=eager_ms, equal=bool(torch.equal(compiled, eager)), operators=sum(handed))
+
+
+class _Warnings(logging.Handler):
+    """Keeps the warnings logged (generate's fallbacks from the captured step)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def backend_operators(graph: torch.fx.GraphModule) -> int:
@@ -164,8 +180,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
-    parser.add_argument("--unrolled-only-to", type=int, default=None,
-                        help="skip the unrolled rows above this many block passes (they take minutes)")
+    parser.add_argument("--unrolled-rows", nargs="*", default=None,
+                        help="the rows also compiled unrolled (default: every row; the deep ones take minutes)")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--unrolled", action="store_true", help=argparse.SUPPRESS)
@@ -181,7 +197,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     results = []
     for row in args.rows:
         for regions in (True, False):
-            if not regions and args.unrolled_only_to is not None and config(row).block_passes > args.unrolled_only_to:
+            if not regions and args.unrolled_rows is not None and row not in args.unrolled_rows:
                 continue
             results.append(run_fresh(row, regions, args))
             print(table(results[-1:]).splitlines()[-1], flush=True)
