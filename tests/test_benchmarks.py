@@ -306,3 +306,15 @@ def test_huginn_memory_benchmark_shows_memory_following_the_window(tmp_path):
               (line.split("|") for line in text.splitlines() if line.startswith(("| k =", "| full")))}
     assert ratios[("k = 2", "2")] == ratios[("k = 2", "8")] == 1.0  # constant beyond the window
     assert ratios[("full backprop", "8")] > 2.5  # grows with r (fixed costs: embeddings, prelude, coda)
+
+
+def test_compile_time_benchmark_measures_both_captures_in_process():
+    """benchmarks/compile_time.py's row (Dynamo's eager backend: no C++ compile in a test):
+    compiled and eager tokens agree, with block regions and unrolled, and the table shows both."""
+    ct = benchmark("compile_time")
+    rows = [ct.measure("gdn:1R2", regions, "cpu", "eager", new_tokens=2, repeats=1) for regions in (True, False)]
+    assert [r["equal"] for r in rows] == [True, True] and rows[0]["passes"] == 2
+    text = ct.table(rows + [dict(row="gdn:25R4", regions=False, error="timed out at 900 s")])
+    assert rows[0]["operators"] < rows[1]["operators"], rows
+    assert "| gdn | 1R2 | 2 | on |" in text and "| gdn | 1R2 | 2 | off (unrolled) |" in text
+    assert "| gdn | 25R4 | | off (unrolled) | | timed out at 900 s |" in text

@@ -374,3 +374,93 @@ def test_spiral_compiled_generate_with_coarse_mixers(mixer):
     compiled = model.generate(ids, max_new_tokens=30, temperature=0, compile={"backend": "eager"})
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(_phases(model, range(9, 38)))
+
+
+# ------------------------------------------- block regions: compile work independent of depth
+class _GraphRecorder:
+    """A torch.compile backend that keeps every graph Dynamo hands it and runs it as is."""
+
+    def __init__(self, refuse_regions: bool = False) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.refuse_regions = refuse_regions
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs):
+        if self.refuse_regions and _region_calls(graph):
+            raise RuntimeError("this backend compiles no nested regions")
+        self.graphs.append(graph)
+        return graph.forward
+
+
+def _ops(graph: torch.fx.GraphModule) -> int:
+    return sum(1 for node in graph.graph.nodes if node.op == "call_function")
+
+
+def _region_calls(graph: torch.fx.GraphModule) -> int:
+    return sum(1 for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph)
+
+
+def _captured(preset: str, layout: str, **compile_options) -> tuple[torch.fx.GraphModule, int]:
+    """The one graph generate(compile=...) captures for ``preset`` at ``layout``, and its block passes."""
+    torch._dynamo.reset()
+    model = LoopLM(load_config(preset, [f"model.layout={layout}"]).model).eval()
+    prompts = _prompts(model.cfg.vocab_size)
+    recorder = _GraphRecorder()
+    eager = model.generate(prompts, max_new_tokens=6, temperature=0)
+    compiled = model.generate(prompts, max_new_tokens=6, temperature=0, compile={"backend": recorder, **compile_options})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert len(recorder.graphs) == 1
+    return recorder.graphs[0], model.cfg.block_passes
+
+
+@pytest.mark.parametrize("preset, kinds", [("tiny-lt2-transformer", 1), ("tiny-lt2-hybrid-full-gdn", 2)])
+def test_captured_step_holds_one_subgraph_per_block_kind_at_any_depth(preset, kinds):
+    """Each block pass is one nested compile region: the step holds one subgraph per block
+    kind, the same at 10 and 40 block passes, and the unrolled rest of the step (the loop,
+    topology, embedding and head) grows by a call per pass, not by the block's operators
+    (unrolled, by every one of them);
+    the backend compiles what it is handed, so compile work stops following the depth."""
+    shallow, shallow_passes = _captured(preset, "5R2")
+    deep, deep_passes = _captured(preset, "10R4")
+    subgraphs = [{name: _ops(m) for name, m in graph.named_children() if isinstance(m, torch.fx.GraphModule)}
+                 for graph in (shallow, deep)]
+    assert len(subgraphs[0]) == kinds and subgraphs[0] == subgraphs[1], subgraphs
+    assert (_region_calls(shallow), _region_calls(deep)) == (shallow_passes, deep_passes)
+    # per pass: the region's call and its output; per iteration (4 in 10R4, 2 in 5R2): the topology's few
+    per_pass = (_ops(deep) - _ops(shallow)) / (deep_passes - shallow_passes)
+    assert per_pass <= 3, f"{per_pass:.1f} operators per block pass outside the regions"
+    unrolled, _ = _captured(preset, "5R2", block_regions=False)
+    assert _region_calls(unrolled) == 0 and _ops(unrolled) > _ops(shallow) + 20 * shallow_passes
+
+
+def test_a_step_whose_regions_cannot_be_captured_compiles_unrolled(caplog):
+    model = _model("tiny-lt2-gdn")
+    prompts = _prompts(model.cfg.vocab_size)
+    eager = model.generate(prompts, max_new_tokens=6, temperature=0)
+    recorder = _GraphRecorder(refuse_regions=True)
+    with caplog.at_level(logging.WARNING, logger="looplm.generation"):
+        compiled = model.generate(prompts, max_new_tokens=6, temperature=0, compile={"backend": recorder})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert "with block regions" in caplog.text and "capturing it unrolled" in caplog.text
+    assert len(recorder.graphs) == 1 and _region_calls(recorder.graphs[0]) == 0
+
+
+def test_block_regions_option_is_checked_before_any_work():
+    from looplm.config_base import ConfigError
+
+    model = _model("tiny-dense")
+    with pytest.raises(ConfigError, match="block_regions.*True \\(the default\\) or False"):
+        model.generate([[1, 2]], max_new_tokens=2, compile={"block_regions": "yes"})
+
+
+@pytest.mark.parametrize("name", ["ut-act-adaptive-anchor", "nested-act-prelude-coda"])
+def test_halting_losses_of_an_unpadded_batch_do_not_stop_the_capture(name):
+    """ACT adds its ponder loss to the step's context in decoding too; the output's copy of
+    those losses is traced (it once raised inside Dynamo and the step decoded eagerly)."""
+    from tests.conftest import all_configs
+
+    model = LoopLM(dict(all_configs())[name]).eval()
+    ids = random_ids(2, 9, vocab=model.cfg.vocab_size)
+    eager = model.generate(ids, max_new_tokens=12, temperature=0)
+    compiled = model.generate(ids, max_new_tokens=12, temperature=0, compile={"backend": "eager"})
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -32,6 +32,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 from looplm.config_base import ConfigError
 from looplm.mixers.base import MixerState
@@ -204,6 +205,9 @@ class StaticLoopCache(LoopCache):
         self.capacity = capacity
         self.length = 0
         self.position: Optional[torch.Tensor] = None
+        #: a captured step runs each block pass as one nested compile region, traced and
+        #: compiled once for all passes alike (:mod:`looplm.modules.region`); False: unrolled
+        self.block_regions = True
 
     @classmethod
     def of(cls, cache: LoopCache, capacity: int) -> "StaticLoopCache":
@@ -222,6 +226,7 @@ class StaticLoopCache(LoopCache):
                 raise NotStatic(f"block {key[0]} (pass {key[1]}) holds a {type(state).__name__}, which has no static form")
             try:
                 static.states[key] = convert(cache._compressed(key, capacity))  # chunks for a coarse core
+                register_pytree(static.states[key])
             except TypeError as reason:  # a composite state with a part that has none
                 raise NotStatic(f"block {key[0]} (pass {key[1]}): {reason}") from None
         B, device = cache.valid.shape[0], cache.valid.device
@@ -269,7 +274,7 @@ class StaticLoopCache(LoopCache):
         if old is None:
             self.states[(block, iteration)] = state
         else:
-            _copy_into(old, state)
+            copy_into(old, state)
 
     def extend(self, new_valid: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         raise NotStatic("a static cache is extended by extend_static (LoopLM._context)")
@@ -373,14 +378,28 @@ def _leaves(state, found: list) -> None:
             _leaves(getattr(state, field.name), found)
 
 
-def _copy_into(dest, value) -> None:
+def register_pytree(state) -> None:
+    """Register the dataclasses of a static state (and those nested in it) as pytree nodes:
+    a nested compile region (:mod:`looplm.modules.region`) is traced once and reused only
+    when its inputs flatten to tensors and constants. Idempotent."""
+    if isinstance(state, (tuple, list)):
+        for part in state:
+            register_pytree(part)
+    elif dataclasses.is_dataclass(state) and not isinstance(state, type):
+        if type(state) not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(type(state))
+        for field in dataclasses.fields(state):
+            register_pytree(getattr(state, field.name))
+
+
+def copy_into(dest, value) -> None:
     """Copy ``value``'s tensors into ``dest``'s (same structure), in place; anything else
     (ints, the same object) is left as it is."""
     if isinstance(dest, torch.Tensor):
         dest.copy_(value)
     elif isinstance(dest, (tuple, list)):
         for d, v in zip(dest, value):
-            _copy_into(d, v)
+            copy_into(d, v)
     elif dataclasses.is_dataclass(dest) and dest is not value:  # a state written in place is its own update
         for field in dataclasses.fields(dest):
-            _copy_into(getattr(dest, field.name), getattr(value, field.name))
+            copy_into(getattr(dest, field.name), getattr(value, field.name))

@@ -256,7 +256,11 @@ def generate(
     CUDA with ``mode="reduce-overhead"``, so each token is one CUDA-graph replay) over a
     static cache preallocated for the prompt and ``max_new_tokens``; a dict is passed to
     ``torch.compile`` as options (e.g. ``{"backend": "aot_eager"}``). The numbers are the
-    eager path's. Multi-resolution iterations (SpiralFormer) capture one graph per set of
+    eager path's. Each block pass of the step is one nested compile region, traced and
+    compiled once for every pass alike, so compile time does not grow with the loop's depth
+    (:mod:`looplm.modules.region`; ``{"block_regions": False}`` in the dict compiles the
+    unrolled step instead, and a step whose regions cannot be captured falls back to it,
+    logged). Multi-resolution iterations (SpiralFormer) capture one graph per set of
     iterations whose chunk completes at the new position (the coarse core runs there), a
     host-side phase, and decode eagerly until every iteration's first chunk has completed.
     A cache with no static form decodes eagerly instead, and the reason is logged. The
@@ -278,6 +282,8 @@ def generate(
     if compile is not None and not isinstance(compile, (bool, dict)) and compile != CUDA_GRAPH:
         raise _invalid("compile", compile, f"True, False, a dict of torch.compile options or {CUDA_GRAPH!r}")
     capture = compile is not None and compile is not False  # {} too: torch.compile's defaults
+    if isinstance(compile, dict) and not isinstance(compile.get(BLOCK_REGIONS, True), bool):
+        raise _invalid(f"compile[{BLOCK_REGIONS!r}]", compile[BLOCK_REGIONS], "True (the default) or False")
     stops = _stop_ids(stop_tokens, cfg.vocab_size)
     device = next(model.parameters()).device
     ids, mask = _prepare_inputs(input_ids, attention_mask, pad_token_id, cfg.vocab_size, device)
@@ -376,9 +382,12 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Union[N
     None), or captured with ``torch.compile(**options)`` (``options`` == CUDA_GRAPH: recorded
     as CUDA graphs, :class:`_GraphedStep`) on a static copy of it
     (:meth:`LoopCache.static`) sized for ``capacity`` positions, rounded up to a multiple of
-    ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. A cache with no
-    static form, or a step that cannot be captured, decodes eagerly, with the reason logged; one
-    that has a static form after more positions (``NotStatic.after``) decodes eagerly until then."""
+    ``STATIC_ROUND`` so prompts of similar lengths share one compiled graph. The step's block
+    passes are nested compile regions (:mod:`looplm.modules.region`) unless ``options`` holds
+    ``BLOCK_REGIONS: False``; a first capture that fails with them is retried unrolled. A cache
+    with no static form, or a step that cannot be captured, decodes eagerly, with the reason
+    logged; one that has a static form after more positions (``NotStatic.after``) decodes
+    eagerly until then."""
     if options is None:
         return _decode_step, cache
     try:
@@ -408,6 +417,7 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Union[N
             return _decode_step, static  # the eager step counts on the host itself
         return _GraphedStep(runtime), static
     options = dict(options)
+    static.block_regions = options.pop(BLOCK_REGIONS, True)
     if static.valid.device.type == "cuda":
         options.setdefault("mode", "reduce-overhead")  # CUDA graphs: one replay per token
         for tensor in static.tensors():
@@ -427,8 +437,14 @@ def _decoder(model: nn.Module, cache: LoopCache, capacity: int, options: Union[N
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
             if run is not compiled or before != first:  # only the first capture may fail over
                 raise
-            logger.warning("generate(compile=True) could not capture the decoding step (%s: %s); decoding "
-                           "eagerly on the static cache", type(error).__name__, " ".join(str(error).split())[:300])
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            if cache.block_regions:  # then the unrolled step, then eager
+                logger.warning("generate(compile=True) could not capture the decoding step with block regions "
+                               "(%s); capturing it unrolled", reason)
+                cache.block_regions = False
+                return step(model, token, cache, iterations)
+            logger.warning("generate(compile=True) could not capture the decoding step (%s); decoding "
+                           "eagerly on the static cache", reason)
             run = _decode_step
             out = run(model, token, cache, iterations)
         if cache.get_seq_length() == before:
@@ -506,6 +522,11 @@ class _GraphedStep:
 
 #: a static cache's capacity is rounded up to a multiple of this many positions
 STATIC_ROUND = 64
+
+#: the ``compile`` dict's key (popped before the rest goes to ``torch.compile``) that turns
+#: off the block regions of the captured step (:mod:`looplm.modules.region`): False traces
+#: and compiles every block pass of the unrolled loop, as before issue 30
+BLOCK_REGIONS = "block_regions"
 
 
 def _passes_spent(output, valid: torch.Tensor) -> Optional[torch.Tensor]:

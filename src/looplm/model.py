@@ -34,6 +34,7 @@ from looplm.mixers import MixerContext
 from looplm.model_config import ModelConfig
 from looplm.modules.block import Block, build_block
 from looplm.modules.norm import build_norm
+from looplm.modules.region import static_block_pass, takes_region
 from looplm.modules.rotary import Rotary
 from looplm.modules.step import StepEmbedding
 from looplm.resolution import MultiResolution, build_resolution
@@ -192,7 +193,7 @@ class LoopLM(nn.Module):
                 loss = sum(ctx.losses.values())  # the halting rule's losses hold the task loss (Ouro's Stage I)
             else:
                 loss = lm_loss + sum(ctx.losses.values()) if ctx.losses else lm_loss
-        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=dict(ctx.losses),
+        output = ModelOutput(logits=logits, loss=loss, lm_loss=lm_loss, aux_losses=dict(ctx.losses.items()),
                              attentions=ctx.attentions)
         if recurrence is not None:
             output.states = recurrence.states if output_states else None
@@ -312,7 +313,11 @@ class LoopLM(nn.Module):
             if cache is None and self.recompute is not None:
                 h = self.recompute(name, functools.partial(_block_output, block, ctx, t), h)
                 continue
-            h, state = block(h, ctx, cache.get(key, slot) if cache is not None else None, iteration=t)
+            state = cache.get(key, slot) if cache is not None else None
+            if isinstance(cache, StaticLoopCache) and cache.block_regions and takes_region(block, ctx, state):
+                h = static_block_pass(block, h, ctx, state, t)  # traced once for every pass alike
+                continue
+            h, state = block(h, ctx, state, iteration=t)
             if cache is not None and state is not None:  # None: the pass keeps nothing (it read another's)
                 cache.set(key, slot, state)
         return h

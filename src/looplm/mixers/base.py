@@ -171,6 +171,14 @@ class MixerContext:
             return
         self.losses[name] = self.losses[name] + value if name in self.losses else value
 
+    def unaliased_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope``'s (cos, sin) with storage of their own, made once per context:
+        :class:`~looplm.modules.rotary.Rotary` slices both from one gathered table, and the inputs of
+        a nested compile region (:mod:`looplm.modules.region`) may not alias one another."""
+        if "unaliased_rope" not in self._masks:
+            self._masks["unaliased_rope"] = tuple(table.clone() for table in self.rope)
+        return self._masks["unaliased_rope"]
+
     @property
     def length(self) -> int:
         """T, the number of new positions."""

@@ -101,6 +101,14 @@ class Block(nn.Module):
             return views[iteration if len(views) > 1 else 0]
         return self.ffn[iteration] if isinstance(self.ffn, nn.ModuleList) else self.ffn
 
+    def variant(self, iteration: int) -> int:
+        """The loop iteration whose behaviour this block shows at ``iteration``: itself where
+        the block has per-iteration mixers, adapters or experts, else 0 (every iteration runs
+        the same function, so a compiled pass of one serves all, :mod:`looplm.modules.region`)."""
+        per_iteration = (len(self.per_iteration) > 1 or len(self.ffn_per_iteration) > 1
+                         or isinstance(self.ffn, nn.ModuleList))
+        return iteration if per_iteration else 0
+
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[MixerState] = None, iteration: int = 0
     ) -> tuple[torch.Tensor, MixerState]:
