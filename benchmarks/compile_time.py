@@ -203,7 +203,9 @@ def main(argv: Optional[list[str]] = None) -> str:
             print(table(results[-1:]).splitlines()[-1], flush=True)
     text = (f"# Compile time of the captured decoding step\n\n`python benchmarks/compile_time.py "
             f"{' '.join(sys.argv[1:])}`\n\n{platform.platform()}, torch {torch.__version__}, device "
-            f"{args.device}, backend {args.backend or 'inductor'}, {torch.get_num_threads()} threads\n\n"
+            f"{args.device}, backend {args.backend or 'inductor'}, {torch.get_num_threads()} threads, load average "
+            f"{os.getloadavg()[1]:.1f} over the last 5 minutes at the end (the seconds move with it; the operators do "
+            f"not)\n\n"
             f"{table(results)}\n")
     if args.out:
         Path(args.out).write_text(text)
