@@ -87,14 +87,15 @@ def count_prefills(model, context: int) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("decode_via, prefills", [("cache", 2), ("generate", 4)])
+@pytest.mark.parametrize("decode_via, prefills", [("cache", 2), ("generate", 2 + 2 * 3)])  # generate: 3 repeats
 def test_long_context_in_process_cells_warm_up_and_share_one_model(decode_via, prefills):
     """The CUDA path, on CPU: one bf16 model serves every context of a run, and each cell
     runs untimed what it times first (a prefill; with generate both calls)."""
     lc = benchmark("long_context")
     # 6 new tokens: their decode time stands clear of the timer's noise on a loaded machine
     args = lc.parse(["--models", "GDN+DSA hybrid", "--contexts", "16", "32", "--d-model", "32", "--heads", "2",
-                     "--new", "6", "--dtype", "bf16", "--decode-via", decode_via, "--threads", "1"])
+                     "--new", "6", "--dtype", "bf16", "--decode-via", decode_via, "--threads", "1",
+                     "--repeats", "3"])
     job = {"model": "GDN+DSA hybrid", **lc.job_options(args)}
     model = lc.build(job, lc.max_len_for(32, 6))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # cast, not autocast
@@ -110,7 +111,7 @@ def test_long_context_in_process_cells_warm_up_and_share_one_model(decode_via, p
 def test_long_context_compiled_cell_decodes_through_generate(how):
     lc = benchmark("long_context")
     args = lc.parse(["--models", "looped transformer", "--contexts", "16", "--d-model", "32", "--heads", "2",
-                     "--new", "6", *how, "--threads", "1"])
+                     "--new", "6", *how, "--threads", "1", "--repeats", "3"])
     assert args.decode_via == "generate" and args.compile == (how[1] if len(how) > 1 else True)
     assert lc.default_out(args).name == f"long-context-{'cuda-graph' if len(how) > 1 else 'compiled'}-cpu.md"
     job = {"model": "looped transformer", "context": 16, **lc.job_options(args)}
