@@ -279,7 +279,8 @@ def _candidates(valid: Optional[torch.Tensor], first: int, Q: int, batch: int = 
                 device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(candidates bool [B, Q, S], query_valid bool [B, Q]) of the Q queries at positions
     first .. first + Q − 1 = S − 1: causal and real keys; a padding query has only itself.
-    ``valid`` None: every position real (``batch``, ``device`` then shape the result)."""
+    ``valid``: bool [B, >= S] (read up to S), or None: every position real (``batch``,
+    ``device`` then shape the result)."""
     S = first + Q
     device = valid.device if valid is not None else device
     key = torch.arange(S, device=device)
@@ -298,8 +299,7 @@ def _dsa_block(q, k, v, q_index, k_index, w_index, valid, first: int, top_k: int
     S = first + q.shape[3]
     k, v, k_index = k[:, :, :S], v[:, :, :S], k_index[:, :S]
     scores = index_scores(q_index, k_index, w_index)  # Eq. (1): [B, Q, S]
-    candidates, query_valid = _candidates(None if valid is None else valid[:, :S], first, q.shape[3], q.shape[0],
-                                          q.device)
+    candidates, query_valid = _candidates(valid, first, q.shape[3], q.shape[0], q.device)
     return _selected_block(q, k, v, scores, candidates, query_valid, top_k, scale, index_loss, fast)
 
 
@@ -311,8 +311,7 @@ def _dense_loss_block(q, k, v, q_index, k_index, w_index, valid, first: int, top
     Returns (None, total, rows)."""
     S = first + q.shape[3]
     scores = index_scores(q_index, k_index[:, :S], w_index)  # Eq. (1): [B, Q, S]
-    candidates, query_valid = _candidates(None if valid is None else valid[:, :S], first, q.shape[3], q.shape[0],
-                                          q.device)
+    candidates, query_valid = _candidates(valid, first, q.shape[3], q.shape[0], q.device)
     with torch.no_grad():
         dots = torch.matmul(q, k[:, :, None, :S].transpose(-1, -2)) * scale  # [B, H_kv, G, Q, S]
         mass = masked_softmax(dots, candidates[:, None, None]).sum(dim=(1, 2))  # summed over heads: [B, Q, S]
