@@ -256,9 +256,9 @@ def generate(
     CUDA with ``mode="reduce-overhead"``, so each token is one CUDA-graph replay) over a
     static cache preallocated for the prompt and ``max_new_tokens``; a dict is passed to
     ``torch.compile`` as options (e.g. ``{"backend": "aot_eager"}``). The numbers are the
-    eager path's. Each block pass of the step is one nested compile region, traced and
-    compiled once for every pass alike, so compile time does not grow with the loop's depth
-    (:mod:`looplm.modules.region`; ``{"block_regions": False}`` in the dict compiles the
+    eager path's. Each block pass of the step is one nested compile region, compiled once
+    for every pass alike, so the backend's work does not grow with the loop's depth
+    (Dynamo's tracing still does; :mod:`looplm.modules.region`; ``{"block_regions": False}`` in the dict compiles the
     unrolled step instead, and a step whose regions cannot be captured falls back to it,
     logged). Multi-resolution iterations (SpiralFormer) capture one graph per set of
     iterations whose chunk completes at the new position (the coarse core runs there), a

@@ -7,9 +7,10 @@ the same function of their inputs. :func:`static_block_pass` calls a block throu
 :func:`torch.compiler.nested_compile_region` instead: Dynamo traces the pass once and
 stamps out the same subgraph for every later pass whose inputs match (the parameters of
 another block of the same structure, another iteration's cache buffers), and the backend
-(AOTAutograd, inductor) compiles each distinct subgraph once. Compile time then follows
-the number of distinct block kinds, not the loop's depth. Outside ``torch.compile`` the
-region is the plain call.
+(AOTAutograd, inductor) compiles each distinct subgraph once. The backend's work then
+follows the number of distinct block kinds, not the loop's depth; Dynamo still walks every
+pass (flattening its inputs), so tracing time keeps growing with depth. Outside
+``torch.compile`` the region is the plain call.
 
 A region's inputs are tensors and constants only, none aliasing another, and its one
 output is the block's output: the pass builds its own :class:`MixerContext` from the
