@@ -309,6 +309,19 @@ def test_huginn_memory_benchmark_shows_memory_following_the_window(tmp_path):
     assert ratios[("full backprop", "8")] > 2.5  # grows with r (fixed costs: embeddings, prelude, coda)
 
 
+def test_mor_skip_benchmark_compares_equal_losses(tmp_path):
+    out = tmp_path / "mor.md"
+    text = benchmark("mor_skip").main(["--d-model", "16", "--heads", "2", "--vocab", "64", "--seq-len", "12",
+                                       "--batch", "2", "--layout", "1+1R3+1", "--repeats", "1", "--device", "cpu",
+                                       "--out", str(out)])
+    assert out.read_text() == text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith(("| recursion", "| shared"))]
+    assert [r[0].strip() for r in rows] == ["recursion", "shared"]
+    for row in rows:
+        assert 0.5 < float(row[4]) < 1.0  # top-k at the hierarchical capacity: some positions leave
+        assert float(row[5]) < 1e-5  # the same weights give the same loss either way
+
+
 def test_compile_time_benchmark_measures_both_captures_in_process():
     """benchmarks/compile_time.py's row (Dynamo's eager backend: no C++ compile in a test):
     compiled and eager tokens agree, with block regions and unrolled, and the table shows both."""

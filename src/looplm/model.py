@@ -256,16 +256,22 @@ class LoopLM(nn.Module):
         t·passes + i in the cache: ũ = f_core(x) at resolution r_t. With
         ``model.loop_input_norm`` the state entering steps t >= 1 is first normalised by the
         final norm (Ouro: ``self.norm`` closes every UT step), so each step's state is the
-        one its readout head(norm(·)) reads."""
+        one its readout head(norm(·)) reads. When the halting rule gathered the positions
+        taking the step (``ctx.gathered``: MoR's token skipping), the pass runs on their rows
+        and writes them back; the others keep their input, and the rule keeps them frozen."""
         signal = self.step_embedding.at(t) if self.step_embedding is not None else None
         structure = self.cfg.structure
         entry = self.norm if self.cfg.loop_input_norm and t > 0 else None
 
         def core(x: torch.Tensor, i: int) -> torch.Tensor:
             def core_pass(x: torch.Tensor) -> torch.Tensor:
+                full = x
+                if ctx.gathered is not None:  # only the positions taking the step run it (MoR)
+                    x = ctx.gathered.gather(x)
                 x = x if entry is None else entry(x)
                 x = x if signal is None else x + signal.to(x.dtype)
-                return self._core(t, x, ctx, cache, slot=structure.slot(t, i))
+                x = self._core(t, x, ctx, cache, slot=structure.slot(t, i))
+                return x if ctx.gathered is None else ctx.gathered.scatter(full, x)
 
             if self.recompute is None or cache is not None:
                 return core_pass(x)

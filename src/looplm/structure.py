@@ -21,7 +21,6 @@ Three kinds of name, one per use:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TypeVar
 
 import torch
@@ -55,6 +54,10 @@ class LoopStructure:
         check((self.core == 0) == (self.iterations == 0), "structure.iterations", self.iterations,
               f"0 exactly when there is no core (core={self.core}): a loop runs its core T >= 1 times")
         check(self.passes_per_step >= 1, "structure.passes_per_step", self.passes_per_step, "an integer >= 1")
+        # the names, made here and not on first use: a functools.cached_property takes a lock
+        # that torch.compile cannot trace (a fresh model's first forward under fullgraph=True)
+        names = {part: tuple(f"{part}.{j}" for j in range(getattr(self, part))) for part in PARTS}
+        object.__setattr__(self, "_names", names)
 
     @classmethod
     def of(cls, layout: Layout, share_core: bool, passes_per_step: int = 1) -> "LoopStructure":
@@ -94,22 +97,18 @@ class LoopStructure:
         check(part in PARTS, "part", part, f"one of {', '.join(PARTS)}")
         return getattr(self, part)
 
-    @functools.cached_property
+    @property
     def positions(self) -> tuple[tuple[str, int], ...]:
         """Every block position (part, j) in depth order: what a block's mixers are planned
         by (:func:`looplm.mixers.pattern.block_mixers`)."""
         return tuple((part, j) for part in PARTS for j in range(self.count(part)))
-
-    @functools.cached_property
-    def _names(self) -> dict[str, tuple[str, ...]]:
-        return {part: tuple(f"{part}.{j}" for j in range(self.count(part))) for part in PARTS}
 
     def names_of(self, part: str) -> tuple[str, ...]:
         """The block names of ``part`` in depth order (``core.j``: one per core position)."""
         self.count(part)  # refuses an unknown part
         return self._names[part]
 
-    @functools.cached_property
+    @property
     def names(self) -> tuple[str, ...]:
         """Every block name in depth order: prelude.j, core.j, coda.j."""
         return sum((self._names[part] for part in PARTS), ())

@@ -300,7 +300,11 @@ class MoRHaltingConfig(HaltingConfig):
     ``auxiliary`` (expert choice): ``loss`` (the router's own logits take the BCE and the
     threshold) or ``router`` (a second router per step, on the detached state, does: the
     paper's auxiliary router). ``alpha`` scales the gate g; ``init_bias`` starts the routers
-    at full depth."""
+    at full depth. ``skip`` (under ``kv: recursion`` or ``shared``): a forward without a
+    decoding cache runs each later step's blocks on the positions taking it alone, gathered
+    (the paper's compute saving; one host sync per step for the gathered length, a dynamic
+    dimension under torch.compile); false runs every position, those that left frozen. Under
+    ``kv: all`` every position runs every step (later steps read all positions' keys)."""
 
     kind: str = "mor"
     depths: int = 3
@@ -309,6 +313,7 @@ class MoRHaltingConfig(HaltingConfig):
     capacity: Optional[tuple[float, ...]] = None
     kv: str = "all"
     auxiliary: str = "loss"
+    skip: bool = True
     alpha: float = 1.0
     aux_loss_weight: float = 0.01
     balance_weight: float = 0.01
@@ -343,6 +348,7 @@ class MoRHaltingConfig(HaltingConfig):
         check(self.auxiliary == "loss" or (self.routing == "expert_choice" and self.aux_loss_weight > 0),
               "model.halting.auxiliary", self.auxiliary,
               "loss, unless routing=expert_choice and aux_loss_weight > 0 (the BCE is what trains the auxiliary router)")
+        check(isinstance(self.skip, bool), "model.halting.skip", self.skip, "true or false")
         check(self.alpha > 0.0, "model.halting.alpha", self.alpha, "a number > 0")
         check(self.aux_loss_weight >= 0.0, "model.halting.aux_loss_weight", self.aux_loss_weight, "a number >= 0")
         check(self.balance_weight >= 0.0, "model.halting.balance_weight", self.balance_weight, "a number >= 0")
@@ -383,7 +389,8 @@ class MoRHaltingConfig(HaltingConfig):
 
     def build(self, d_model: int) -> Halting:
         return MoRHalting(d_model, self.depths, self.routing, self.selection, self.capacities, self.alpha,
-                          self.aux_loss_weight, self.balance_weight, self.init_bias, self.kv, self.auxiliary)
+                          self.aux_loss_weight, self.balance_weight, self.init_bias, self.kv, self.auxiliary,
+                          self.skip)
 
     def parameter_count(self, d_model: int) -> int:
         if self.routing == "token_choice":

@@ -75,6 +75,15 @@ How the paper's pieces map onto looplm, and the ambiguities resolved:
   stack, one core pass per step, no per-step mixer schedule and no per-step adapter on
   ``qkv`` (``ModelConfig`` refuses the rest: a later step reads block j's first-step keys,
   so block j must be the same attention at every step).
+* **Skipping** (``skip``, the paper's compute saving: "tokens that exit early skip the
+  remaining recursions", §2.2.1 and the reference's selected-tokens forward): under ``kv:
+  recursion`` or ``shared``, a forward without a decoding cache runs each later step on the
+  positions taking it, gathered into [B, K] rows (K the most any batch row keeps; a
+  :class:`~looplm.mixers.base.GatheredRows` on the step's context, made by
+  :meth:`MoRHalting.step_context`), and scatters them back; attention masks by the gathered
+  positions (over each other under ``recursion``, over the first step's keys under
+  ``shared``), so the running positions compute exactly what the frozen path gives them.
+  Under ``kv: all`` a later step reads every position's keys, so every position runs it.
 """
 
 from __future__ import annotations
@@ -89,7 +98,7 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost, Step, module_cost
 from looplm.errors import LoopLMError
 from looplm.halting.base import Halting, HaltState, ReadLogits, Readout
-from looplm.mixers.base import FirstStepKV, MixerContext
+from looplm.mixers.base import FirstStepKV, GatheredRows, MixerContext
 from looplm.streams.single import freeze
 from looplm.topology.base import LoopState
 
@@ -135,11 +144,12 @@ class MoRHalting(Halting):
 
     def __init__(self, d_model: int, depths: int, routing: str, selection: str, capacity: tuple[float, ...],
                  alpha: float, aux_loss_weight: float, balance_weight: float, init_bias: float, kv: str = "all",
-                 auxiliary: str = "loss"):
+                 auxiliary: str = "loss", skip: bool = True):
         super().__init__()
         self.depths, self.routing, self.selection, self.capacity = depths, routing, selection, capacity
         self.alpha, self.aux_loss_weight, self.balance_weight = alpha, aux_loss_weight, balance_weight
         self.init_bias, self.kv, self.auxiliary = init_bias, kv, auxiliary
+        self.skip = skip and kv != "all"  # under all, later steps read every position's keys
         self.catches_up = kv != "shared"  # shared: later steps keep no cache entries to catch up
         if routing == "expert_choice":  # routers[r - 1] decides step r = 1..N-1
             self.routers = nn.ModuleList(StepRouter(d_model, auxiliary == "router") for _ in range(depths - 1))
@@ -167,17 +177,38 @@ class MoRHalting(Halting):
             if t == 0:
                 state.extra[FIRST_STEP_KV] = FirstStepKV()
             first = state.extra[FIRST_STEP_KV]
-            return dataclasses.replace(ctx, first_step_kv=first if t == 0 else first.later())
+            ctx = dataclasses.replace(ctx, first_step_kv=first if t == 0 else first.later())
+            return self._skipping(state, ctx, cache, t) or ctx
         frozen = None if cache is None else cache.frozen
         if cache is not None and (cache.full_loop or ctx.slots is not None or (ctx.past and frozen is None)):
             raise LoopLMError("model.halting.kv=recursion decodes with a growing cache only (LoopCache(), "
                               "generate(compile=None)): a full-loop or static cache keeps no per-position depth")
         if t == 0:
             return ctx
+        skipping = self._skipping(state, ctx, cache, t)
+        if skipping is not None:
+            return skipping
         keep = state.running
         if ctx.past:
             keep = torch.cat([frozen.carrier[DEPTH] > t, keep], dim=1)
         return dataclasses.replace(ctx, valid=ctx.valid & keep, padded=True, _masks={})
+
+    def _skipping(self, state: HaltState, ctx: MixerContext, cache, t: int) -> Optional[MixerContext]:
+        """Step t's context on the gathered positions taking it (``skip``, §2.2.1: a token
+        that left takes no later recursion), or None where every position runs it: with a
+        decoding cache (one new position per row, nothing to save), when probes record
+        attention maps (they want every position's), or when every position takes the step.
+        Exact: the positions taking the step see the same keys as on the frozen path (their
+        own, or the first step's under ``shared``). K, the gathered length, is read back to
+        the host; under torch.compile the loop already breaks the graph at its "all left?"
+        check, and K becomes a dynamic dimension of the blocks' graphs."""
+        if not self.skip or t == 0 or cache is not None or ctx.attentions is not None:
+            return None
+        rows = GatheredRows.of(state.running)
+        if rows.index.shape[1] in (0, state.running.shape[1]):
+            return None
+        rope = tuple(rows.gather(table.expand(rows.index.shape[0], -1, -1)) for table in ctx.rope)
+        return dataclasses.replace(ctx, rope=rope, valid=rows.valid, past=0, padded=True, gathered=rows, _masks={})
 
     def reuses_first_step_kv(self, t: int) -> bool:
         """Under ``kv: shared`` every step after the first reads step 0's keys and values."""

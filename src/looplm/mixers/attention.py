@@ -253,7 +253,8 @@ class SoftmaxAttention(nn.Module):
             keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         blocked = (self.window is not None and state is None and ctx.past == 0 and not ctx.padded
                    and T > max(self.window, MIN_WINDOW_BLOCK))  # training / prefill: O(T·w), not T × T
-        attend = functools.partial(self._over_keys, keys=keys, values=values, mask=mask, blocked=blocked)
+        attend = functools.partial(self._over_keys, keys=keys, values=values, mask=mask, blocked=blocked,
+                                   key_valid=ctx.valid)
         y = attend(q, ctx)
         if ctx.first_step_kv is not None:  # MoR's recursive KV sharing: later steps attend over these
             ctx.first_step_kv.keep(ctx.location[0], attend)
@@ -264,9 +265,13 @@ class SoftmaxAttention(nn.Module):
         return y.transpose(1, 2).reshape(B, T, H * D), new_state
 
     def _over_keys(self, q: torch.Tensor, ctx: MixerContext, keys: torch.Tensor, values: torch.Tensor,
-                   mask: Optional[torch.Tensor], blocked: bool) -> torch.Tensor:
+                   mask: Optional[torch.Tensor], blocked: bool, key_valid: torch.Tensor) -> torch.Tensor:
         """Rotated queries q [B, H, T, D] over the (cached and new) keys and values [B, H, S, D]
-        under ``mask`` (None: plain causality); ``blocked``: by :func:`blocked_window_attention`."""
+        under ``mask`` (None: plain causality); ``blocked``: by :func:`blocked_window_attention`.
+        A later step of MoR's recursive KV sharing run on gathered rows (``ctx.gathered``)
+        masks its K queries by their positions over all S keys, valid per ``key_valid``."""
+        if ctx.gathered is not None and ctx.first_step_kv is not None and ctx.first_step_kv.reusing:
+            mask, blocked = ctx.gathered_mask(key_valid, self.window), False
         if ctx.attentions is not None:  # probes want the probabilities: compute them explicitly
             return self._explicit(q, keys, values, mask, ctx)
         if blocked:

@@ -117,6 +117,52 @@ class FirstStepKV:
 
 
 @dataclasses.dataclass
+class GatheredRows:
+    """The positions a loop step runs on when the others skip it: Mixture-of-Recursions'
+    compute saving (Bae et al. 2025, arXiv 2507.10524, §2.2.1: a token that left the
+    recursion takes no later step; :mod:`looplm.halting.mor`). Per batch row, the indices
+    of the positions taking the step in ascending order, padded to the longest row's count
+    K; a padding slot holds the index of a position not taking the step (all K indices of a
+    row are distinct, so a scatter back writes each position once) and is not a valid key.
+    The step's blocks run on the [B, K] rows; attention masks by these indices, so
+    causality and windows are those of the positions themselves."""
+
+    index: torch.Tensor  # [B, K] long
+    valid: torch.Tensor  # [B, K] bool: a position taking the step (not a padding slot)
+
+    @classmethod
+    def of(cls, running: torch.Tensor) -> "GatheredRows":
+        """The rows of ``running`` [B, T] bool. Reads K, the longest row's count, back to the
+        host: the shape of the step (one host sync per skipping step)."""
+        count = running.sum(dim=1)
+        K = int(count.max())
+        index = torch.argsort((~running).to(torch.uint8), dim=1, stable=True)[:, :K]  # running first, in order
+        return cls(index, torch.arange(K, device=running.device)[None, :] < count[:, None])
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] -> the step's rows [B, K, ...]."""
+        index = self.index.view(*self.index.shape, *([1] * (x.dim() - 2)))
+        return x.gather(1, index.expand(-1, -1, *x.shape[2:]))
+
+    def scatter(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] with the step's rows [B, K, ...] written back at their positions
+        (padding slots write into positions not taking the step, which the halting rule
+        keeps frozen)."""
+        index = self.index.view(*self.index.shape, *([1] * (x.dim() - 2)))
+        return x.scatter(1, index.expand(-1, -1, *x.shape[2:]), rows)
+
+    def mask(self, key_index: torch.Tensor, key_valid: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+        """Bool [B, 1, K, S]: the gathered queries over keys at ``key_index`` ([B or 1, S]),
+        causal by position, over the last ``window`` positions (all when None), real keys
+        only; a query always sees its own position (no NaN rows for padding slots)."""
+        query, key = self.index[:, :, None], key_index[:, None, :]
+        allowed = key <= query
+        if window is not None:
+            allowed = allowed & (key > query - window)
+        return ((allowed & key_valid[:, None, :]) | (key == query))[:, None]
+
+
+@dataclasses.dataclass
 class MixerContext:
     """Computed once per forward and passed to every mixer.
 
@@ -133,6 +179,9 @@ class MixerContext:
     (block, iteration) the model is running. first_step_kv: within a loop step of
     Mixture-of-Recursions' recursive KV sharing (:class:`FirstStepKV`), where softmax
     attention keeps (first step) or reuses (later steps) the first step's keys and values.
+    gathered: a loop step run on the positions taking it alone (:class:`GatheredRows`,
+    Mixture-of-Recursions' token skipping): the rows are the gathered ones, ``rope`` and
+    ``valid`` theirs ([B, K]), ``past`` 0, and attention masks by their positions.
     """
 
     rope: tuple[torch.Tensor, torch.Tensor]
@@ -144,6 +193,7 @@ class MixerContext:
     attentions: Optional[dict[tuple[str, int], torch.Tensor]] = None
     location: tuple[str, int] = ("", 0)
     first_step_kv: Optional[FirstStepKV] = None
+    gathered: Optional[GatheredRows] = None
     _masks: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -196,9 +246,13 @@ class MixerContext:
         ``window`` positions (all when None), or None when plain causal attention of the
         new positions over all S keys is exact (no padding, and no past or one query).
         With static slots: [B, 1, T, C] over the whole buffer, never None (rows not yet
-        written are masked out)."""
+        written are masked out). With gathered rows: [B, 1, K, K] by their positions."""
         if self.slots is not None:
             return self.static_mask("window", window)
+        if self.gathered is not None:
+            if window not in self._masks:
+                self._masks[window] = self.gathered.mask(self.gathered.index, self.valid, window)
+            return self._masks[window]
         T, S = self.length, self.valid.shape[1]
         if not self.padded and (self.past == 0 or T == 1) and (window is None or S <= window):
             return None
@@ -213,6 +267,16 @@ class MixerContext:
             allowed = allowed | (key == query)[None]  # a padding query still sees itself (no NaN rows)
             self._masks[window] = allowed[:, None]
         return self._masks[window]
+
+    def gathered_mask(self, key_valid: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+        """The gathered rows over all S positions' keys, valid per ``key_valid`` [B, S]: what a
+        later step of MoR's recursive KV sharing attends over (the first step's keys), made
+        once per forward and window."""
+        key = ("gathered over all", window)
+        if key not in self._masks:
+            index = torch.arange(key_valid.shape[1], device=key_valid.device)[None, :]
+            self._masks[key] = self.gathered.mask(index, key_valid, window)
+        return self._masks[key]
 
     def static_bias(self, mask: tuple, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`static_mask` ``(*mask)`` as an additive bias of ``dtype`` (0 where allowed,
