@@ -131,6 +131,18 @@ def test_skipping_keeps_causality_and_decoding(halting):
                                                             [5, 9, 12, 13]], atol=2e-5)
 
 
+def test_a_moe_core_skips_with_the_same_logits():
+    """A mixture-of-experts FFN in the core: the skipping forward gives the frozen path's
+    logits and LM loss; the MoE's balance loss counts the rows each step ran (gathered)."""
+    x = random_ids(2, 15)
+    moe = {"experts": 4, "top_k": 2, "hidden": 24}
+    out, ref = (build(dict(kv="recursion"), skip, moe=moe).train()(x, targets=x) for skip in (True, False))
+    torch.testing.assert_close(out.logits, ref.logits, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.lm_loss, ref.lm_loss)
+    assert sorted(out.aux_losses) == sorted(ref.aux_losses) and torch.isfinite(out.aux_losses["moe_balance"])
+    assert out.aux_losses["moe_balance"] != ref.aux_losses["moe_balance"]
+
+
 def test_what_runs_every_position():
     """Skipping applies to a forward without a decoding cache and without attention maps;
     under kv: all (later steps read every position's keys) every position runs every step."""
