@@ -117,11 +117,12 @@ def test_skipping_equals_the_frozen_path_over_the_configuration_space(routing, k
     assert_skipping_equals_frozen(halting, topology, padded=padded, mixer=mixer, n_kv_heads=kv_heads)
 
 
-@pytest.mark.parametrize("halting", [dict(kv="recursion"), dict(kv="shared", routing="token_choice")],
-                         ids=["expert-recursion", "token-shared"])
+@pytest.mark.parametrize("halting", [dict(kv="recursion"), dict(kv="shared", routing="token_choice"),
+                                     dict(kv="shared", auxiliary="router")],
+                         ids=["expert-recursion", "token-shared", "expert-auxiliary-router-shared"])
 def test_skipping_keeps_causality_and_decoding(halting):
-    """The training forward (skipping) is strictly causal, and the decoding cache (one new
-    position per row: no skipping) gives the skipping full forward's logits."""
+    """The training forward (skipping) is strictly causal, and decoding (a skipping prefill
+    under kv: shared, then one new position per row) gives the skipping full forward's logits."""
     m = build(halting, True)
     x = random_ids(2, 15)
     assert_strictly_causal(m.train(), x, (0, 6, 14), shift=7)
@@ -144,13 +145,20 @@ def test_a_moe_core_skips_with_the_same_logits():
 
 
 def test_what_runs_every_position():
-    """Skipping applies to a forward without a decoding cache and without attention maps;
+    """Skipping applies to a forward without a decoding cache and without attention maps, and
+    to the prefill of an empty growing cache under kv: shared (later steps cache nothing);
     under kv: all (later steps read every position's keys) every position runs every step."""
     x = random_ids(2, 12)
     m = build(dict(kv="recursion"), True).eval()
     assert min(rows_seen(m, lambda: m(x))) < 12
     assert min(rows_seen(m, lambda: m(x, output_attentions=True))) == 12
     assert min(rows_seen(m, lambda: m(x, cache=LoopCache()))) == 12
+    shared = build(dict(kv="shared"), True).eval()
+    assert min(rows_seen(shared, lambda: shared(x, cache=LoopCache()))) < 12
+    assert min(rows_seen(shared, lambda: shared(x, cache=LoopCache(full_loop=True)))) == 12
+    cache = LoopCache()
+    shared(x[:, :6], cache=cache)
+    assert min(rows_seen(shared, lambda: shared(x[:, 6:], cache=cache))) == 6  # a chunk after cached positions
     plain = build(dict(kv="all"), True).eval()
     assert min(rows_seen(plain, lambda: plain(x))) == 12
 

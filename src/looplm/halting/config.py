@@ -301,7 +301,8 @@ class MoRHaltingConfig(HaltingConfig):
     threshold) or ``router`` (a second router per step, on the detached state, does: the
     paper's auxiliary router). ``alpha`` scales the gate g; ``init_bias`` starts the routers
     at full depth. ``skip`` (under ``kv: recursion`` or ``shared``): a forward without a
-    decoding cache runs each later step's blocks on the positions taking it alone, gathered
+    decoding cache (under ``shared`` also a prefill into an empty growing cache) runs each
+    later step's blocks on the positions taking it alone, gathered
     (the paper's compute saving; one host sync per step for the gathered length, a dynamic
     dimension under torch.compile; a MoE FFN's balance and z-losses then count the rows each
     step runs, not every position); false runs every position, those that left frozen. Under

@@ -77,7 +77,8 @@ How the paper's pieces map onto looplm, and the ambiguities resolved:
   so block j must be the same attention at every step).
 * **Skipping** (``skip``, the paper's compute saving: "tokens that exit early skip the
   remaining recursions", §2.2.1 and the reference's selected-tokens forward): under ``kv:
-  recursion`` or ``shared``, a forward without a decoding cache runs each later step on the
+  recursion`` or ``shared``, a forward without a decoding cache (under ``shared`` also the
+  prefill of an empty growing cache, whose later steps keep no entries) runs each later step on the
   positions taking it, gathered into [B, K] rows (K the most any batch row keeps; a
   :class:`~looplm.mixers.base.GatheredRows` on the step's context, made by
   :meth:`MoRHalting.step_context`), and scatters them back; attention masks by the gathered
@@ -196,13 +197,18 @@ class MoRHalting(Halting):
     def _skipping(self, state: HaltState, ctx: MixerContext, cache, t: int) -> Optional[MixerContext]:
         """Step t's context on the gathered positions taking it (``skip``, §2.2.1: a token
         that left takes no later recursion), or None where every position runs it: with a
-        decoding cache (one new position per row, nothing to save), when probes record
-        attention maps (they want every position's), or when every position takes the step.
+        decoding cache, except the prefill of an empty growing one under ``kv: shared``
+        (later steps keep no entries there; under ``recursion`` the cache keeps every
+        position's, and a decoding step has one position per row, nothing to save), when
+        probes record attention maps (they want every position's), or when every position
+        takes the step.
         Exact: the positions taking the step see the same keys as on the frozen path (their
         own, or the first step's under ``shared``). K, the gathered length, is read back to
         the host; under torch.compile the loop already breaks the graph at its "all left?"
         check, and K becomes a dynamic dimension of the blocks' graphs."""
-        if not self.skip or t == 0 or cache is not None or ctx.attentions is not None:
+        if not self.skip or t == 0 or ctx.attentions is not None:
+            return None
+        if cache is not None and (self.kv != "shared" or cache.full_loop or ctx.slots is not None or ctx.past):
             return None
         rows = GatheredRows.of(state.running)
         if rows.index.shape[1] in (0, state.running.shape[1]):
