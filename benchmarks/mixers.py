@@ -217,6 +217,7 @@ def _device_name(device: str) -> str:
 def _backend_notes(device: str) -> list[str]:
     """What the unmarked rows ran on: fla's kernels or PyTorch, and where the gated kinds
     had to train on PyTorch (looplm.ops.backend.use_fla)."""
+    from looplm.ops import fla_hopper
     from looplm.ops.backend import fla_gated_backward_ok, fla_installed
 
     if not (device.startswith("cuda") and fla_installed()):
@@ -227,8 +228,15 @@ def _backend_notes(device: str) -> list[str]:
     notes = ["", f"Backend: flash-linear-attention {fla.__version__} (Triton {triton.__version__}) kernels for "
              f"{', '.join(FLA_KINDS)}; PyTorch for the rest and for rows marked [torch]."]
     if not fla_gated_backward_ok(torch.device(device)):
-        notes.append(f"fla refuses the gated backward on this GPU and Triton (fla #640), so the forward + backward "
-                     f"rows of {', '.join(sorted(GATED_KINDS))} ran on PyTorch here; their decode rows ran on fla.")
+        verdicts = fla_hopper.verdicts()
+        passed = sorted({f"{op.family} ({'per channel' if op.channels else 'scalar'})" for (op, _, _), ok in
+                         verdicts.items() if ok})
+        failed = sorted({f"{op.family} ({'per channel' if op.channels else 'scalar'})" for (op, _, _), ok in
+                         verdicts.items() if not ok})
+        notes.append(f"fla refuses the gated backward on this GPU and Triton (fla #640); looplm checked fla's "
+                     f"kernels (the scalar-gated dq/dk kernel at 128-wide tiles) against PyTorch on the device: "
+                     f"passed {', '.join(passed) or 'none'}; failed (those forward + backward rows ran on PyTorch) "
+                     f"{', '.join(failed) or 'none'}.")
     return notes
 
 

@@ -246,6 +246,22 @@ def profile(trainer: Trainer, steps: int) -> dict[str, float]:
     return out
 
 
+def gdn_backend(device: torch.device) -> str:
+    """Which kernels GDN's training step ran on (looplm.ops.backend.use_fla)."""
+    from looplm.ops import fla_hopper
+    from looplm.ops.backend import fla_guard_allows, fla_installed
+
+    if device.type != "cuda" or not fla_installed():
+        return "looplm's PyTorch chunk op (no CUDA device or no flash-linear-attention)"
+    if fla_guard_allows(device):
+        return "fla's kernels"
+    checked = [ok for (op, _, _), ok in fla_hopper.verdicts().items() if op.family == "delta" and not op.channels]
+    if checked and all(checked):
+        return ("fla's kernels, its dq/dk kernel at 128-wide tiles, checked against the PyTorch op on this device "
+                "(fla refuses its gated backward on this GPU and Triton; looplm.ops.fla_hopper)")
+    return "looplm's PyTorch chunk op (fla's gated backward failed its check on this GPU and Triton)"
+
+
 def report(args, result: dict[str, Any], argv: list[str], load: tuple[float, float]) -> str:
     rows = result["rows"]
     dense = {r.compiled: r for r in rows if r.variant == "dense"}
@@ -275,6 +291,8 @@ def report(args, result: dict[str, Any], argv: list[str], load: tuple[float, flo
         lines += ["", "GDN vs attention (tokens/s ratio, no target): " + ", ".join(
             f"{'compiled' if c else 'eager'} {by[('gdn', c)].tokens_per_s / by[('dense', c)].tokens_per_s:.2f}"
             for c in sorted({r.compiled for r in rows}) if ("gdn", c) in by and ("dense", c) in by)]
+    if any(k[0] == "gdn" for k in by):
+        lines += ["", f"GDN trains on: {gdn_backend(torch.device(result['device']))}."]
     compiled_modes = sorted({r.compiled for r in rows})
     if compiled_modes == [False, True]:
         lines += ["", "Compile speed-up (eager step / compiled step): " + ", ".join(

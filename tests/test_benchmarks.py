@@ -285,6 +285,7 @@ def test_train_throughput_core_reports_consistent_numbers(tmp_path):
     verdicts = [line for line in text.splitlines() if line.endswith(("| PASS |", "| FAIL |"))]
     assert len(verdicts) == 4, text  # base, mesh, SpiralFormer, SGT
     assert "1.000e+11 FLOP/s (given (--peak-flops))" in text
+    assert "GDN trains on: looplm's PyTorch chunk op (no CUDA device" in text
 
 
 def test_launch_counts_table_names_every_target(tmp_path):

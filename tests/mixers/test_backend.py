@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from looplm.ops.backend import gated_backward_supported, use_fla
+from looplm.ops.fla_hopper import GatedOp
 
 
 @pytest.mark.parametrize(
@@ -29,4 +30,4 @@ def test_gated_backward_support_follows_fla_guard(sm, triton, tilelang, supporte
 
 def test_cpu_tensors_never_use_fla():
     assert not use_fla(torch.zeros(1))
-    assert not use_fla(torch.zeros(1), gated=True)
+    assert not use_fla(torch.zeros(1), gated=GatedOp("delta", False, 4, 64, 64))

@@ -38,7 +38,7 @@ from looplm.mixers.linear import (
 from looplm.modules.norm import GatedRMSNorm, RMSNorm, gate_activation, l2_scaled, rms_scaled
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import causal_conv1d
-from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, recurrent_delta_rule
+from looplm.ops.delta import chunk_delta_rule, chunk_size_rule, delta_rule_update, fla_delta_rule, recurrent_delta_rule
 
 #: fla's ``l2norm`` epsilon: x / sqrt(Σ x² + L2_EPS)
 L2_EPS = 1e-6
@@ -91,6 +91,7 @@ class DeltaRuleMixer(ProjectedMixer):
     """
 
     kind = "delta_rule"  # the mixer kind, for the backend log
+    op_family = "delta"
 
     def __init__(
         self,
@@ -245,7 +246,7 @@ class DeltaRuleMixer(ProjectedMixer):
         qk = qkv[:, : 2 * self.key_dim].view(B, H, 2, K)  # q_h, k_h side by side per head
         v = qkv[:, 2 * self.key_dim :].view(B, H, V)
         fused = None
-        if valid is None and use_fla(x, gated=True):
+        if valid is None and use_fla(x, gated=self.gated_op()):
             fused = self.fla_fused_step(qk, v, parts, state.recurrent)
         if fused is not None:
             log_backend(self.kind, "fla")
@@ -279,7 +280,7 @@ class DeltaRuleMixer(ProjectedMixer):
         # with one stride over (B, H), as the batched products take them
         qk = l2_scaled(qk, L2_EPS)
         q, k = qk[:, :, 0], qk[:, :, 1]
-        if use_fla(x, gated=alpha is not None):
+        if use_fla(x, gated=self.gated_op()):
             log_backend(self.kind, "fla")
             log_alpha = None if alpha is None else alpha.log()
             beta = x.new_ones(B, H, dtype=torch.float32) if beta is None else beta
@@ -307,7 +308,7 @@ class DeltaRuleMixer(ProjectedMixer):
         step for one new position, the chunkwise form otherwise. Returns (o, S_T)."""
         step = q.shape[1] == 1
         # fla's chunk_delta_rule has no float32 kernel; float32 DeltaNet training stays on torch
-        if use_fla(q, gated=log_alpha is not None) and (step or log_alpha is not None or q.dtype != torch.float32):
+        if use_fla(q, gated=self.gated_op()) and (step or log_alpha is not None or q.dtype != torch.float32):
             log_backend(self.kind, "fla")
             return fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step)
         log_backend(self.kind, "torch")
@@ -360,30 +361,6 @@ def split_conv_states(conv: torch.Tensor, heads: int, key_dim: int) -> tuple[tor
     """Inverse of :func:`fuse_conv_states`: (q, k, v) states from the fused one."""
     qk = conv[:, : 2 * key_dim].unflatten(1, (heads, 2, -1))  # [B, H, 2, K, conv_size - 1]
     return qk[:, :, 0].flatten(1, 2), qk[:, :, 1].flatten(1, 2), conv[:, 2 * key_dim :]
-
-
-def fla_delta_rule(q, k, v, beta, log_alpha, initial_state, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same op through flash-linear-attention (CUDA): q, k (normalised) [B, T, H, K],
-    v [B, T, H, V], beta [B, T, H], log_alpha None / [B, T, H] / [B, T, H, K] (fla's ``g``),
-    initial_state [B, H, K, V] float32 or None. Returns (o [B, T, H, V], S_T float32)."""
-    kwargs = dict(beta=beta.to(q.dtype), initial_state=initial_state, output_final_state=True)
-    if log_alpha is None:
-        from fla.ops.delta_rule import chunk_delta_rule as chunk
-        from fla.ops.delta_rule import fused_recurrent_delta_rule as recurrent
-    elif log_alpha.dim() == 3:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-        from fla.ops.gated_delta_rule import (
-            fused_recurrent_gated_delta_rule as recurrent,
-        )
-
-        kwargs["g"] = log_alpha
-    else:
-        from fla.ops.kda import chunk_kda as chunk
-        from fla.ops.kda import fused_recurrent_kda as recurrent
-
-        kwargs["g"] = log_alpha
-    o, S = (recurrent if step else chunk)(q=q, k=k, v=v, **kwargs)
-    return o, S.float()
 
 
 class DeltaNet(DeltaRuleMixer):

@@ -31,6 +31,7 @@ class GatedDeltaNet(MambaDecayDeltaRule):
     """
 
     kind = "gated_deltanet"
+    decay_gate = "head"
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ class GatedLinearAttention(DecayMixer):
     """
 
     kind = "gla"
+    decay_gate = "channel"
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ class HGRN2Attention(DecayMixer):
     """
 
     kind = "hgrn2"
+    decay_gate = "channel"
 
     def __init__(
         self,
@@ -68,6 +69,16 @@ class HGRN2Attention(DecayMixer):
         self.add_short_convs(widths, use_short_conv, conv_size, conv_bias, activation=None)
         self.g_norm = RMSNorm(hidden_size, eps=norm_eps)
         self.o_proj = nn.Linear(self.input_dim, hidden_size, bias=False)
+
+    @property
+    def head_k_dim(self) -> int:
+        """The op's key width: the forget gate's per head (q, k and log α are that wide)."""
+        return self.head_f_dim
+
+    @property
+    def head_v_dim(self) -> int:
+        """The op's value width: the input's per head."""
+        return self.head_i_dim
 
     def forward(
         self, x: torch.Tensor, ctx: MixerContext, state: Optional[DecayState] = None

@@ -33,6 +33,7 @@ class KimiDeltaAttention(MambaDecayDeltaRule):
     """
 
     kind = "kda"
+    decay_gate = "channel"
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from looplm.mixers.config import MixerConfig
 from looplm.modules.shape import BlockShape
 from looplm.modules.short_conv import ShortConvolution
 from looplm.modules.norm import GatedRMSNorm, RMSNorm
+from looplm.ops.fla_hopper import GatedOp
 
 
 def is_whole(value: float) -> bool:
@@ -47,6 +48,18 @@ class ProjectedMixer(nn.Module):
     i), each optionally followed by a causal short convolution. Modules are named as in
     fla's layers, ``{name}_proj`` and ``{name}_conv1d``, so state dicts move between the two.
     """
+
+    #: the op family a subclass runs: "delta" (the delta rule) or "decay" (diagonal decay)
+    op_family = ""
+    #: its decay gate: None, "head" (one log α per head and position) or "channel" (one per
+    #: key channel); gated ops may need their fla backward checked (looplm.ops.fla_hopper)
+    decay_gate: Optional[str] = None
+
+    def gated_op(self) -> Optional[GatedOp]:
+        """The gated op this layer trains through (None without a decay gate)."""
+        if self.decay_gate is None:
+            return None
+        return GatedOp(self.op_family, self.decay_gate == "channel", self.num_heads, self.head_k_dim, self.head_v_dim)
 
     def add_projections(self, hidden_size: int, widths: dict[str, int]) -> None:
         """``{name}_proj = Linear(hidden_size, width)`` without bias, in ``widths``' order."""

@@ -89,6 +89,7 @@ class DecayMixer(ProjectedMixer):
     """
 
     kind = "linear_attention"
+    op_family = "decay"
     chunk_size = 64
 
     def set_heads(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int], expand_k: float,
@@ -178,7 +179,7 @@ class DecayMixer(ProjectedMixer):
         (fla's layers' rule), its chunked kernel otherwise. On PyTorch: the recurrent step
         for one position, the chunkwise form for more."""
         T = q.shape[1]
-        if use_fla(q, gated=log_alpha is not None):
+        if use_fla(q, gated=self.gated_op()):
             log_backend(self.kind, "fla")
             recurrent = T <= 64 and not torch.is_grad_enabled()
             o, S = fla_decay(q, k, v, log_alpha, scale, initial_state, output_final_state=True, recurrent=recurrent)

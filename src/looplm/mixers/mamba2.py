@@ -43,6 +43,7 @@ class Mamba2(DecayMixer):
     """
 
     kind = "mamba2"
+    decay_gate = "head"
 
     def __init__(
         self,
@@ -95,6 +96,16 @@ class Mamba2(DecayMixer):
         self.D = nn.Parameter(torch.ones(self.intermediate_size if D_has_hdim else self.num_heads))
         self.D._no_weight_decay = True
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
+
+    @property
+    def head_k_dim(self) -> int:
+        """The op's key width: the state size N (C_t, B_t are its queries and keys)."""
+        return self.ssm_state_size
+
+    @property
+    def head_v_dim(self) -> int:
+        """The op's value width: the head dim P."""
+        return self.head_dim
 
     @property
     def o_proj(self) -> nn.Linear:

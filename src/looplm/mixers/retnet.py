@@ -40,6 +40,7 @@ class MultiScaleRetention(DecayMixer):
     """
 
     kind = "retnet"
+    decay_gate = "head"
 
     def __init__(
         self,

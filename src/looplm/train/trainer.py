@@ -81,6 +81,7 @@ from looplm.config_base import ConfigError
 from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.model import LoopLM
+from looplm.ops.backend import check_before_compile
 from looplm.tasks.config import is_task_source
 from looplm.train import checkpointer
 from looplm.train.activation_checkpointing import apply_activation_checkpointing
@@ -239,6 +240,10 @@ class Trainer:
             wrapped = DistributedDataParallel(model, device_ids=ids)
         mode = self.cfg.train.compile
         if mode:
+            # a gated fla op checked on this device (Hopper with an affected Triton) gets its
+            # verdict now, eagerly: the compiled step cannot run the check
+            dtype = self.autocast_dtype or next(model.parameters()).dtype
+            check_before_compile(model, self.device, dtype)
             wrapped = torch.compile(wrapped, **({} if mode is True else {"mode": mode}))
         return wrapped
 

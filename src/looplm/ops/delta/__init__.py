@@ -8,11 +8,13 @@ gate is given in log space, ``log_alpha`` = log α_t: None (α = 1, DeltaNet), `
 
 * :func:`naive_recurrent_delta_rule` — the recurrence as written, the reference;
 * :func:`chunk_delta_rule` — chunkwise-parallel (WY / UT transform), for training;
-* :func:`recurrent_delta_rule` / :func:`delta_rule_step` — O(1)-state decoding.
+* :func:`recurrent_delta_rule` / :func:`delta_rule_step` — O(1)-state decoding;
+* :func:`fla_delta_rule` — flash-linear-attention's Triton kernels for the same op (CUDA).
 """
 
 from looplm.ops.delta.chunk import chunk_delta_rule, chunk_size_rule
+from looplm.ops.delta.fla import fla_delta_rule
 from looplm.ops.delta.naive import naive_recurrent_delta_rule
 from looplm.ops.delta.recurrent import delta_rule_step, delta_rule_update, recurrent_delta_rule
 
-__all__ = ["chunk_delta_rule", "chunk_size_rule", "delta_rule_step", "delta_rule_update", "naive_recurrent_delta_rule", "recurrent_delta_rule"]
+__all__ = ["chunk_delta_rule", "chunk_size_rule", "delta_rule_step", "fla_delta_rule", "delta_rule_update", "naive_recurrent_delta_rule", "recurrent_delta_rule"]
