@@ -4,6 +4,8 @@
 #
 #   1. the GPU tests (tests/gpu, CUDA cases only, -v so that a cut run still names what passed;
 #      in parallel processes when pytest-xdist is there, since Triton compiling dominates);
+#   1b. benchmarks/fla_check.py: fla's gated backward against the PyTorch ops per gated kind
+#      (GDN first), at 128-wide tiles where fla refuses it (issue 25's Hopper path);
 #   2. benchmarks/generate.py: batch 1 and 8 greedy generation, looplm vs transformers' LLaMA;
 #   3. benchmarks/long_context.py: the paper's lt2-0.6b shape at contexts 2048 and 8192,
 #      batch 8, eager and with --compile cuda-graph, decode timed through model.generate in
@@ -120,13 +122,13 @@ if ((!DRY)); then
   "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 8)
 fi
 TEST_LOG=$RESULTS/.gpu-tests.log
-LABEL="$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}" part "GPU tests" 80 bash -c 'set -o pipefail; "$0" -m pytest "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_FILES[@]}" "${TEST_ARGS[@]}"
+LABEL="$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}" part "GPU tests" 60 bash -c 'set -o pipefail; "$0" -m pytest "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_FILES[@]}" "${TEST_ARGS[@]}"
 if ((!DRY)) && [[ -f $TEST_LOG ]]; then
   {
     echo "# GPU tests (${TEST_FILES[*]}, CUDA cases)"
     echo
     echo "Card: $CARD; $VERSIONS.  "
-    echo "Command: \`$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}\` (run by benchmarks/gpu.sh, deadline 80 s)."
+    echo "Command: \`$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}\` (run by benchmarks/gpu.sh, deadline 60 s)."
     echo
     echo '```'
     grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|Timeout|^(E  |FAILED|ERROR)|passed|failed" "$TEST_LOG" | tail -150
@@ -134,6 +136,9 @@ if ((!DRY)) && [[ -f $TEST_LOG ]]; then
   } >"$RESULTS/gpu-tests-cuda.md"
   rm -f "$TEST_LOG"
 fi
+
+# 1b. fla's gated backward checked against the PyTorch ops (GDN first; a row per kind as it ends).
+part "fla check" 20 "$PY" benchmarks/fla_check.py --out "$RESULTS/fla-check-cuda.md"
 
 # 2. Generation against transformers' LLaMA (batch 1 and 8, five systems).
 part "generate" 90 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \

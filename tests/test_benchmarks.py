@@ -333,3 +333,37 @@ def test_compile_time_benchmark_measures_both_captures_in_process():
     assert rows[0]["operators"] < rows[1]["operators"], rows
     assert "| gdn | 1R2 | 2 | on |" in text and "| gdn | 1R2 | 2 | off (unrolled) |" in text
     assert "| gdn | 25R4 | | off (unrolled) | | timed out at 900 s |" in text
+
+
+def test_fla_check_table(tmp_path, monkeypatch):
+    """benchmarks/fla_check.py (GPU only) with the device, fla's guard and the check replaced:
+    a row per kind and dtype, the verdict by looplm's rule, a failed kernel kept as a row."""
+    pytest.importorskip("fla", reason="flash-linear-attention not installed")
+    from looplm.ops import backend, fla_hopper
+
+    check = benchmark("fla_check")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(backend, "fla_guard_allows", lambda device: False)
+    monkeypatch.setattr(fla_hopper, "use_wide_tiles", lambda: True)
+
+    def errors(op, device, dtype):
+        if op.family == "decay" and op.channels:
+            raise RuntimeError("PTX miscompiled\nsecond line")
+        return {"o": 0.004, "dk": 0.5 if op.channels else 0.012}
+
+    monkeypatch.setattr(fla_hopper, "backward_errors", errors)
+    out = tmp_path / "fla.md"
+    check.main(["--kinds", "gated_deltanet", "kda", "gla", "--dtypes", "bf16", "fp32", "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["gated_deltanet"] * 2 + ["kda"] * 2 + ["gla"] * 2
+    assert "| 0.012 (dk) | fla (checked) |" in rows[0] and "| 0.5 (dk) | PyTorch |" in rows[2]
+    assert "error: RuntimeError: PTX miscompiled | PyTorch |" in rows[4]
+    assert "refuses its gated backward here" in out.read_text()
+
+
+def test_fla_check_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        benchmark("fla_check").main([])
