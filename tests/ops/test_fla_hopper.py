@@ -161,6 +161,23 @@ def test_a_verdict_is_reached_once_logged_and_decides_the_backend(monkeypatch, c
     assert len(calls) == 2
 
 
+def test_the_check_runs_in_float32_when_asked_under_autocast(monkeypatch):
+    """A layer asks from inside a bf16-autocast forward: the reference op must still run in
+    float32 (else it would be no reference), and with gradients on."""
+    seen = []
+
+    def errors(op, device, dtype):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
+        return {"o": 0.0}
+
+    monkeypatch.setattr(fla_hopper, "backward_errors", errors)
+    monkeypatch.setattr(fla_hopper, "use_wide_tiles", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert fla_hopper.verified_backward(OPS[0], torch.device("cpu"), torch.bfloat16)
+    assert seen == [(False, True)]
+
+
 def test_no_check_runs_inside_a_trace(monkeypatch):
     monkeypatch.setattr(fla_hopper, "backward_errors", lambda *a: pytest.fail("checked while tracing"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
