@@ -78,8 +78,8 @@ How the paper's pieces map onto looplm, and the ambiguities resolved:
 * **Skipping** (``skip``, the paper's compute saving: "tokens that exit early skip the
   remaining recursions", §2.2.1 and the reference's selected-tokens forward): under ``kv:
   recursion`` or ``shared``, a forward without a decoding cache (under ``shared`` also the
-  prefill of an empty growing cache, whose later steps keep no entries) runs each later step on the
-  positions taking it, gathered into [B, K] rows (K the most any batch row keeps; a
+  prefill of an empty growing cache, whose later steps keep no entries) runs each later
+  step on the positions taking it, gathered into [B, K] rows (K the most any batch row keeps; a
   :class:`~looplm.mixers.base.GatheredRows` on the step's context, made by
   :meth:`MoRHalting.step_context`), and scatters them back; attention masks by the gathered
   positions (over each other under ``recursion``, over the first step's keys under
@@ -201,11 +201,11 @@ class MoRHalting(Halting):
         (later steps keep no entries there; under ``recursion`` the cache keeps every
         position's, and a decoding step has one position per row, nothing to save), when
         probes record attention maps (they want every position's), or when every position
-        takes the step.
-        Exact: the positions taking the step see the same keys as on the frozen path (their
-        own, or the first step's under ``shared``). K, the gathered length, is read back to
-        the host; under torch.compile the loop already breaks the graph at its "all left?"
-        check, and K becomes a dynamic dimension of the blocks' graphs."""
+        takes the step. Exact: the positions taking the step see the same keys as on the
+        frozen path (their own, or the first step's under ``shared``). K, the gathered
+        length, is read back to the host; under torch.compile the loop already breaks the
+        graph at its "all left?" check, and K becomes a dynamic dimension of the blocks'
+        graphs."""
         if not self.skip or t == 0 or ctx.attentions is not None:
             return None
         if cache is not None and (self.kv != "shared" or cache.full_loop or ctx.slots is not None or ctx.past):
