@@ -113,14 +113,18 @@ def all_configs() -> list[tuple[str, ModelConfig]]:
                                         halting={"kind": "act"}, lora={"rank": 2})),
         # Mixture-of-Recursions, routers at bias 0 so positions leave at different steps. Not here:
         # selection=top_k, whose *training* forward is not causal by design (top-k over the
-        # sequence); kv=recursion, which refuses the static test's full-loop cache (it keeps no
-        # per-position depth). tests/halting/test_mor.py checks both against the same invariants
-        # (top_k: its inference form, and shows the training leak).
+        # sequence); tests/halting/test_mor.py checks it against the same invariants (its
+        # inference form) and shows the training leak.
         ("mor-expert-choice-anchor", tiny_config("anchor", layout="1+1R3+1",
                                                  halting={"kind": "mor", "depths": 3, "init_bias": 0.0})),
         ("mor-token-choice-steps", tiny_config("residual", layout="1R3", step_embeddings=True,
                                                halting={"kind": "mor", "depths": 3, "routing": "token_choice",
                                                         "init_bias": 0.0})),
+        # recursion-wise KV: later steps see only the positions taking them (their depths kept by
+        # every cache kind)
+        ("mor-token-choice-recursion-kv", tiny_config("anchor", layout="1+1R3+1",
+                                                      halting={"kind": "mor", "depths": 3, "init_bias": 0.0,
+                                                               "routing": "token_choice", "kv": "recursion"})),
         # recursive KV sharing: later steps attend over the first step's keys and values (grouped heads)
         ("mor-expert-shared-kv-gqa", tiny_config("anchor", layout="1+1R3+1", n_kv_heads=2,
                                                  halting={"kind": "mor", "depths": 3, "init_bias": 0.0, "kv": "shared"})),

@@ -61,6 +61,9 @@ class LoopCache:
         self.chunks: dict[int, ChunkState] = {}  # multi-resolution iteration t -> its chunk state
         self.frozen: Optional[LoopState] = None  # adaptive halting: each position's last loop state [B, S, ...]
         self.steps_done: Optional[torch.Tensor] = None  # [S] long, non-increasing: macro steps cached per position
+        #: [B, S] long: each position's realised macro steps, kept by a full-loop cache where
+        #: the halting rule needs them (``Halting.keeps_depth``: MoR's recursion-wise KV)
+        self.depth: Optional[torch.Tensor] = None
 
     def get(self, block: str, iteration: int) -> Optional[MixerState]:
         return self.states.get((block, iteration))
@@ -117,6 +120,10 @@ class LoopCache:
         )
         self.steps_done = torch.cat([self.steps_done, done])
 
+    def record_depth(self, steps: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+        """Keep the new positions' realised macro steps [B, T] (``depth``)."""
+        self.depth = steps if self.depth is None else torch.cat([self.depth, steps], dim=1)
+
     def frozen_slice(self, start: int, end: int) -> LoopState:
         """The frozen loop states of positions [start, end)."""
         return self.frozen.map(lambda x: x[:, start:end])
@@ -141,6 +148,8 @@ class LoopCache:
         self.chunks = {t: chunk.crop(length) for t, chunk in self.chunks.items()}
         if self.frozen is not None:
             self.frozen, self.steps_done = self.frozen_slice(0, length), self.steps_done[:length]
+        if self.depth is not None:
+            self.depth = self.depth[:, :length]
         self.valid = self.valid[:, :length]
         self.next_position = self.valid.long().sum(dim=1)
         self.padded = not bool(self.valid.all())
@@ -151,6 +160,8 @@ class LoopCache:
         self.chunks = {t: chunk.select(index) for t, chunk in self.chunks.items()}
         if self.frozen is not None:
             self.frozen = self.frozen.map(lambda x: x[index])
+        if self.depth is not None:
+            self.depth = self.depth[index]
         if self.valid is not None:
             self.valid = self.valid[index]
             self.next_position = self.next_position[index]
@@ -232,6 +243,9 @@ class StaticLoopCache(LoopCache):
         B, device = cache.valid.shape[0], cache.valid.device
         static.valid = torch.zeros(B, capacity, dtype=torch.bool, device=device)
         static.valid[:, :length] = cache.valid
+        if cache.depth is not None:
+            static.depth = torch.zeros(B, capacity, dtype=torch.long, device=device)
+            static.depth[:, :length] = cache.depth
         static.next_position = cache.next_position.clone()
         static.position = torch.tensor(length, device=device)
         for t, chunk in cache.chunks.items():
@@ -263,7 +277,7 @@ class StaticLoopCache(LoopCache):
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer a decoding step reads or writes (to mark as static addresses for
         CUDA graphs)."""
-        found = [self.valid, self.next_position, self.position]
+        found = [self.valid, self.next_position, self.position, *([] if self.depth is None else [self.depth])]
         for state in [*self.states.values(), *self.chunks.values()]:
             _leaves(state, found)
         return found
@@ -275,6 +289,10 @@ class StaticLoopCache(LoopCache):
             self.states[(block, iteration)] = state
         else:
             copy_into(old, state)
+
+    def record_depth(self, steps: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+        """Write the new positions' realised macro steps [B, T] into their rows ``slots``."""
+        self.depth.index_copy_(1, slots, steps)
 
     def extend(self, new_valid: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         raise NotStatic("a static cache is extended by extend_static (LoopLM._context)")
@@ -357,7 +375,7 @@ class StaticLoopCache(LoopCache):
                 self.states[key] = state.select(index)
         for t, chunk in self.chunks.items():
             self.chunks[t] = chunk.select(index)  # the same object when in place
-        for name in ("valid", "next_position"):
+        for name in ("valid", "next_position", *(("depth",) if self.depth is not None else ())):
             value = getattr(self, name)
             if same:
                 value.copy_(value[index])

@@ -239,6 +239,8 @@ class LoopLM(nn.Module):
             ctx.add_loss(name, value)
         if cache is not None and stops:
             cache.append_frozen(state, t + 1)
+        elif cache is not None and halting.keeps_depth:  # a full-loop cache: the new positions' depths
+            cache.record_depth(halt.steps, ctx.slots)
         structure = self.cfg.structure
         if isinstance(halt.steps, int):  # no halting: every position ran every step, one fill each
             steps = halt.steps

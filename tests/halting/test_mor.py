@@ -266,9 +266,9 @@ def test_recursion_wise_kv_hides_the_keys_of_positions_not_taking_the_step():
 @pytest.mark.parametrize("halting", [mor(kv="recursion"), mor(kv="recursion", routing="token_choice")],
                          ids=["expert", "token"])
 def test_recursion_wise_kv_is_causal_and_decodes_like_the_forward(halting):
-    """Not in the invariant sweep (tests/conftest.py:all_configs) only because its static
-    test prefills into a full-loop cache, which keeps no per-position depth (refused below);
-    the growing cache gives the full forward's logits, prefill + tokens and chunked."""
+    """The growing cache (depths kept with the frozen states) gives the full forward's
+    logits, prefill + tokens and chunked (the full-loop and static caches: below, and in the
+    invariant sweep of tests/conftest.py:all_configs)."""
     m = model(halting, layout="1+1R3+1").eval()
     x = random_ids(2, 15)
     plain = model({**halting, "kv": "all"}, layout="1+1R3+1").eval()
@@ -281,13 +281,45 @@ def test_recursion_wise_kv_is_causal_and_decodes_like_the_forward(halting):
                                                             [5, 9, 12, 13]], atol=2e-5)
 
 
-def test_recursion_wise_kv_refuses_what_cannot_serve_it():
+@pytest.mark.parametrize("halting", [mor(kv="recursion"), mor(kv="recursion", routing="token_choice")],
+                         ids=["expert", "token"])
+def test_recursion_wise_kv_on_full_loop_and_static_caches(halting):
+    """A full-loop cache (every step run for every position) keeps each position's depth in
+    ``cache.depth``; so does a static cache, written in place at each new position's row:
+    both give the full forward's logits, and so do the compiled decoding step, a crop and a
+    beam reorder."""
     from looplm import LoopCache
-    from looplm.errors import LoopLMError
 
-    m = model(mor(kv="recursion")).eval()
-    with pytest.raises(LoopLMError, match="growing cache only"):
-        m(random_ids(1, 5), cache=LoopCache(full_loop=True))
+    m = model(halting, layout="1+1R3+1").eval()
+    x = random_ids(2, 12)
+    full = m(x).logits
+    assert len(m(x).halt_steps.unique()) > 1
+    cache = LoopCache(full_loop=True)
+    pieces = [m(x[:, :5], cache=cache).logits] + [m(x[:, i:i + 1], cache=cache).logits for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-5)
+    assert cache.depth.shape == (2, 12) and torch.equal(cache.depth, m(x).halt_steps)
+    cache = LoopCache(full_loop=True)
+    m(x[:, :5], cache=cache)
+    static = cache.static(12)
+    rows = [m(x[:, i:i + 1], cache=static).logits for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(rows, dim=1), full[:, 5:], atol=2e-5, rtol=1e-5)
+    assert torch.equal(static.depth, m(x).halt_steps)
+    static.crop(8)  # rewind and decode again: the same logits
+    torch.testing.assert_close(m(x[:, 8:9], cache=static).logits, full[:, 8:9], atol=2e-5, rtol=1e-5)
+    static.select_batch(torch.tensor([1, 0]))  # a beam reorder swaps the rows' depths too
+    torch.testing.assert_close(m(x.flip(0)[:, 9:10], cache=static).logits, full.flip(0)[:, 9:10], atol=2e-5,
+                               rtol=1e-5)
+    from torch._dynamo.utils import counters
+
+    eager = m.generate(x[:, :5], max_new_tokens=6, do_sample=False, compile=None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = m.generate(x[:, :5], max_new_tokens=6, do_sample=False, compile={"backend": "eager"})
+    assert torch.equal(eager.sequences, compiled.sequences)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_recursion_wise_kv_refuses_what_cannot_serve_it():
     with pytest.raises(ConfigError, match=r"model\.halting\.kv.*gated_deltanet"):
         tiny_config("anchor", layout="1R3", mixer={"kind": "gated_deltanet"}, halting=mor(kv="recursion"))
 

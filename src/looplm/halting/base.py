@@ -68,6 +68,10 @@ class Halting(nn.Module):
     #: later steps before a new position needs them (``LoopLM._catch_up``); false where the
     #: later steps keep no entries (MoR's recursive KV sharing reads the first step's)
     catches_up = True
+    #: whether a full-loop (or static) decoding cache keeps each position's realised steps
+    #: (``LoopCache.depth``): MoR's recursion-wise KV hides a cached position's keys from
+    #: the steps it did not take
+    keeps_depth = False
     #: whether the LM loss of the readout is the task term of the training loss; false where
     #: the rule's own losses hold the task loss (the exit gate's expected objective)
     trains_readout = True

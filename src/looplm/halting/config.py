@@ -293,7 +293,7 @@ class MoRHaltingConfig(HaltingConfig):
     form: top-k over the sequence in training, not causal; the threshold at inference).
     ``kv``: ``all`` (a step's attention sees every position, those that left through their
     frozen states), ``recursion`` (only the positions taking the step, the paper's
-    recursion-wise KV caching; softmax-attention mixers, decoded with a growing cache) or
+    recursion-wise KV caching; softmax-attention mixers, any cache) or
     ``shared`` (the paper's recursive KV sharing, §2.2.2: every later step attends over the
     keys and values the first step computed, projecting queries only; softmax-attention
     mixers and one shared core stack run the same way at every step, any cache).

@@ -51,11 +51,12 @@ How the paper's pieces map onto looplm, and the ambiguities resolved:
   frozen state. ``recursion`` is the paper's recursion-wise KV caching: step t's attention
   sees only the positions taking step t (:meth:`MoRHalting.step_context` narrows the
   context's key validity; a query always sees itself, as for padding). Decoding keeps each
-  position's depth with its frozen loop state in the cache (the ``mor_depth`` carrier
-  entry), so a cached position's keys are hidden from the steps it did not take; the cache
-  still holds (caught-up) entries for them, unread. Softmax-attention mixers only (a
-  recurrent mixer cannot drop a position from its state), and a growing cache only (a
-  full-loop or static cache keeps no depth). ``shared`` is the paper's recursive KV sharing
+  position's depth, so a cached position's keys are hidden from the steps it did not take:
+  a growing cache with its frozen loop state (the ``mor_depth`` carrier entry), a
+  full-loop or static cache (every step run for every position) in ``LoopCache.depth``,
+  written after each forward (``Halting.keeps_depth``); the cache still holds entries for
+  the steps a position skipped, unread. Softmax-attention mixers only (a recurrent mixer
+  cannot drop a position from its state). ``shared`` is the paper's recursive KV sharing
   (§2.2.2 "KV caching strategies", below).
 * **Recursive KV sharing** (``kv: shared``, §2.2.2): every token takes the first recursion,
   so the keys and values its attention computes there exist for all tokens; later
@@ -97,7 +98,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from looplm.accounting.cost import Call, Cost, Step, module_cost
-from looplm.errors import LoopLMError
 from looplm.halting.base import Halting, HaltState, ReadLogits, Readout
 from looplm.mixers.base import FirstStepKV, GatheredRows, MixerContext
 from looplm.streams.single import freeze
@@ -152,6 +152,7 @@ class MoRHalting(Halting):
         self.init_bias, self.kv, self.auxiliary = init_bias, kv, auxiliary
         self.skip = skip and kv != "all"  # under all, later steps read every position's keys
         self.catches_up = kv != "shared"  # shared: later steps keep no cache entries to catch up
+        self.keeps_depth = kv == "recursion"  # a full-loop cache hides keys by each position's depth
         if routing == "expert_choice":  # routers[r - 1] decides step r = 1..N-1
             self.routers = nn.ModuleList(StepRouter(d_model, auxiliary == "router") for _ in range(depths - 1))
         else:
@@ -169,7 +170,8 @@ class MoRHalting(Halting):
 
     def step_context(self, state: HaltState, ctx: MixerContext, cache, t: int) -> MixerContext:
         """Under ``kv: recursion``, step t's keys are the positions taking it: new positions
-        still running, cached ones whose depth (kept with their frozen loop state) exceeds t.
+        still running, cached ones whose depth (kept with their frozen loop state, or in a
+        full-loop or static cache's ``depth``) exceeds t.
         Under ``kv: shared``, step 0's attention keeps its keys and values and the later
         steps' read them (:class:`~looplm.mixers.base.FirstStepKV`)."""
         if self.kv == "all":
@@ -180,18 +182,17 @@ class MoRHalting(Halting):
             first = state.extra[FIRST_STEP_KV]
             ctx = dataclasses.replace(ctx, first_step_kv=first if t == 0 else first.later())
             return self._skipping(state, ctx, cache, t) or ctx
-        frozen = None if cache is None else cache.frozen
-        if cache is not None and (cache.full_loop or ctx.slots is not None or (ctx.past and frozen is None)):
-            raise LoopLMError("model.halting.kv=recursion decodes with a growing cache only (LoopCache(), "
-                              "generate(compile=None)): a full-loop or static cache keeps no per-position depth")
         if t == 0:
             return ctx
         skipping = self._skipping(state, ctx, cache, t)
         if skipping is not None:
             return skipping
         keep = state.running
-        if ctx.past:
-            keep = torch.cat([frozen.carrier[DEPTH] > t, keep], dim=1)
+        if ctx.slots is not None:  # a static cache's rows: cached depths, the new positions at their rows
+            keep = (cache.depth > t).index_copy(1, ctx.slots, keep)
+        elif ctx.past:  # a growing cache: its positions' depths, kept by full-loop caches or frozen states
+            depth = cache.depth if cache.full_loop else cache.frozen.carrier[DEPTH]
+            keep = torch.cat([depth > t, keep], dim=1)
         return dataclasses.replace(ctx, valid=ctx.valid & keep, padded=True, _masks={})
 
     def _skipping(self, state: HaltState, ctx: MixerContext, cache, t: int) -> Optional[MixerContext]:
