@@ -208,8 +208,11 @@ class LoopLM(nn.Module):
         ``streams.schedule``, folded in by the topology), the step signal e_t added to every
         core input, the halting rule observing the solution after each step and freezing
         halted positions. The loop stops once every position has halted (the frozen states
-        would not change); with a cache, positions that stopped early in earlier calls are
-        caught up (:meth:`_catch_up`) before a new position first needs a later step."""
+        would not change), except under torch.compile: the check reads the device back and
+        would break the graph, so a compiled forward runs every step, halted positions frozen
+        (what a full-loop cache does; same results). With a cache, positions that stopped
+        early in earlier calls are caught up (:meth:`_catch_up`) before a new position first
+        needs a later step."""
         streams, topology, halting = self.streams, self.topology, self.halting
         state = streams.start(topology, h_emb, h_pre)
         halt = halting.begin(state.h, ctx.new_valid)
@@ -218,6 +221,7 @@ class LoopLM(nn.Module):
         # A full-loop cache (a static one) runs every step on every position, halted ones
         # frozen: no data-dependent exit, and no position ever misses a step's entries.
         stops = halting.freezes and not (cache is not None and cache.full_loop)
+        exits = stops and not torch.compiler.is_compiling()  # the "all halted?" read-back breaks a graph
         # truncated backpropagation (model.depth.backprop_window = k): the first r − k steps
         # run without gradient, so training memory follows k, not r (Huginn §3.3)
         no_grad = self.cfg.depth.no_grad_iterations(n_iter) if torch.is_grad_enabled() else 0
@@ -232,7 +236,7 @@ class LoopLM(nn.Module):
             solution = streams.finish(topology, state) if last else state.h
             halting.observe(halt, solution, t, last, Readout(self.norm, self.head), targets)
             trace.append(state.h)
-            if stops and not last and halt.done:
+            if exits and not last and halt.done:
                 break
         readout = halting.finish(halt)
         for name, value in halt.losses.items():

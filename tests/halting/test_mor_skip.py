@@ -163,18 +163,22 @@ def test_what_runs_every_position():
     assert min(rows_seen(plain, lambda: plain(x))) == 12
 
 
-def test_torch_compile_runs_the_skipping_forward():
-    """Compiled, the skipping forward gives eager's logits and gradients for inputs whose
-    gathered lengths differ (K is a dynamic dimension of the blocks' graphs)."""
+def test_torch_compile_takes_the_frozen_path_in_one_graph():
+    """The gathered length is data-dependent (a host read), so a compiled forward takes the
+    frozen path: one graph for forward and backward, no break, and the skipping eager
+    forward's logits and gradients, over inputs whose gathered lengths differ."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     m = build(dict(kv="shared"), True).train()
-    compiled = torch.compile(m, backend="eager")
+    compiled = torch.compile(lambda ids: m(ids, targets=ids), backend="aot_eager", fullgraph=True)
     params = [p for p in m.parameters() if p.requires_grad]
     lengths = set()
     for seed in range(3):
         x = random_ids(2, 12, seed=seed)
         lengths.add(tuple(rows_seen(m, lambda: m(x))))
-        out, ref = compiled(x, targets=x), m(x, targets=x)
+        out, ref = compiled(x), m(x, targets=x)
         torch.testing.assert_close(out.logits, ref.logits, atol=2e-6, rtol=1e-5)
         grads = torch.autograd.grad(out.loss, params, allow_unused=True)
         for a, b in zip(grads, torch.autograd.grad(ref.loss, params, allow_unused=True)):
@@ -182,6 +186,7 @@ def test_torch_compile_runs_the_skipping_forward():
             if a is not None:
                 torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
     assert len(lengths) > 1, "the inputs should gather different lengths"
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
 def test_gathered_rows_by_hand():

@@ -303,9 +303,9 @@ class MoRHaltingConfig(HaltingConfig):
     at full depth. ``skip`` (under ``kv: recursion`` or ``shared``): a forward without a
     decoding cache (under ``shared`` also a prefill into an empty growing cache) runs each
     later step's blocks on the positions taking it alone, gathered
-    (the paper's compute saving; one host sync per step for the gathered length, a dynamic
-    dimension under torch.compile; a MoE FFN's balance and z-losses then count the rows each
-    step runs, not every position); false runs every position, those that left frozen. Under
+    (the paper's compute saving; one host sync per step for the gathered length, so a
+    compiled forward takes the frozen path; a MoE FFN's balance and z-losses count the rows
+    each step runs, not every position); false runs every position, those that left frozen. Under
     ``kv: all`` every position runs every step (later steps read all positions' keys)."""
 
     kind: str = "mor"

@@ -201,13 +201,12 @@ class MoRHalting(Halting):
         decoding cache, except the prefill of an empty growing one under ``kv: shared``
         (later steps keep no entries there; under ``recursion`` the cache keeps every
         position's, and a decoding step has one position per row, nothing to save), when
-        probes record attention maps (they want every position's), or when every position
-        takes the step. Exact: the positions taking the step see the same keys as on the
-        frozen path (their own, or the first step's under ``shared``). K, the gathered
-        length, is read back to the host; under torch.compile the loop already breaks the
-        graph at its "all left?" check, and K becomes a dynamic dimension of the blocks'
-        graphs."""
-        if not self.skip or t == 0 or ctx.attentions is not None:
+        probes record attention maps (they want every position's), under torch.compile (K,
+        the gathered length, is read back to the host: the frozen path keeps the step's
+        shapes static and the graph whole), or when every position takes the step. Exact:
+        the positions taking the step see the same keys as on the frozen path (their own, or
+        the first step's under ``shared``)."""
+        if not self.skip or t == 0 or ctx.attentions is not None or torch.compiler.is_compiling():
             return None
         if cache is not None and (self.kv != "shared" or cache.full_loop or ctx.slots is not None or ctx.past):
             return None
