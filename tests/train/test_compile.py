@@ -85,3 +85,25 @@ def test_each_throughput_variant_trains_in_one_graph(name, throughput, tmp_path)
             loss.backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("rung", ["dense", "tied", "tied_step", "ut_act", "dual_ut", "dual_nested_ut", "ar_trm"])
+def test_each_ladder_rung_trains_in_one_graph(rung):
+    """Every rung of the ladder (autoregressive-trm.txt App. B), adaptive regime (halted
+    positions frozen: the harder case): forward and backward one graph, compiled once over
+    two steps, so the paper-size ladder can run under ``train.compile=reduce-overhead``."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from looplm import LoopLM
+    from looplm.ladder import rung_model
+    from looplm.model_config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_heads=2, max_seq_len=32, **rung_model(rung, 12, full_compute=False))
+    model = LoopLM(cfg).train()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda ids: model(ids, targets=ids).loss, backend="aot_eager", fullgraph=True)
+    for seed in range(2):
+        step(torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(seed))).backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
