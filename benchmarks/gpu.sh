@@ -8,10 +8,11 @@
 #      (GDN first), at 128-wide tiles where fla refuses it (issue 25's Hopper path);
 #   2. benchmarks/generate.py: batch 1 and 8 greedy generation, looplm vs transformers' LLaMA;
 #   3. benchmarks/long_context.py: the paper's lt2-0.6b shape at contexts 2048 and 8192,
-#      batch 8, eager and with --compile cuda-graph, decode timed through model.generate in
-#      both so the two files compare like for like;
+#      batch 8, with --compile cuda-graph, decode timed through model.generate;
 #   4. benchmarks/launches.py --device cuda: GPU kernels and launch calls per decoded token
 #      per block pass, profiled (the CPU-counted decode targets of issue 30 beside them);
+#   4b. benchmarks/ladder_speed.py: the paper-size ladder's training step per rung, compiled
+#      with reduce-overhead (CUDA graphs);
 #   5. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling all eight
 #      variants does not fit the deadline), with a profile of dense and gdn.
 #
@@ -144,12 +145,11 @@ part "fla check" 20 "$PY" benchmarks/fla_check.py --out "$RESULTS/fla-check-cuda
 part "generate" 90 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \
   --out "$RESULTS/generate-cuda.md"
 
-# 3. Long context at the paper's LT2 0.6B shape (100 block passes per token), eager and with
-# the eager step recorded as CUDA graphs (torch.compile of the 100-pass step does not finish
-# inside a part's deadline: long_context.py --compile runs it by hand).
+# 3. Long context at the paper's LT2 0.6B shape (100 block passes per token), the eager step
+# recorded as CUDA graphs, every model alike (the eager run of 2026-11-26 is in
+# long-context-lt2-0.6b-cuda.md; torch.compile of the 100-pass step does not finish inside a
+# part's deadline: long_context.py --compile runs it by hand).
 LONG=(benchmarks/long_context.py --device cuda --contexts 2048 8192 --batch 8 --new 16 --decode-via generate)
-part "long context, lt2-0.6b" 90 "$PY" "${LONG[@]}" --shape lt2-0.6b \
-  --out "$RESULTS/long-context-lt2-0.6b-cuda.md"
 part "long context, lt2-0.6b, CUDA graph" 110 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile cuda-graph \
   --out "$RESULTS/long-context-lt2-0.6b-cuda-graph-cuda.md"
 
@@ -157,8 +157,13 @@ part "long context, lt2-0.6b, CUDA graph" 110 "$PY" "${LONG[@]}" --shape lt2-0.6
 # pass; the CPU-counted targets of issue 30 beside them).
 part "launches" 40 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
 
+# 4b. The paper-size ladder's step per rung under train.compile=reduce-overhead (issue 25: a
+# rung's 5000 steps in under 2 minutes); dense and the adaptive UT+ACT first, a row each.
+part "ladder speed" 60 "$PY" benchmarks/ladder_speed.py --device cuda --compile reduce-overhead \
+  --rungs dense ut_act ar_trm --out "$RESULTS/ladder-speed-cuda.md"
+
 # 5. Training throughput, bf16 autocast.
-part "train throughput" 60 "$PY" benchmarks/train_throughput.py --device cuda --dtype bf16 --width 512 --seq 1024 \
+part "train throughput" 90 "$PY" benchmarks/train_throughput.py --device cuda --dtype bf16 --width 512 --seq 1024 \
   --batch 8 --steps 2 --repeats 3 --warmup 2 --no-compile --profile dense gdn \
   --out "$RESULTS/train-throughput-cuda.md"
 

@@ -367,3 +367,15 @@ def test_fla_check_needs_a_gpu():
         pytest.skip("a GPU is here")
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         benchmark("fla_check").main([])
+
+
+def test_ladder_speed_times_each_rung(tmp_path):
+    out = tmp_path / "ladder.md"
+    rows = benchmark("ladder_speed").main(["--device", "cpu", "--compile", "false", "--warmup", "1", "--steps", "2",
+                                           "--rungs", "dense", "dual_nested_ut", "--override", "model.d_model=16",
+                                           "model.n_heads=2", "train.batch_size=2", "--out", str(out)])
+    assert [r["rung"] for r in rows] == ["dense", "dual_nested_ut"]
+    for row in rows:
+        assert row["step_s"] > 0 and row["projected_s"] == pytest.approx(5000 * row["step_s"])
+    text = out.read_text()
+    assert "| dense |" in text and "| dual_nested_ut |" in text and "train.compile=false" in text
