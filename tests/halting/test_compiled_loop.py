@@ -63,3 +63,23 @@ def test_compiled_adaptive_loop_is_one_graph_with_eagers_loss_and_gradients(name
             zero = torch.zeros_like(p)
             torch.testing.assert_close(zero if a is None else a, zero if b is None else b, atol=2e-6, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compiled_zero_shot_exit_is_one_graph_with_eagers_logits():
+    """Zero-shot exit (an inference rule: KL between successive steps' distributions) under
+    a generous threshold stops eager's loop early; the compiled forward runs every step,
+    positions that stopped frozen, with the same logits and exit steps."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config("anchor", layout="1+1R3+1", init_std=0.3,
+                               halting={"kind": "convergence", "criterion": "kl", "threshold": 10.0})).eval()
+    x = random_ids(2, 12)
+    assert steps_run(model, lambda: model(x)) < 3
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda ids: model(ids), backend="aot_eager", fullgraph=True)(x)
+    eager = model(x)
+    torch.testing.assert_close(compiled.logits, eager.logits, atol=2e-6, rtol=1e-5)
+    assert torch.equal(compiled.halt_steps, eager.halt_steps)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
