@@ -43,6 +43,7 @@ def rows_seen(m: LoopLM, run) -> list[int]:
 
 
 def train_step(m: LoopLM, x: torch.Tensor, mask: torch.Tensor):
+    torch.manual_seed(1)  # the same draws for both paths (Huginn's random latent state)
     out = m(x, targets=x, attention_mask=mask)
     out.loss.backward()
     return out, {name: p.grad for name, p in m.named_parameters() if p.grad is not None}
@@ -97,6 +98,8 @@ CASES = {
                                              dict(loop_input_norm=True, mlp="swiglu", norm="rmsnorm", bias=False)),
     "token-recursion-two-core-blocks": (dict(kv="recursion", routing="token_choice"), "anchor",
                                         dict(layout="1+2R3+1")),
+    "expert-recursion-huginn-adapter": (dict(kv="recursion"), "concat_adapter", {}),
+    "expert-shared-lora-mlp": (dict(kv="shared"), "anchor", dict(lora={"rank": 2, "targets": ["mlp"]})),
 }
 
 
