@@ -149,3 +149,43 @@ def test_cuda_graph_generation_equals_eager(mixers):
     assert len(recorded) == 1
     agree = (graphed.sequences == eager.sequences).float().mean().item()
     assert agree > 0.98, f"{agree:.2%} of tokens agree"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["recursion", "shared"])
+def test_mor_skipping_equals_the_frozen_loop(kv, device):
+    """Mixture-of-Recursions' skipping (gathered rows, looplm.mixers.base.GatheredRows) on the
+    device gives the frozen loop's loss and gradients."""
+    results = []
+    for skip in (True, False):
+        torch.manual_seed(0)
+        cfg = tiny_config("anchor", layout="1+1R3+1", d_model=128, n_heads=4,
+                          halting={"kind": "mor", "depths": 3, "init_bias": 0.0, "kv": kv, "skip": skip})
+        model = LoopLM(cfg).to(device).train()
+        with torch.no_grad():
+            for name, p in model.halting.named_parameters():
+                p.normal_(0.0, 0.1) if name.endswith("weight") else p.zero_()
+        x = torch.randint(0, cfg.vocab_size, (4, 48), generator=torch.Generator().manual_seed(1)).to(device)
+        out = model(x, targets=x)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.halt_steps, [p.grad for p in model.parameters() if p.grad is not None]))
+    (loss, steps, grads), (ref_loss, ref_steps, ref_grads) = results
+    assert len(ref_steps.unique()) > 1 and torch.equal(steps, ref_steps)
+    assert abs(loss.item() - ref_loss.item()) < 1e-4 * abs(ref_loss.item())
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert error_ratio(a, b) < RATIO[device]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("halting", [{"kind": "act"}, {"kind": "mor", "depths": 3, "kv": "shared"}], ids=["act", "mor"])
+def test_adaptive_halting_training_replays_as_cuda_graphs(halting):
+    """An adaptive-halting training step (no "all halted?" read-back under compile) compiled
+    with mode=reduce-overhead (CUDA graphs) gives eager's loss over several steps."""
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config("anchor", layout="1+1R3+1", d_model=128, n_heads=4, halting=halting)).cuda().train()
+    step = torch.compile(lambda ids: model(ids, targets=ids).loss, mode="reduce-overhead")
+    for seed in range(3):
+        x = torch.randint(0, 61, (4, 32), generator=torch.Generator().manual_seed(seed)).cuda()
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled = step(x).item()
+        assert abs(compiled - model(x, targets=x).loss.item()) < 1e-3
