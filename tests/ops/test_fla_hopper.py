@@ -178,6 +178,20 @@ def test_the_check_runs_in_float32_when_asked_under_autocast(monkeypatch):
     assert seen == [(False, True)]
 
 
+def test_a_kernel_that_raises_fails_the_check(monkeypatch, caplog):
+    """fla raising inside the check (its own guard, a compile error) makes the op train on
+    PyTorch with the reason logged; the model's forward goes on."""
+    def errors(op, device, dtype):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results\nmore")
+
+    monkeypatch.setattr(fla_hopper, "backward_errors", errors)
+    monkeypatch.setattr(fla_hopper, "use_wide_tiles", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    with caplog.at_level(logging.INFO, logger="looplm"):
+        assert not fla_hopper.verified_backward(OPS[0], torch.device("cpu"), torch.bfloat16)
+    assert any("fails" in r.getMessage() and "RuntimeError: Triton >= 3.4.0" in r.getMessage() for r in caplog.records)
+
+
 def test_no_check_runs_inside_a_trace(monkeypatch):
     monkeypatch.setattr(fla_hopper, "backward_errors", lambda *a: pytest.fail("checked while tracing"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
