@@ -22,3 +22,14 @@ for seed in 0 1 2; do
     python -c "import json; print('$name', $seed, json.load(open('runs/lt2-gate/$name/seed-$seed/summary.json'))['val_loss'])"
   done
 done
+
+# 3. State tracking at a longer horizon: the attention pair on the state task alone, seed 0, 4000
+#    steps (13x the study's 300), the study's default-size task settings otherwise.
+for variant in attention-looped:5R2:gated_residual attention:5:base; do
+  IFS=: read -r name layout topology <<< "$variant"
+  looplm train task-state-tracking "model.mixer={kind: attention}" model.hybrid=null \
+    model.layout="$layout" "model.topology={kind: $topology}" "data.task.curriculum=[5, 8]" data.seq_len=176 \
+    model.max_seq_len=184 model.d_model=64 train.batch_size=8 train.lr=1e-3 train.max_steps=4000 \
+    train.eval_every=250 train.save_every=500 train.keep_last=1 train.log_every=250 train.sample_tokens=0 \
+    train.device=cpu train.threads=1 data.task.eval_samples=32 train.out_dir=runs/lt2-state-4000/$name --no-progress
+done
