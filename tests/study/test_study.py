@@ -507,6 +507,46 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     with pytest.raises(ConfigError, match="size.max_seeds"):
         dataclasses.replace(quick, max_seeds=1)
     assert Metric("x", "x").better is None and study.primary is VAL_LOSS
+def test_a_sweep_tries_past_its_edge_while_the_best_rate_sits_on_it(tmp_path) -> None:
+    """Sweep.extend: a run whose best rate is the lowest (highest) it has tried also tries half
+    (twice) that rate, at most ``extend`` times; an interior best stops it; a diverged
+    (unmeasured) rate counts as tried. The table lists every rate any run tried."""
+    import dataclasses
+
+    from looplm.study.definition import Sweep
+    from looplm.study.studies import VAL_LOSS
+    from looplm.study.sweep import run_lr_sweep
+
+    size = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
+                                                          "c": RunSpec("tiny-base", ("model.layout=1",))},
+                               sweep=Sweep((2e-3, 4e-3, 8e-3), extend=2))
+    study = dataclasses.replace(TINY, sizes={"quick": size}, metrics=(VAL_LOSS,))
+    # val loss by rate: a keeps improving downward, b is best inside, c diverges above 8e-3 and
+    # is best at 8e-3 once 1.6e-2 failed
+    curves = {"a": lambda lr: lr, "b": lambda lr: abs(lr - 4.1e-3), "c": lambda lr: float("nan") if lr > 9e-3 else -lr}
+    trained = []
+
+    def train(name, seed, cfg):
+        trained.append((name, cfg.train.lr))
+        assert seed == 0 and f"lr-{cfg.train.lr:g}" in cfg.train.out_dir
+        return name, cfg.train.lr
+
+    def measure(run):
+        name, lr = run
+        return {"scalars": {VAL_LOSS.key: curves[name](lr)}}
+
+    chosen = run_lr_sweep(study, "quick", tmp_path, [], ["a", "b", "c"], train, measure)
+    assert chosen == {"a": 5e-4, "b": 4e-3, "c": 8e-3}
+    assert sorted(lr for name, lr in trained if name == "a") == [5e-4, 1e-3, 2e-3, 4e-3, 8e-3]  # two past the edge
+    assert sorted(lr for name, lr in trained if name == "b") == [2e-3, 4e-3, 8e-3]
+    assert sorted(lr for name, lr in trained if name == "c") == [2e-3, 4e-3, 8e-3, 1.6e-2]  # diverged: stops
+    table = (tmp_path / "lr-sweep.md").read_text()
+    assert "| lr 0.0005 | lr 0.001 | lr 0.002 |" in table and "| b | – | – |" in table
+    assert {(r["run"], float(r["lr"])) for r in csv.DictReader(open(tmp_path / "lr-sweep.csv"))} == set(trained)
+    with pytest.raises(ConfigError, match="sweep.extend"):
+        Sweep((1e-3, 2e-3), extend=-1)
+
+
 def test_depth_study_compares_huginn_with_fixed_depth_at_matched_training_flops(tmp_path) -> None:
     """The Huginn block of the depth study: every size resolves, and its fixed-depth
     baseline's training FLOPs equal the expected FLOPs of the drawn counts (within 1 %)."""

@@ -91,15 +91,20 @@ class Sweep:
     """A learning-rate sweep run before a size's seeds: every run at seed 0 at each of
     ``lrs`` under ``overrides`` (a shorter budget); each run then trains every seed at the
     rate with the best primary metric (the study's first metric with a direction), and the
-    sweep's table is written beside the results (lr-sweep.md, lr-sweep.csv)."""
+    sweep's table is written beside the results (lr-sweep.md, lr-sweep.csv). ``extend``: a
+    run whose best rate is the lowest (highest) it has tried also tries half (twice) that
+    rate, up to this many times: an optimum on the sweep's edge has not been found."""
 
     lrs: tuple[float, ...]
     overrides: tuple[str, ...] = ()
+    extend: int = 0
 
     def __post_init__(self) -> None:
         if len(self.lrs) < 2 or any(not (isinstance(x, (int, float)) and x > 0) for x in self.lrs) \
                 or len(set(self.lrs)) != len(self.lrs):
             raise ConfigError("sweep.lrs", list(self.lrs), "two or more distinct learning rates > 0")
+        if isinstance(self.extend, bool) or not isinstance(self.extend, int) or self.extend < 0:
+            raise ConfigError("sweep.extend", self.extend, "an integer >= 0 (rates added past the edge)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,10 +62,12 @@ def _cpu_lm(steps: int, *, seq_len: int = 128, batch: int = 16, lr: float = 2e-3
 #: 8192-entry head is most of a step); ``train.max_steps`` scales it on a GPU.
 STDLIB_STEPS, STDLIB_BATCH, STDLIB_SEQ = 400, 16, 256
 #: Learning rates swept per run at seed 0 (a third of the budget) before the seeds: the
-#: default sizes' 2e-3 and two larger (the pydoc SpiralFormer check found 4e-3 better).
+#: default sizes' 2e-3 and two larger (the pydoc SpiralFormer check found 4e-3 better); a
+#: run whose best is an edge of the rates it tried tries past it, twice at most (the first
+#: stdlib sweeps put many runs' best at 2e-3, the lowest).
 STDLIB_SWEEP = Sweep((2e-3, 4e-3, 8e-3), (f"train.max_steps={STDLIB_STEPS // 3}",
                                           f"train.eval_every={STDLIB_STEPS // 3}",
-                                          f"train.save_every={STDLIB_STEPS // 3}"))
+                                          f"train.save_every={STDLIB_STEPS // 3}"), extend=2)
 #: training throughput of the stdlib sizes' models on this project's CPU (tokens/s, the
 #: ``1+2R3+1`` core at d = 128 on two threads, measured), for the wall-time estimates
 STDLIB_TOKENS_PER_S = 4300
@@ -89,7 +91,8 @@ def _stdlib_wall_time(runs: int) -> str:
     return (f"≈ {low:.1f}-{high:.1f} h on two threads ({runs} runs × {len(STDLIB_SWEEP.lrs)} rates × "
             f"{STDLIB_STEPS // 3} steps, then {3 * runs}-{5 * runs} runs × {STDLIB_STEPS} steps of "
             f"{STDLIB_BATCH} × {STDLIB_SEQ} tokens, at the ≈ {STDLIB_TOKENS_PER_S:,} tokens/s measured for "
-            "the 1+2R3+1 core at d = 128; deeper or wider rows run longer)")
+            "the 1+2R3+1 core at d = 128; deeper or wider rows run longer; a run whose best rate is an "
+            f"edge of its sweep tries up to {STDLIB_SWEEP.extend} more)")
 
 
 def _stdlib_size(runs: dict[str, RunSpec]) -> Size:

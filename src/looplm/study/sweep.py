@@ -1,8 +1,10 @@
 """A study size's learning-rate sweep (:class:`~looplm.study.definition.Sweep`): before the
 seeds, every run trains at seed 0 at each rate of the sweep under its shorter budget, in
 ``out_dir/lr-sweep/lr-RATE/RUN/seed-0`` (reused when finished, like every study run), and
-keeps the rate with the best primary metric. A run whose measures lack the primary metric
-(a task part of a two-part variant) keeps the size's rate. The table of every rate's value,
+keeps the rate with the best primary metric. While a run's best rate is the lowest (highest)
+it has tried, it also tries half (twice) that rate, up to ``Sweep.extend`` times: an
+optimum on the sweep's edge is not one. A run whose measures lack the primary metric (a
+task part of a two-part variant) keeps the size's rate. The table of every rate's value,
 the chosen one in bold, is written to ``out_dir/lr-sweep.md`` and ``lr-sweep.csv``.
 
 A sweep that compares variants at their own best rates answers "which architecture is
@@ -47,19 +49,32 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
     if sweep is None or metric is None:
         return {}
     values: dict[str, dict[float, Optional[float]]] = {name: {} for name in runs}
+
+    def sweep_run(name: str, lr: float, configs: Optional[dict] = None) -> None:
+        if configs is None:
+            configs = study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0,
+                                    [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
+        logger.info("study %s (%s): lr sweep %g: %s", study.name, size, lr, name)
+        value = measure(train(name, 0, configs[name]))["scalars"].get(metric.key)
+        values[name][lr] = value if value is not None and math.isfinite(value) else None
+
     for lr in sweep.lrs:
-        base = out_dir / SWEEP_DIR / f"lr-{lr:g}"
-        configs = study.configs(size, base, 0, [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
+        configs = study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0,
+                                [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
         for name in runs:
-            logger.info("study %s (%s): lr sweep %g: %s", study.name, size, lr, name)
-            value = measure(train(name, 0, configs[name]))["scalars"].get(metric.key)
-            values[name][lr] = value if value is not None and math.isfinite(value) else None
+            sweep_run(name, lr, configs)
     pick = min if metric.better == "lower" else max
     chosen = {}
     for name, by_lr in values.items():
-        defined = {lr: v for lr, v in by_lr.items() if v is not None}
-        if defined:
-            chosen[name] = pick(defined, key=defined.get)
+        for extension in range(sweep.extend + 1):
+            defined = {lr: v for lr, v in by_lr.items() if v is not None}
+            if not defined:
+                break
+            chosen[name] = best = pick(defined, key=defined.get)
+            tried = sorted(by_lr)  # a rate that diverged counts as tried
+            if extension == sweep.extend or best not in (tried[0], tried[-1]):
+                break
+            sweep_run(name, best / 2 if best == tried[0] else best * 2)
     _write_tables(out_dir, study, values, chosen, sweep.overrides)
     return chosen
 
@@ -67,16 +82,20 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
 def _write_tables(out_dir: Path, study: Study, values: dict[str, dict[float, Optional[float]]],
                   chosen: dict[str, float], budget: Sequence[str]) -> None:
     metric = study.primary
-    lrs = list(next(iter(values.values())))
+    lrs = sorted({lr for by_lr in values.values() for lr in by_lr})
     lines = [f"# Learning-rate sweep: {study.title}", "",
              f"Seed 0, every run at each rate under `{' '.join(budget) or 'the size budget'}`; each run's seeds then "
-             f"train at its rate in bold (the best {metric.label}, {metric.better} is better; – : not measured, "
-             "the run keeps the size's rate).", "",
+             f"train at its rate in bold (the best {metric.label}, {metric.better} is better; a run whose best was "
+             "the edge of its rates also tried past it; – : not run at that rate, or not measured: the run keeps "
+             "the size's rate).", "",
              "| run | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|" + " --- |" * (len(lrs) + 1)]
     rows = []
     for name, by_lr in values.items():
         cells = []
         for lr in lrs:
+            if lr not in by_lr:
+                cells.append("–")
+                continue
             value = by_lr[lr]
             text = "–" if value is None else f"{value:.{metric.digits}f}"
             cells.append(f"**{text}**" if chosen.get(name) == lr else text)
