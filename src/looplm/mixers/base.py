@@ -116,6 +116,18 @@ class FirstStepKV:
         return self.kept[block](q, ctx)
 
 
+def visible(query: torch.Tensor, key: torch.Tensor, seen: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """Which keys each query may attend to, bool [..., T, S]: causal by position (``query``
+    [..., T, 1] and ``key`` [..., 1, S] are positions or columns), within the last ``window``
+    positions (all when None), among the real keys (``seen``, broadcast to [..., T, S]); a
+    query always sees its own position (no NaN rows for padding). The one rule of every
+    attention mask here: growing cache, static cache and gathered rows."""
+    allowed = key <= query
+    if window is not None:
+        allowed = allowed & (key > query - window)  # the last `window` positions, itself included
+    return (allowed & seen) | (key == query)
+
+
 @dataclasses.dataclass
 class GatheredRows:
     """The positions a loop step runs on when the others skip it: Mixture-of-Recursions'
@@ -155,11 +167,7 @@ class GatheredRows:
         """Bool [B, 1, K, S]: the gathered queries over keys at ``key_index`` ([B or 1, S]),
         causal by position, over the last ``window`` positions (all when None), real keys
         only; a query always sees its own position (no NaN rows for padding slots)."""
-        query, key = self.index[:, :, None], key_index[:, None, :]
-        allowed = key <= query
-        if window is not None:
-            allowed = allowed & (key > query - window)
-        return ((allowed & key_valid[:, None, :]) | (key == query))[:, None]
+        return visible(self.index[:, :, None], key_index[:, None, :], key_valid[:, None, :], window)[:, None]
 
 
 @dataclasses.dataclass
@@ -260,12 +268,7 @@ class MixerContext:
             device = self.valid.device
             query = torch.arange(self.past, S, device=device)[:, None]  # [T, 1] absolute index
             key = torch.arange(S, device=device)[None, :]  # [1, S]
-            allowed = key <= query
-            if window is not None:
-                allowed = allowed & (key > query - window)  # the last `window` positions, itself included
-            allowed = allowed[None] & self.valid[:, None, :]  # [B, T, S]
-            allowed = allowed | (key == query)[None]  # a padding query still sees itself (no NaN rows)
-            self._masks[window] = allowed[:, None]
+            self._masks[window] = visible(query, key, self.valid[:, None, :], window)[:, None]  # [B, 1, T, S]
         return self._masks[window]
 
     def gathered_mask(self, key_valid: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -315,8 +318,5 @@ class MixerContext:
                 column = torch.cat([column, self.slots])  # [R + T]
             column = column[None, :]
             seen = self.valid.index_select(1, column[0].clamp(min=0))[:, None, :] & (column >= 0)[None]
-        allowed = column <= query
-        if window is not None:
-            allowed = allowed & (column > query - window)
-        self._masks[key] = ((allowed[None] & seen) | (column == query)[None])[:, None]
+        self._masks[key] = visible(query, column, seen, window)[:, None]
         return self._masks[key]
