@@ -55,10 +55,9 @@ def assert_skipping_equals_frozen(halting: dict, topology: str = "anchor", padde
     mask = torch.ones(3, 15, dtype=torch.long)
     if padded:
         mask[0, :4] = 0
-    seen = []
-    hook = skipping.core[0][0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
-    out, grads = train_step(skipping, x, mask)
-    hook.remove()
+    stepped = []
+    seen = rows_seen(skipping, lambda: stepped.append(train_step(skipping, x, mask)))
+    (out, grads), = stepped
     ref, ref_grads = train_step(frozen, x, mask)
     assert len(ref.halt_steps[mask.bool()].unique()) > 1, "positions should leave at different steps"
     assert seen[0] == 15 and min(seen[1:]) < 15, f"a later step should run on fewer rows: {seen}"

@@ -50,17 +50,17 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
         return {}
     values: dict[str, dict[float, Optional[float]]] = {name: {} for name in runs}
 
-    def sweep_run(name: str, lr: float, configs: Optional[dict] = None) -> None:
-        if configs is None:
-            configs = study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0,
-                                    [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
+    def configs_at(lr: float) -> dict[str, "RunConfig"]:
+        return study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0,
+                             [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
+
+    def sweep_run(name: str, lr: float, configs: dict[str, "RunConfig"]) -> None:
         logger.info("study %s (%s): lr sweep %g: %s", study.name, size, lr, name)
         value = measure(train(name, 0, configs[name]))["scalars"].get(metric.key)
         values[name][lr] = value if value is not None and math.isfinite(value) else None
 
     for lr in sweep.lrs:
-        configs = study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0,
-                                [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
+        configs = configs_at(lr)  # built once per rate for every run
         for name in runs:
             sweep_run(name, lr, configs)
     pick = min if metric.better == "lower" else max
@@ -74,7 +74,8 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
             tried = sorted(by_lr)  # a rate that diverged counts as tried
             if extension == sweep.extend or best not in (tried[0], tried[-1]):
                 break
-            sweep_run(name, best / 2 if best == tried[0] else best * 2)
+            lr = best / 2 if best == tried[0] else best * 2
+            sweep_run(name, lr, configs_at(lr))
     _write_tables(out_dir, study, values, chosen, sweep.overrides)
     return chosen
 
