@@ -657,7 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--paper", action="store_true", help="the paper's size (GPUs; see README 'Reproductions')")
     size.add_argument("--size", default=None, metavar="NAME",
                       help="a size by name: default, quick, paper, or stdlib (the unrepeated standard-library "
-                           "corpus: a learning-rate sweep, then 3 paired seeds, up to 5 while undecided); the "
+                           "corpus: a learning-rate sweep, then 3 paired seeds, up to 5 for the rows still undecided); the "
                            "ladder's bias-sweep (every ACT rung at starting bias 1, -1, -3) and bias-sweep-quick")
     p.add_argument("--seeds", type=int, default=None, metavar="N", help="seeds 0 … N-1 (default: the size's, 3)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default runs/study-NAME[-quick|-paper])")

@@ -483,8 +483,8 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     quick = dataclasses.replace(TINY.sizes["quick"], seeds=2, max_seeds=3,
                                 sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
     study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,))
-    verdicts = iter([True])  # after seeds 0, 1: undecided; after seed 2: max_seeds reached anyway
-    monkeypatch.setattr(runner, "undecided", lambda result: next(verdicts))
+    verdicts = iter([{"b"}])  # after seeds 0, 1: b undecided; after seed 2: max_seeds reached anyway
+    monkeypatch.setattr(runner, "undecided_variants", lambda result: next(verdicts))
     result = run_study(study, tmp_path, size="quick")
     sweep = list(csv.DictReader(open(tmp_path / "lr-sweep.csv")))
     assert {(r["run"], float(r["lr"])) for r in sweep} == {(n, lr) for n in ("a", "b") for lr in (1e-3, 3e-2)}
@@ -497,7 +497,7 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     assert result.seeds == [0, 1, 2] and len(result.runs["a"]) == 3
     assert "**" in (tmp_path / "lr-sweep.md").read_text()
     # rerun: the sweep and the seeds are read back, nothing trains
-    monkeypatch.setattr(runner, "undecided", lambda result: False)
+    monkeypatch.setattr(runner, "undecided_variants", lambda result: set())
     trained = []
     monkeypatch.setattr(runs_module, "Trainer", lambda *a, **k: trained.append(a) or pytest.fail("trained again"))
     again = run_study(study, tmp_path, size="quick", seeds=[0, 1, 2])
@@ -507,6 +507,51 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     with pytest.raises(ConfigError, match="size.max_seeds"):
         dataclasses.replace(quick, max_seeds=1)
     assert Metric("x", "x").better is None and study.primary is VAL_LOSS
+def test_an_added_seed_trains_only_the_undecided_rows_and_the_reference(tmp_path, monkeypatch) -> None:
+    """Seeds past the size's own train the rows whose paired difference is under two sd and the
+    reference, not the decided rows; the table counts each row's seeds and pairs on shared ones.
+    A study with a ``prepare`` hook (a run may start from another row's run) adds every row."""
+    import dataclasses
+
+    from looplm.study import runner
+    from looplm.study.studies import VAL_LOSS
+
+    three = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
+                                                          "c": RunSpec("tiny-base", ("model.layout=1R3",))},
+                                seeds=2, max_seeds=4)
+    study = dataclasses.replace(TINY, sizes={"quick": three}, metrics=(VAL_LOSS,))
+    asked = []
+
+    def undecided(result):
+        asked.append(list(result.seeds))
+        return {"b"} if len(result.seeds) < 4 else set()
+
+    monkeypatch.setattr(runner, "undecided_variants", undecided)
+    result = run_study(study, tmp_path, size="quick")
+    assert asked == [[0, 1], [0, 1, 2]] and result.seeds == [0, 1, 2, 3]  # asked until max_seeds
+    assert {name: [r.seed for r in runs] for name, runs in result.runs.items()} == {
+        "a": [0, 1, 2, 3], "b": [0, 1, 2, 3], "c": [0, 1]}
+    assert not (tmp_path / "c" / "seed-2").exists() and (tmp_path / "b" / "seed-3" / "summary.json").is_file()
+    assert [result.row_seeds(v) for v in "abc"] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1]]
+    assert len(result.values("c", "val_loss")) == 2 and len(result.values("b", "val_loss")) == 4
+    pairs = {p.variant: p.seeds for p in runner.paired(result)}
+    assert pairs == {"b": [0, 1, 2, 3], "c": [0, 1]}
+    markdown = (tmp_path / "results.md").read_text()
+    assert "over the row's seeds (column `seeds`: seeds past the first 2" in markdown
+    header, _, a_row, b_row, c_row = [line for line in markdown.splitlines() if line.startswith("| ")][:5]
+    seeds_at = header.split(" | ").index("seeds")
+    assert [row.split(" | ")[seeds_at] for row in (a_row, b_row, c_row)] == ["4", "4", "2"]
+    assert "(n=" not in c_row  # two of two seeds, not two of four
+    runs_csv = list(csv.DictReader(open(tmp_path / "runs.csv")))
+    assert sorted((r["variant"], r["seed"]) for r in runs_csv if r["variant"] == "c") == [("c", "0"), ("c", "1")]
+    # a study whose runs are prepared from other rows' runs extends every row
+    prepared = dataclasses.replace(study, prepare=lambda name, cfg: None)
+    monkeypatch.setattr(runner, "undecided_variants", lambda result: {"b"} if len(result.seeds) < 3 else set())
+    again = run_study(prepared, tmp_path / "prepared", size="quick")
+    assert {name: [r.seed for r in runs] for name, runs in again.runs.items()} == {
+        "a": [0, 1, 2], "b": [0, 1, 2], "c": [0, 1, 2]}
+
+
 def test_a_sweep_tries_past_its_edge_while_the_best_rate_sits_on_it(tmp_path) -> None:
     """Sweep.extend: a run whose best rate is the lowest (highest) it has tried also tries half
     (twice) that rate, at most ``extend`` times; an interior best stops it; a diverged

@@ -18,7 +18,10 @@ from looplm.study.runs import Run, machine_line
 
 @dataclasses.dataclass
 class StudyResult:
-    """What ran (``runs[run][i]`` for ``seeds[i]``), what was measured, where, and on what machine."""
+    """What ran (``runs[run]``: one :class:`Run` per seed it trained at, ``measures[run]``
+    beside them), what was measured, where, and on what machine. ``seeds``: every seed some
+    run trained at; a row may have fewer (the seeds added while a difference was undecided
+    train only the undecided rows and the reference)."""
 
     study: Study
     size: str
@@ -37,18 +40,22 @@ class StudyResult:
     def row_runs(self, variant: str) -> list[Run]:
         return [r for name, runs in self.runs.items() if variant_of(name) == variant for r in runs]
 
-    def scalars(self, variant: str) -> list[dict[str, Optional[float]]]:
-        """Per seed, the scalars of every part of the row, merged."""
-        merged: list[dict[str, Optional[float]]] = [{} for _ in self.seeds]
+    def row_seeds(self, variant: str) -> list[int]:
+        """The seeds the row trained at."""
+        return sorted({r.seed for r in self.row_runs(variant)})
+
+    def scalars(self, variant: str) -> dict[int, dict[str, Optional[float]]]:
+        """Per seed the row trained at, the scalars of every part of the row, merged."""
+        merged: dict[int, dict[str, Optional[float]]] = {seed: {} for seed in self.row_seeds(variant)}
         for name, measures in self.measures.items():
             if variant_of(name) == variant:
-                for i, m in enumerate(measures):
-                    merged[i].update(m["scalars"])
+                for run, m in zip(self.runs[name], measures):
+                    merged[run.seed].update(m["scalars"])
         return merged
 
     def values(self, variant: str, key: str) -> list[float]:
-        """The row's values of ``key`` over seeds (seeds where it is undefined left out)."""
-        return [s[key] for s in self.scalars(variant) if s.get(key) is not None]
+        """The row's values of ``key`` over its seeds (seeds where it is undefined left out)."""
+        return [s[key] for s in self.scalars(variant).values() if s.get(key) is not None]
 
     def series(self, variant: str, key: str) -> list[list[list[float]]]:
         out = []
@@ -113,20 +120,22 @@ def results_table(result: StudyResult) -> str:
     desc_cols = list(next(iter(described.values()))) if described else []
     papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
     metrics = shown_metrics(result)
-    header = ["variant", *desc_cols, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
+    seeds = {v: len(result.row_seeds(v)) for v in result.variants}
+    seed_col = ["seeds"] if len(set(seeds.values())) > 1 else []  # rows extended while undecided
+    header = ["variant", *desc_cols, *seed_col, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
               "steps", "train time (s)"]
     best = {m.key: _best(result, m) for m in metrics}
     rows = []
     for v in result.variants:
         runs = result.row_runs(v)
-        row = [v, *(described[v].get(c, "") for c in desc_cols)]
+        row = [v, *(described[v].get(c, "") for c in desc_cols), *(str(seeds[v]) for _ in seed_col)]
         for m in metrics:
-            text = cell(result.values(v, m.key), m, len(result.seeds))
+            text = cell(result.values(v, m.key), m, seeds[v])
             row.append(f"**{text}**" if best[m.key] == v else text)
         row += [p.values.get(v, "–") for p in papers]
         steps = sorted({r.summary.get("steps", 0) for r in runs})
         times = [r.train_time_s for r in runs if r.train_time_s is not None]
-        per_seed = sum(times) / len(result.seeds) if times else None
+        per_seed = sum(times) / seeds[v] if times else None
         time = "–" if per_seed is None else f"{per_seed:.0f}" if per_seed >= 10 else f"{per_seed:.1f}"
         row += ["/".join(str(s) for s in steps), time]
         rows.append(row)
@@ -155,7 +164,7 @@ def results_markdown(result: StudyResult) -> str:
         f"- machine: {machine_line(m)}",
         "",
         *([warning, ""] if (warning := dirty_warning(m)) else []),
-        f"Each cell: mean ± sample standard deviation over the {len(result.seeds)} seed(s) (best mean in bold). "
+        f"Each cell: mean ± sample standard deviation over {seed_counts(result)} (best mean in bold). "
         f"Runs: `{result.out_dir}/<variant>/seed-<s>/`; every seed's numbers in runs.csv. Train time: seconds "
         "of training steps per seed (over every session of a resumed run; evaluations not counted).",
         "",
@@ -177,6 +186,15 @@ def results_markdown(result: StudyResult) -> str:
     if study.notes is not None:
         lines += [study.notes(result), ""]
     return "\n".join(lines)
+
+
+def seed_counts(result: StudyResult) -> str:
+    """How many seeds the cells average: all the study's, or each row's where they differ."""
+    counts = {len(result.row_seeds(v)) for v in result.variants}
+    if len(counts) <= 1:
+        return f"the {len(result.seeds)} seed(s)"
+    return (f"the row's seeds (column `seeds`: seeds past the first {min(counts)} trained only the rows whose paired "
+            "difference to the reference was under two standard deviations, and the reference)")
 
 
 def reference_variant(result: StudyResult) -> str:
@@ -233,8 +251,8 @@ def paired(result: StudyResult) -> list[Paired]:
         for m in shown_metrics(result):
             if m.better is None:
                 continue
-            pairs = [(seed, a[m.key] - b[m.key]) for seed, a, b in zip(result.seeds, mine, base)
-                     if a.get(m.key) is not None and b.get(m.key) is not None]
+            pairs = [(seed, a[m.key] - base[seed][m.key]) for seed, a in mine.items()
+                     if seed in base and a.get(m.key) is not None and base[seed].get(m.key) is not None]
             if pairs:
                 out.append(Paired(v, ref, m, [s for s, _ in pairs], [d for _, d in pairs]))
     return out

@@ -22,7 +22,8 @@ writes into ``out_dir``:
 
 A size with ``max_seeds`` adds seeds one at a time (when none were given explicitly) while
 a row's paired difference to the reference on the primary metric is under two standard
-deviations.
+deviations; an added seed trains those rows and the reference only (every row when the
+study has a ``prepare`` hook, whose runs may start from another row's run of the seed).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from looplm.study.results import (
     StudyResult,
     csv_text,
     paired,
+    reference_variant,
     paired_rows,
     results_markdown,
     run_rows,
@@ -149,8 +151,8 @@ def run_study(
         seed = seeds[i]
         for name, cfg in configs[seed].items():
             done += 1
-            logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done, len(seeds) * len(runs), name,
-                        seed)
+            logger.info("study %s (%s): run %d/%d: %s, seed %d", study.name, size, done,
+                        sum(len(configs[s]) for s in seeds), name, seed)
             run = prepare_and_train(study, name, seed, cfg, finished[(name, seed)], progress)
             runs[name].append(run)
             measures[name].append(measure_run(study, run))
@@ -158,12 +160,15 @@ def run_study(
                              measures=measures, command=command, overrides=tuple(overrides),
                              machine=machine_info(next(iter(runs.values()))[0].device))
         i += 1
-        if i == len(seeds) and extend and len(seeds) < spec.max_seeds and undecided(result):
+        rows = undecided_variants(result) if i == len(seeds) and extend and len(seeds) < spec.max_seeds else set()
+        if rows:
             seed = max(seeds) + 1
-            logger.info("study %s (%s): a difference is under two standard deviations after %d seeds: adding seed %d",
-                        study.name, size, len(seeds), seed)
+            logger.info("study %s (%s): %s under two standard deviations after %d seeds: adding seed %d for %s",
+                        study.name, size, ", ".join(sorted(rows)), len(seeds), seed,
+                        "every row" if study.prepare is not None else "them and the reference")
+            keep = set(result.variants) if study.prepare is not None else rows | {reference_variant(result)}
             seeds.append(seed)
-            configs[seed] = configs_at(seed)
+            configs[seed] = {run: cfg for run, cfg in configs_at(seed).items() if variant_of(run) in keep}
             finished.update({(run, seed): finished_run(cfg) for run, cfg in configs[seed].items()})
         written = write_results(result, figures=i == len(seeds))  # an interrupted study leaves whole seeds' tables
     logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
@@ -184,11 +189,11 @@ def prepare_and_train(study: Study, name: str, seed: int, cfg: "RunConfig", summ
     return train_or_reuse(name, seed, cfg, summary, progress=progress, trainer=study.trainer)
 
 
-def undecided(result: StudyResult) -> bool:
-    """Whether some row's paired difference to the reference on the primary metric is under
-    two standard deviations (or has too few seeds to tell)."""
+def undecided_variants(result: StudyResult) -> set[str]:
+    """The rows whose paired difference to the reference on the primary metric is under two
+    standard deviations (or has too few seeds to tell)."""
     metric = result.study.primary
-    return any(p.undecided for p in paired(result) if metric is not None and p.metric.key == metric.key)
+    return {p.variant for p in paired(result) if metric is not None and p.metric.key == metric.key and p.undecided}
 
 
 def measure_run(study: Study, run: Run) -> Measures:
