@@ -351,6 +351,22 @@ def cmd_study(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_claims(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from looplm.artifacts import write_text
+    from looplm.study.claims import claims_markdown, replace_block
+
+    table = claims_markdown(args.results)
+    if args.write is None:
+        sys.stdout.write(table + "\n")
+        return 0
+    path = Path(args.write)
+    write_text(path, replace_block(path.read_text(encoding="utf-8"), table), atomic=True)
+    log.info("wrote the claims table into %s", path)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
@@ -666,6 +682,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train and tabulate only these variants (comma-separated; default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_study, trailing_overrides=True)
+
+    p = sub.add_parser("claims", help="the papers' claims and their verdicts from the committed study tables",
+                       description="One row per claim the studies test (looplm.study.claims.CLAIMS): reproduced, "
+                       "reversed, not settled (under two standard deviations of the seed-paired differences), "
+                       "untested at this scale, or not run yet, with the numbers and seed counts behind the word, "
+                       "read from DIR/<study>/runs.csv.")
+    p.add_argument("--results", default="docs/results", metavar="DIR", help="the study tables (default docs/results)")
+    p.add_argument("--write", default=None, metavar="FILE",
+                   help="replace the table between the claims markers in FILE (e.g. README.md) instead of printing")
+    p.set_defaults(func=cmd_claims)
 
     p = sub.add_parser("config", help="print the full resolved config of a preset or YAML (every field)")
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]")

@@ -6,7 +6,8 @@ mean ± standard deviation over seeds and the papers' numbers beside them (``loo
 - :mod:`~looplm.study.measures`: what is read from a finished run (loss, FLOPs, probes, task scores);
 - :mod:`~looplm.study.runner`: every run at every seed, then the tables and figures;
 - :mod:`~looplm.study.results`, :mod:`~looplm.study.plots`: results.md / results.csv / runs.csv / series.csv, *.png;
-- :mod:`~looplm.study.studies`: the studies (mesh, spiralformer, sgt, lt2, ladder).
+- :mod:`~looplm.study.studies`: the studies (mesh, spiralformer, sgt, lt2, ladder, depth, sharing, ...);
+- :mod:`~looplm.study.claims`: the papers' claims as paired comparisons in those tables, and their verdicts.
 """
 
 from looplm.study.definition import Bars, Curve, Metric, PaperColumn, RunSpec, Size, Study
