@@ -219,6 +219,43 @@ def test_linear_mixer_projections_match_flop_counter(name):
         assert 2 * macs == dense
 
 
+@pytest.mark.parametrize("T", [12, 40])
+def test_dsa_counts_the_indexer_work_that_runs(T):
+    """DSA (top_k 16): an inference forward scores only the queries at positions >= top_k
+    and, with none there (T = 12), projects only the index key: the projections equal
+    FlopCounterMode's mm/addmm exactly in both cases; a training forward scores every query
+    (the indexer loss), which ``training`` counts and ``forward`` does not."""
+    from looplm.accounting.cost import Call, module_cost
+    from looplm.mixers.dsa import DeepSeekSparseAttention
+
+    torch.manual_seed(0)
+    model = LoopLM(model_cfg("tiny-lt2-dsa")).eval()
+    x = torch.randint(0, model.cfg.vocab_size, (2, T))
+    counts = measured(model, x)
+    dense = sum(v for op, v in counts.items() if str(op).split(".")[-1] in ("mm", "addmm"))
+    report = count_flops(model, T, batch=2, convention="torch")
+    assert 2 * sum(c.mac for c in report.costs.values()) == dense
+
+    (dsa, *_) = [m for m in model.modules() if isinstance(m, DeepSeekSparseAttention)]
+    idx, top_k = dsa.indexer, dsa.top_k
+    per_index_pair, per_pair = idx.heads * (idx.head_dim + 1), dsa.n_heads * 2 * dsa.head_dim
+    kept = sum(min(p + 1, top_k) for p in range(T))
+    scored_inference = sum(p + 1 for p in range(top_k, T))  # queries past top_k, their causal keys
+    scored_training = sum(p + 1 for p in range(T))
+    index_proj = module_cost(idx.q_proj, Call(1, T, T)).mac + module_cost(idx.w_proj, Call(1, T, T)).mac
+    inference, training = module_cost(dsa, Call(1, T, T)), module_cost(dsa, Call(1, T, T, training=True))
+    assert inference.attn_causal == kept * per_pair + scored_inference * per_index_pair
+    assert training.attn_causal == kept * per_pair + scored_training * per_index_pair
+    assert training.mac - inference.mac == (index_proj if T <= top_k else 0)
+    passes = model.cfg.block_passes  # every block of the preset is DSA
+    conv, call = report.convention, Call(2, T, T)
+    more = passes * (module_cost(dsa, dataclasses.replace(call, training=True)).flops(conv)
+                     - module_cost(dsa, call).flops(conv))
+    assert report.training_only == pytest.approx(more) and report.training_only > 0
+    no_extra = dataclasses.replace(report, training_only=0.0, training_only_grad=0.0)
+    assert report.training == pytest.approx(no_extra.training + report.convention.training_multiplier * more)
+
+
 def test_conventions_change_the_count():
     cfg = model_cfg("tiny-mesh")
     full = count_flops(cfg, 256, convention="spiralformer").forward

@@ -85,7 +85,9 @@ class Call:
     ``step`` for topologies. ``iteration``: loop iteration (-1 outside the loop).
     ``reuses_first_step_kv``: a later loop step whose softmax attention reads the keys and
     values of the first step (Mixture-of-Recursions' recursive KV sharing; the halting
-    rule says which steps, ``Halting.reuses_first_step_kv``), so it projects queries only."""
+    rule says which steps, ``Halting.reuses_first_step_kv``), so it projects queries only.
+    ``training``: a training-mode forward, for a rule whose module works more in training
+    (DSA scores every query for its indexer loss; the class sets ``flop_cost_reads_training``)."""
 
 
     batch: int
@@ -95,6 +97,7 @@ class Call:
     iteration: int = -1
     width: int = 0  # d_model, for modules without a parameter that says it
     reuses_first_step_kv: bool = False
+    training: bool = False
 
     @property
     def rows(self) -> int:

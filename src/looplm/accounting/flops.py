@@ -47,7 +47,10 @@ class FlopReport:
     ``training_multiplier`` times the ``targets_only_grad`` part that is backpropagated)
     and in :attr:`forward_with_targets`. no_grad: the part of
     ``forward`` that training runs without gradient (TRM's no-grad cycles), counted once
-    in ``training``. training: see :attr:`training`."""
+    in ``training``. training_only: forward FLOPs that only a training-mode forward adds
+    (DSA's index scores of the queries before top_k, for its indexer loss), in ``training``
+    like the call they belong to (``training_only_grad`` the backpropagated part). training:
+    see :attr:`training`."""
 
     convention: Convention
     seq_len: int
@@ -60,6 +63,8 @@ class FlopReport:
     targets_only_grad: float = 0.0
     no_grad: float = 0.0
     embedding_matmul: float = 0.0  # the embedding lookups' one-hot matmul FLOPs (``convention.embedding``)
+    training_only: float = 0.0
+    training_only_grad: float = 0.0
 
     @property
     def training(self) -> float:
@@ -67,9 +72,10 @@ class FlopReport:
         the backward runs through; an embedding counted as a matmul (``convention.embedding``)
         2 × its forward (forward and weight gradient, no input gradient); calls run under
         ``torch.no_grad`` (no-grad cycles, Q-halt's target readout) once; the calls given
-        targets that the backward runs through (the exit gate's per-step heads) like the rest."""
-        extra = sum(self.targets_only.values()) - self.targets_only_grad
-        grad = self.forward - self.no_grad - self.embedding_matmul + self.targets_only_grad
+        targets that the backward runs through (the exit gate's per-step heads) and the work
+        only a training-mode forward does (``training_only``) like the rest."""
+        extra = sum(self.targets_only.values()) - self.targets_only_grad + self.training_only - self.training_only_grad
+        grad = self.forward - self.no_grad - self.embedding_matmul + self.targets_only_grad + self.training_only_grad
         return self.convention.training_multiplier * grad + 2 * self.embedding_matmul + self.no_grad + extra
 
     @property
@@ -98,6 +104,7 @@ class FlopReport:
             "steps": self.steps,
             "targets_only": self.targets_only,
             "targets_only_grad_flops": self.targets_only_grad,
+            "training_only_flops": self.training_only,
             "no_grad_flops": self.no_grad,
         }
 
@@ -126,7 +133,8 @@ def count_flops(
     steps: dict[str, float] = {}
     costs: dict[str, Cost] = {}
     targets_only: dict[str, float] = {}
-    no_grad = embedding_matmul = targets_only_grad = 0.0
+    no_grad = embedding_matmul = targets_only_grad = training_only = training_only_grad = 0.0
+    reads_training: dict[int, bool] = {}  # per module of the plan: does a rule below it read call.training
     for step in execution_plan(model, seq_len, batch, targets=True, iterations=iterations):
         if step.component == "head" and not conv.head:
             cost = Cost()
@@ -137,6 +145,13 @@ def count_flops(
             targets_only[step.name] = targets_only.get(step.name, 0) + flops
             targets_only_grad += flops if step.grad else 0.0
             continue
+        key = id(step.module)
+        if key not in reads_training:
+            reads_training[key] = any(getattr(m, "flop_cost_reads_training", False) for m in step.module.modules())
+        if reads_training[key]:
+            more = module_cost(step.module, dataclasses.replace(step.call, training=True)).flops(conv) - flops
+            training_only += more
+            training_only_grad += more if step.grad else 0.0
         components[step.component] = components.get(step.component, 0) + flops
         steps[step.name] = steps.get(step.name, 0) + flops
         costs[step.component] = costs.get(step.component, Cost()) + cost
@@ -146,7 +161,8 @@ def count_flops(
             embedding_matmul += conv.flops_per_mac * cost.embed
     return FlopReport(conv, seq_len, batch, sum(components.values()), components, steps, costs,
                       targets_only=targets_only, targets_only_grad=targets_only_grad, no_grad=no_grad,
-                      embedding_matmul=embedding_matmul)
+                      embedding_matmul=embedding_matmul, training_only=training_only,
+                      training_only_grad=training_only_grad)
 
 
 def realised_block_passes(output: ModelOutput, mask: Optional[torch.Tensor] = None) -> float:

@@ -38,6 +38,9 @@ def _training_note(report: FlopReport) -> str:
         notes.append(f"+ per-step readout {_g(report.targets_only_grad)} x {report.convention.training_multiplier:g}")
     if sum(report.targets_only.values()) > report.targets_only_grad:
         notes.append("+ target readout once")
+    if report.training_only:
+        notes.append(f"+ training-mode work {_g(report.training_only)} (DSA's indexer-loss scores) "
+                     f"x {report.convention.training_multiplier:g}")
     if report.embedding_matmul:
         notes.append("embedding 2 x")
     return "; " + ", ".join(notes) if notes else ""

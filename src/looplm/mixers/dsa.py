@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost
+from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 from looplm.config_base import ConfigError, check
 from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
@@ -293,13 +293,24 @@ class DeepSeekSparseAttention(nn.Module):
                              top_k=self.top_k, scale=self.head_dim**-0.5, kernel=self.kernel)
         return o
 
+    #: a training forward scores every query (the indexer loss), inference only the later ones
+    flop_cost_reads_training = True
+
     def flop_cost(self, call: Call) -> Cost:
-        """Projections and the indexer's projections; the indexer's scores over every causal
-        key (H^I·d^I MACs per pair, plus the head weights); attention over the top-k keys."""
+        """Projections; the indexer's scores (H^I·d^I MACs per pair, plus the head weights)
+        over the causal keys of the queries that need them — in inference those at positions
+        >= top_k (an earlier one selects every candidate: no scores, and no index query or
+        weight projection while no query is past top_k), in training every query (the
+        indexer loss, Eq. (2)); attention over each query's min(t + 1, top_k) keys. Not
+        counted: the indexer loss's attention target (recomputed without gradient)."""
         cost = children_cost(self, call)
         idx = self.indexer
-        causal = call.batch * causal_pairs(call.tokens, call.keys)
-        full = call.batch * call.tokens * call.keys
+        if not (call.training or call.keys > self.top_k):
+            cost = cost + (module_cost(idx.q_proj, call) + module_cost(idx.w_proj, call)).scale(-1)
+        first = call.keys - call.tokens
+        scored = max(call.keys - (first if call.training else max(first, self.top_k)), 0)  # the last queries
+        causal = call.batch * causal_pairs(scored, call.keys)
+        full = call.batch * scored * call.keys
         index_per_pair = idx.heads * (idx.head_dim + 1)
         cost = cost + Cost(attn_full=full * index_per_pair, attn_causal=causal * index_per_pair)
         kept = call.batch * sum(min(i + 1, self.top_k) for i in range(call.keys - call.tokens, call.keys))
