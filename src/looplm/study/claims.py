@@ -200,8 +200,6 @@ CLAIMS: tuple[Claim, ...] = (
         "Bae et al. 2025 §3", ("depth-stdlib", "depth"), "mor-expert", "fixed-T2"),
     _lm("MoR", "token-choice MoR beats the fixed loop that spends the same block passes (T = 2)",
         "Bae et al. 2025 §3", ("depth-stdlib", "depth"), "mor-token", "fixed-T2"),
-    _lm("MoR", "expert-choice MoR keeps the full loop's loss (T = 3) at fewer passes", "Bae et al. 2025 §3",
-        ("depth-stdlib", "depth"), "mor-expert", "fixed-T3"),
     _lm("Huginn", "more test-time iterations lower the loss (4× the trained mean count)", "Geiping et al. 2025 Fig. 7",
         ("depth-stdlib", "depth"), "huginn-r4-k2", "huginn-r4-k2", metric="val_loss_at_max", reference_metric="val_loss"),
     _lm("Relaxed RT", "per-iteration LoRA r4 beats the tied loop", "Bae et al. 2024 §2.3",
