@@ -219,6 +219,8 @@ def test_ladder_bias_sweep_trains_every_act_rung_at_three_starting_biases(tmp_pa
         for data in (mine, theirs):
             del data["train"]["out_dir"], data["model"]["halting"]["init_bias"]
         assert mine == theirs  # the default CPU size's run but for the starting bias
+    same_dir = study.configs("bias-sweep", tmp_path / "default", seed=1)
+    assert all(same_dir[r] == default[r] for r in act)  # given the default's --out, its runs are reused
     assert study.size("bias-sweep").seeds == 3 and "h" in study.size("bias-sweep").wall_time
     with pytest.raises(ConfigError) as err:
         study.configs("bias-sweep", tmp_path, seed=0, overrides=["model.halting.init_bias=-2"])
