@@ -486,7 +486,7 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     quick = dataclasses.replace(TINY.sizes["quick"], seeds=2, max_seeds=3,
                                 sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
     study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,))
-    verdicts = iter([{"b"}])  # after seeds 0, 1: b undecided; after seed 2: max_seeds reached anyway
+    verdicts = iter([{"a", "b"}])  # after seeds 0, 1: b − a undecided; after seed 2: max_seeds reached anyway
     monkeypatch.setattr(runner, "undecided_variants", lambda result: next(verdicts))
     result = run_study(study, tmp_path, size="quick")
     sweep = list(csv.DictReader(open(tmp_path / "lr-sweep.csv")))
@@ -527,7 +527,7 @@ def test_an_added_seed_trains_only_the_undecided_rows_and_the_reference(tmp_path
 
     def undecided(result):
         asked.append(list(result.seeds))
-        return {"b"} if len(result.seeds) < 4 else set()
+        return {"a", "b"} if len(result.seeds) < 4 else set()  # b against the reference a
 
     monkeypatch.setattr(runner, "undecided_variants", undecided)
     result = run_study(study, tmp_path, size="quick")
@@ -553,6 +553,43 @@ def test_an_added_seed_trains_only_the_undecided_rows_and_the_reference(tmp_path
     again = run_study(prepared, tmp_path / "prepared", size="quick")
     assert {name: [r.seed for r in runs] for name, runs in again.runs.items()} == {
         "a": [0, 1, 2], "b": [0, 1, 2], "c": [0, 1, 2]}
+
+
+def test_comparisons_pair_each_row_with_its_own_baseline_and_decide_the_extension(tmp_path, monkeypatch) -> None:
+    """A study's ``comparisons`` replace "every row against the reference" in the paired table
+    and paired.csv; an undecided comparison extends both its rows (not the study's reference);
+    a pair naming an unknown row is refused."""
+    import dataclasses
+
+    from looplm.study import runner
+    from looplm.study.results import Paired, paired
+    from looplm.study.studies import VAL_LOSS
+
+    size = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
+                                                          "c": RunSpec("tiny-base", ("model.layout=1R3",))})
+    study = dataclasses.replace(TINY, sizes={"quick": size}, metrics=(VAL_LOSS,), comparisons=(("c", "b"),))
+    result = run_study(study, tmp_path, size="quick")
+    assert [(p.variant, p.reference) for p in paired(result)] == [("c", "b")]
+    rows = list(csv.DictReader(open(tmp_path / "paired.csv")))
+    assert [(r["variant"], r["reference"]) for r in rows] == [("c", "b")]
+    assert "each row minus its reference" in (tmp_path / "results.md").read_text()
+    undecided = Paired("c", "b", VAL_LOSS, [0, 1], [0.1, -0.1])
+    monkeypatch.setattr(runner, "paired", lambda result: [undecided, dataclasses.replace(undecided, variant="x",
+                                                                                           differences=[0.1, 0.1])])
+    assert runner.undecided_variants(result) == {"b", "c"}  # x − b is settled: x is not extended
+    with pytest.raises(ConfigError, match="study.comparisons"):
+        dataclasses.replace(study, comparisons=(("c", "nope"),))
+    with pytest.raises(ConfigError, match="study.comparisons"):
+        dataclasses.replace(study, comparisons=(("c", "c"),))
+
+
+def test_depth_study_pairs_each_family_with_its_baselines(quick) -> None:
+    """MoR against the loop it is cut from and the matched-compute fixed loop; Huginn's rows
+    against their matched-FLOPs fixed loop, never against the other family's."""
+    pairs = {(r["variant"], r["reference"]) for r in csv.DictReader(open(quick["depth"].out_dir / "paired.csv"))}
+    assert ("mor-expert", "fixed-T3") in pairs and ("mor-expert", "fixed-T2") in pairs
+    assert ("huginn-r2-k1", "huginn-fixed-T2") in pairs and ("huginn-fixed-T2-k1", "huginn-fixed-T2") in pairs
+    assert not any(v.startswith("huginn") != r.startswith("huginn") for v, r in pairs)
 
 
 def test_a_sweep_tries_past_its_edge_while_the_best_rate_sits_on_it(tmp_path) -> None:

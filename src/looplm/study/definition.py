@@ -146,7 +146,9 @@ class Study:
     callbacks on the Trainer's seams); None from it, or no hook, trains ``Trainer(config)``.
     ``reference``:
     the variant every other row is compared with seed by seed in results.md and paired.csv
-    (default: the size's first)."""
+    (default: the size's first). ``comparisons``: the (row, reference) pairs compared instead,
+    where rows answer different questions (a family with its own baseline); the seed
+    extension decides by these pairs."""
 
     name: str
     title: str
@@ -164,6 +166,14 @@ class Study:
     prepare: Optional[Callable[[str, RunConfig], Optional[RunConfig]]] = None
     trainer: Optional[Callable[[str, RunConfig, bool, bool], Optional["Trainer"]]] = None
     reference: Optional[str] = None
+    comparisons: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        rows = {v for size in self.sizes for v in self.variants(size)}
+        unknown = [pair for pair in self.comparisons if not set(pair) <= rows or pair[0] == pair[1]]
+        if unknown:
+            raise ConfigError("study.comparisons", unknown, "(row, reference) pairs of two different rows of "
+                              f"study {self.name}: " + ", ".join(sorted(rows)))
 
     @property
     def primary(self) -> Optional[Metric]:

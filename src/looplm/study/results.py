@@ -193,8 +193,8 @@ def seed_counts(result: StudyResult) -> str:
     counts = {len(result.row_seeds(v)) for v in result.variants}
     if len(counts) <= 1:
         return f"the {len(result.seeds)} seed(s)"
-    return (f"the row's seeds (column `seeds`: seeds past the first {min(counts)} trained only the rows whose paired "
-            "difference to the reference was under two standard deviations, and the reference)")
+    return (f"the row's seeds (column `seeds`: seeds past the first {min(counts)} trained only the rows of a paired "
+            "comparison still under two standard deviations)")
 
 
 def reference_variant(result: StudyResult) -> str:
@@ -238,16 +238,21 @@ class Paired:
         return text + (" (under 2 sd)" if self.undecided else "")
 
 
-def paired(result: StudyResult) -> list[Paired]:
-    """Every other variant against the reference, per shown metric with a direction (lower
-    or higher is better: a parameter or FLOP count has no verdict), paired by seed."""
+def comparisons(result: StudyResult) -> list[tuple[str, str]]:
+    """The (row, reference) pairs of the table: the study's ``comparisons`` whose rows ran,
+    else every other row against :func:`reference_variant`."""
+    if result.study.comparisons:
+        return [(v, r) for v, r in result.study.comparisons if v in result.variants and r in result.variants]
     ref = reference_variant(result)
-    base = result.scalars(ref)
+    return [(v, ref) for v in result.variants if v != ref]
+
+
+def paired(result: StudyResult) -> list[Paired]:
+    """Each of :func:`comparisons`, per shown metric with a direction (lower or higher is
+    better: a parameter or FLOP count has no verdict), paired by seed."""
     out = []
-    for v in result.variants:
-        if v == ref:
-            continue
-        mine = result.scalars(v)
+    for v, ref in comparisons(result):
+        base, mine = result.scalars(ref), result.scalars(v)
         for m in shown_metrics(result):
             if m.better is None:
                 continue
@@ -263,7 +268,8 @@ def paired_table(result: StudyResult) -> str:
     rows = paired(result)
     if not rows:
         return ""
-    lines = [f"Paired by seed, each row minus `{reference_variant(result)}` (a difference favours the row when "
+    minus = "its reference" if result.study.comparisons else f"`{reference_variant(result)}`"
+    lines = [f"Paired by seed, each row minus {minus} (a difference favours the row when "
              "it is lower for a lower-is-better metric, higher otherwise; \"under 2 sd\": the mean difference is "
              "smaller than twice the differences' standard deviation, so the sign is not settled by these seeds):",
              "", "| comparison | metric | per-seed difference | mean | verdict |", "| --- | --- | --- | --- | --- |"]

@@ -22,7 +22,7 @@ writes into ``out_dir``:
 
 A size with ``max_seeds`` adds seeds one at a time (when none were given explicitly) while
 a row's paired difference to the reference on the primary metric is under two standard
-deviations; an added seed trains those rows and the reference only (every row when the
+deviations; an added seed trains those rows and their references only (every row when the
 study has a ``prepare`` hook, whose runs may start from another row's run of the seed).
 """
 
@@ -54,7 +54,6 @@ from looplm.study.results import (
     StudyResult,
     csv_text,
     paired,
-    reference_variant,
     paired_rows,
     results_markdown,
     run_rows,
@@ -163,10 +162,10 @@ def run_study(
         rows = undecided_variants(result) if i == len(seeds) and extend and len(seeds) < spec.max_seeds else set()
         if rows:
             seed = max(seeds) + 1
-            logger.info("study %s (%s): %s under two standard deviations after %d seeds: adding seed %d for %s",
-                        study.name, size, ", ".join(sorted(rows)), len(seeds), seed,
-                        "every row" if study.prepare is not None else "them and the reference")
-            keep = set(result.variants) if study.prepare is not None else rows | {reference_variant(result)}
+            logger.info("study %s (%s): a difference of %s is under two standard deviations after %d seeds: "
+                        "adding seed %d for %s", study.name, size, ", ".join(sorted(rows)), len(seeds), seed,
+                        "every row" if study.prepare is not None else "them")
+            keep = set(result.variants) if study.prepare is not None else rows
             seeds.append(seed)
             configs[seed] = {run: cfg for run, cfg in configs_at(seed).items() if variant_of(run) in keep}
             finished.update({(run, seed): finished_run(cfg) for run, cfg in configs[seed].items()})
@@ -190,10 +189,11 @@ def prepare_and_train(study: Study, name: str, seed: int, cfg: "RunConfig", summ
 
 
 def undecided_variants(result: StudyResult) -> set[str]:
-    """The rows whose paired difference to the reference on the primary metric is under two
-    standard deviations (or has too few seeds to tell)."""
+    """Both rows of every comparison whose paired difference on the primary metric is under
+    two standard deviations (or has too few seeds to tell)."""
     metric = result.study.primary
-    return {p.variant for p in paired(result) if metric is not None and p.metric.key == metric.key and p.undecided}
+    return {row for p in paired(result) if metric is not None and p.metric.key == metric.key and p.undecided
+            for row in (p.variant, p.reference)}
 
 
 def measure_run(study: Study, run: Run) -> Measures:

@@ -434,11 +434,17 @@ def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, li
     }
 
 
-DEPTH_HUGINN = {  # size -> runs
-    "quick": _runs("huginn-tiny", _huginn_depth_variants(2, 1, 2)),
-    "default": _runs("huginn-tiny", _huginn_depth_variants(4, 2, 3)),
-    "paper": _runs("huginn-3.5b", _huginn_depth_variants(32, 8, 15)),
-}
+#: size -> (preset, r̄, k, the matched fixed count)
+_HUGINN_SHAPES = {"quick": ("huginn-tiny", 2, 1, 2), "default": ("huginn-tiny", 4, 2, 3),
+                  "paper": ("huginn-3.5b", 32, 8, 15)}
+DEPTH_HUGINN = {size: _runs(preset, _huginn_depth_variants(*shape))  # size -> runs
+                for size, (preset, *shape) in _HUGINN_SHAPES.items()}
+
+
+def _huginn_comparisons(mean: int, window: int, matched: int) -> list[tuple[str, str]]:
+    """The drawn count and the fixed count with its window, each against the matched fixed loop."""
+    return [(f"huginn-r{mean}-k{window}", f"huginn-fixed-T{matched}"),
+            (f"huginn-fixed-T{mean}-k{window}", f"huginn-fixed-T{matched}")]
 DEPTH_HUGINN_METRICS = (Metric("val_loss_at_max", "val loss at 4×T", 4, better="lower"),)
 DEPTH_HUGINN_FIGURES = (Curve("test_time_compute.png", "loss_vs_iterations",
                               "validation loss against test-time iterations", "loop iterations r at inference",
@@ -464,6 +470,17 @@ def _depth_measure(run) -> dict:
     parts = [measures.realised_depth(run), measures.zero_shot_exit(run), measures.test_time_curve(run)]
     return {**parts[0], "scalars": {k: v for p in parts for k, v in p["scalars"].items()},
             "series": {k: v for p in parts for k, v in p["series"].items()}}
+
+
+#: Each row against the baseline its claim names: the fixed T = 2 and every MoR row against
+#: the T = 3 loop they come from, MoR against T = 2 (the fixed loop spending MoR's realised
+#: passes: matched compute), Huginn's rows against their matched-FLOPs fixed loop.
+DEPTH_COMPARISONS = (
+    ("fixed-T2", "fixed-T3"),
+    *((mor, "fixed-T3") for mor in _DEPTH_MOR),
+    *((mor, "fixed-T2") for mor in _DEPTH_MOR),
+    *(pair for _, *shape in _HUGINN_SHAPES.values() for pair in _huginn_comparisons(*shape)),
+)
 
 
 def _depth_runs(size: str) -> dict[str, RunSpec]:
@@ -497,11 +514,13 @@ DEPTH = Study(
              Metric("train_flops_realised", "train FLOPs (realised)", 3, sci=True), *DEPTH_EXIT_METRICS[1:]),
     measure=_depth_measure,
     reference="fixed-T3",
+    comparisons=DEPTH_COMPARISONS,
     figures=(*_lm_figures(), *DEPTH_HUGINN_FIGURES),
     deviations=(
-        "Two families of rows: fixed-T3 / fixed-T2 / mor-* share tiny-base's 1+2R3+1 shape (paired against "
-        "fixed-T3); huginn-* share huginn-tiny's 2+4R·+2 shape (compare them with huginn-fixed-T3, their "
-        "matched-FLOPs fixed loop, not with the paired column).",
+        "Two families of rows, each paired with its own baselines: fixed-T2 and mor-* share tiny-base's 1+2R3+1 "
+        "shape (against fixed-T3, the loop MoR is cut from, and MoR against fixed-T2, the fixed loop that "
+        "spends MoR's realised passes); huginn-* share huginn-tiny's 2+4R·+2 shape (against huginn-fixed-T3, "
+        "their matched-FLOPs fixed loop).",
         *DEPTH_HUGINN_DEVIATIONS,
         "Shrunk: 1+2R3+1 blocks at d = 96 (MoR's Middle-Cycle sharing, N_r = 3), byte-level pydoc corpus, 600 steps "
         "of 16 × 128 tokens; the paper trains 135M–1.7B models on FineWeb-Edu at matched training FLOPs.",
