@@ -147,6 +147,10 @@ MESH = Study(
              Metric("update_core", "update (core iter.)", 3, better="higher"),
              Metric("cka_loop", "CKA h⁽ᵗ⁾,h⁽ᵗ⁺¹⁾", 3, better="lower")),
     measure=measures.mesh_probes,
+    # Table 1's reading: the recursive variants against plain recursion, anchor* against
+    # anchor, mesh against the best fixed scheme and against the larger vanilla model
+    comparisons=(("base", "vanilla"), ("residual", "base"), ("anchor", "base"), ("anchor_embedding", "base"),
+                 ("anchor_embedding", "anchor"), ("mesh", "base"), ("mesh", "anchor"), ("mesh", "vanilla")),
     paper_columns=(PaperColumn(
         "Pile PPL (1B)", "mesh.txt Table 1, Pythia-1B rows (vanilla 16 layers; recursive 3+5R2+3, −31.3 % "
         "non-embedding parameters): Pile perplexity",
@@ -194,6 +198,10 @@ SPIRALFORMER = Study(
     metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True),
              Metric("train_flops", "train FLOPs", 3, sci=True)),
     measure=measures.lm,
+    # Table 1: SpiralFormer against the full-resolution LoopedFormer (T = 2) and the full
+    # loop of its own schedule; -L against -B
+    comparisons=(("looped-T2", "looped-T4-full-res"), ("SpiralFormer-B", "looped-T4-full-res"),
+                 ("SpiralFormer-B", "looped-T2"), ("SpiralFormer-L", "looped-T2"), ("SpiralFormer-L", "SpiralFormer-B")),
     paper_columns=(
         PaperColumn("Pile PPL (160M)", "spiralformer.txt Table 1, Pythia-160M rows: Pile perplexity "
                     "(LoopedFormer 2+4×{1,1}+2 is the paper's full-resolution loop, T = 2)",
@@ -256,6 +264,9 @@ SGT = Study(
     metrics=(VAL_LOSS, Metric("train_flops", "train FLOPs (SGT conv.)", 3, sci=True),
              Metric("flops_overhead", "FLOPs overhead", 2, percent=True), Metric("looped_layers", "grown layers", 1)),
     measure=measures.growth,
+    # Table 1: every looped row against vanilla; §5.2: SGT against Block Loop
+    comparisons=(("block-loop", "vanilla"), ("sgt-k1", "vanilla"), ("sgt-k2", "vanilla"), ("sgt-k3", "vanilla"),
+                 ("sgt-k1", "block-loop"), ("sgt-k2", "block-loop"), ("sgt-k3", "block-loop")),
     paper_columns=(
         PaperColumn("FLOPs 1e18 (275M)", "sparse-growing-transformer.txt Table 1, 275M rows: total training FLOPs "
                     "(overhead over vanilla)",
@@ -354,6 +365,9 @@ LT2 = Study(
              Metric("state_acc", "state acc (last)", 1, percent=True),
              Metric("sink_first", "first-token mass (loop 1)", 3), Metric("sink_last", "first-token mass (last loop)", 3)),
     measure=measures.lt2,
+    # each mixer looped against itself run once (matched parameters); §4.4: the gate
+    comparisons=(("attention-looped", "attention"), ("gdn-looped", "gdn"), ("full+gdn-looped", "full+gdn"),
+                 ("attention-looped-gated", "attention-looped"), ("attention-looped-gated", "attention")),
     paper_columns=(
         PaperColumn("val PPL (0.6B)", "lt2.txt zero-shot table (tab:downstream), 0.6B rows, T = 4 (the table "
                     "has non-looped rows only for the Transformer)",
