@@ -484,7 +484,7 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     from looplm.study.studies import VAL_LOSS
 
     quick = dataclasses.replace(TINY.sizes["quick"], seeds=2, max_seeds=3,
-                                sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
+                                sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)), notes=("a size note",))
     study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,))
     verdicts = iter([{"a", "b"}])  # after seeds 0, 1: b − a undecided; after seed 2: max_seeds reached anyway
     monkeypatch.setattr(runner, "undecided_variants", lambda result: next(verdicts))
@@ -499,6 +499,12 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
         assert (tmp_path / "lr-sweep" / f"lr-{float(best['lr']):g}" / name / "seed-0" / "summary.json").is_file()
     assert result.seeds == [0, 1, 2] and len(result.runs["a"]) == 3
     assert "**" in (tmp_path / "lr-sweep.md").read_text()
+    # results.md names each row's rate where the sweep chose different ones
+    rates = {name: result.runs[name][0].config.train.lr for name in ("a", "b")}
+    markdown = (tmp_path / "results.md").read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| variant"))
+    assert ("| lr |" in header) == (rates["a"] != rates["b"]) == ("lr per row" in markdown)
+    assert "Size `quick`:\n\n- a size note\n" in markdown
     # rerun: the sweep and the seeds are read back, nothing trains
     monkeypatch.setattr(runner, "undecided_variants", lambda result: set())
     trained = []

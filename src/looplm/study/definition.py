@@ -114,7 +114,8 @@ class Size:
     picks each run's rate first. ``max_seeds``: when the seeds were not given explicitly,
     seeds are added one at a time up to this many while a row's paired difference to the
     reference on the primary metric is under two standard deviations (a sign those seeds
-    do not settle)."""
+    do not settle). ``notes``: how this size departs from what the study's deviations
+    describe (its corpus, widths, budget), printed above them in results.md."""
 
     runs: Mapping[str, RunSpec]
     shared: tuple[str, ...] = ()
@@ -122,6 +123,7 @@ class Size:
     wall_time: str = ""
     sweep: Optional[Sweep] = None
     max_seeds: Optional[int] = None
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_seeds is not None and self.max_seeds < self.seeds:

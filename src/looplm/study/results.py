@@ -122,13 +122,16 @@ def results_table(result: StudyResult) -> str:
     metrics = shown_metrics(result)
     seeds = {v: len(result.row_seeds(v)) for v in result.variants}
     seed_col = ["seeds"] if len(set(seeds.values())) > 1 else []  # rows extended while undecided
-    header = ["variant", *desc_cols, *seed_col, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
+    lrs = row_lrs(result)
+    lr_col = ["lr"] if len(set(lrs.values())) > 1 else []  # each row's rate from the sweep
+    header = ["variant", *desc_cols, *seed_col, *lr_col, *(m.label + (" (%)" if m.percent else "") for m in metrics), *(f"paper: {p.label}" for p in papers),
               "steps", "train time (s)"]
     best = {m.key: _best(result, m) for m in metrics}
     rows = []
     for v in result.variants:
         runs = result.row_runs(v)
-        row = [v, *(described[v].get(c, "") for c in desc_cols), *(str(seeds[v]) for _ in seed_col)]
+        row = [v, *(described[v].get(c, "") for c in desc_cols), *(str(seeds[v]) for _ in seed_col),
+               *(lrs[v] for _ in lr_col)]
         for m in metrics:
             text = cell(result.values(v, m.key), m, seeds[v])
             row.append(f"**{text}**" if best[m.key] == v else text)
@@ -142,6 +145,12 @@ def results_table(result: StudyResult) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def row_lrs(result: StudyResult) -> dict[str, str]:
+    """Each row's learning rate(s) as trained."""
+    return {v: "/".join(f"{lr:g}" for lr in sorted({r.config.train.lr for r in result.row_runs(v)}))
+            for v in result.variants}
 
 
 def results_markdown(result: StudyResult) -> str:
@@ -159,7 +168,9 @@ def results_markdown(result: StudyResult) -> str:
         f"- claim tested: {study.claim}",
         f"- size `{result.size}`, seeds {seeds} (each seed: model init, training stream and evaluation problems); "
         f"data `{first.data.source}`, batch {first.train.batch_size}, seq_len {first.data.seq_len}, "
-        f"lr {first.train.lr:g}, {first.train.max_steps} steps",
+        + (f"lr {first.train.lr:g}, " if len(set(row_lrs(result).values())) == 1 else
+           "lr per row (column lr: each run's best rate in lr-sweep.md), ")
+        + f"{first.train.max_steps} steps",
         f"- looplm {m['looplm']}, torch {m['torch']}, Python {m['python']}, {m['platform']}",
         f"- machine: {machine_line(m)}",
         "",
@@ -177,6 +188,9 @@ def results_markdown(result: StudyResult) -> str:
     papers = [p for p in study.paper_columns if any(v in p.values for v in result.variants)]
     if papers:
         lines += ["Paper columns:", ""] + [f"- {p.label}: {p.source}" for p in papers] + [""]
+    size_notes = study.sizes[result.size].notes if result.size in study.sizes else ()
+    if size_notes:
+        lines += [f"Size `{result.size}`:", ""] + [f"- {n}" for n in size_notes] + [""]
     if study.deviations:
         heading = "Deviations from the paper:"
         if result.overrides:  # the list describes the size as defined, not these changes to it

@@ -95,10 +95,22 @@ def _stdlib_wall_time(runs: int) -> str:
             f"edge of its sweep tries up to {STDLIB_SWEEP.extend} more)")
 
 
+#: What the ``stdlib`` sizes change of the deviations written for the default sizes.
+STDLIB_NOTES = (
+    "The Python standard library's sources (`python-stdlib`) in `bpe:8192` tokens, single-epoch: "
+    f"{STDLIB_STEPS} steps of {STDLIB_BATCH} × {STDLIB_SEQ} tokens read 1.6 M of its 8.2 M training tokens, none "
+    "twice; where the deviations below name the byte-level pydoc corpus, its step count or its width, this size "
+    "has these instead (d = 128, 4 heads, unless a row sets its own).",
+    "Each row trains at the best rate of its seed-0 sweep (lr-sweep.md, column lr of the table); 3 paired seeds, "
+    "a comparison under two standard deviations adds seeds for its two rows, up to 5.",
+)
+
+
 def _stdlib_size(runs: dict[str, RunSpec]) -> Size:
     """The unrepeated-corpus size: the sweep picks each run's rate, 3 paired seeds, up to 5
     while a difference to the reference is under two standard deviations."""
-    return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(len(runs)))
+    return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(len(runs)),
+                notes=STDLIB_NOTES)
 
 
 def _runs(preset: str, variants: dict[str, Sequence[str]]) -> dict[str, RunSpec]:
@@ -354,7 +366,7 @@ LT2 = Study(
         # default size's (a synthetic task has no corpus to repeat, and at d = 64 no variant
         # passes its first stage even at 4000 steps: docs/results/lt2/investigation.md)
         "stdlib": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176, _cpu_stdlib(), None),
-                       seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(7)),
+                       seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(7), notes=STDLIB_NOTES),
         "paper": Size(_lt2_runs("lt2-0.6b-transformer", 25, 4, [8, 16, 32, 64, 128, 256], 4888, (),
                                 ("model.d_model=256", "model.n_heads=4", "train.max_steps=100000")), seeds=3,
                       wall_time="0.6B, T = 4, 100B tokens per LM run (set data.source / data.tokenizer): ≈ 1.4e21 "
