@@ -176,6 +176,38 @@ def test_mor_skipping_equals_the_frozen_loop(kv, device):
         assert error_ratio(a, b) < RATIO[device]
 
 
+@pytest.mark.parametrize("device", BF16_DEVICES)
+def test_moe_experts_train_on_grouped_mm_like_the_per_expert_loop(device):
+    """The dropless MoE FFN in a loop under bf16 autocast (issue 29: dropless on one GPU): its
+    expert products on ``torch._grouped_mm`` (CUTLASS on Hopper, PyTorch's own on CPU) give
+    the per-expert loop's loss and gradients; on a Hopper card ``auto`` picks grouped_mm."""
+    from looplm.modules.moe import MoE
+    from looplm.ops.grouped import grouped_mm_supported
+
+    torch.manual_seed(0)
+    cfg = tiny_config("anchor", layout="1+1R2+1", d_model=128, n_heads=4, mlp="swiglu", norm="rmsnorm", bias=False,
+                      moe={"experts": 8, "top_k": 2, "hidden": 64})
+    model = LoopLM(cfg).to(device).train()
+    x = torch.randint(0, cfg.vocab_size, (4, 48), generator=torch.Generator().manual_seed(1)).to(device)
+    results = {}
+    for kernel in ("grouped_mm", "loop"):
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.kernel = kernel
+        model.zero_grad()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(x, targets=x).loss
+        loss.backward()
+        results[kernel] = (loss.detach().float(), [p.grad.float().clone() for p in model.parameters()])
+    (loss, grads), (ref_loss, ref_grads) = results["grouped_mm"], results["loop"]
+    assert abs(loss.item() - ref_loss.item()) < 1e-2 * abs(ref_loss.item())
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert error_ratio(a, b) < 2e-2
+    if device == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        sample = torch.empty(8, 128, dtype=torch.bfloat16, device=device)
+        assert grouped_mm_supported(sample, torch.empty(8, 64, 128, dtype=torch.bfloat16, device=device))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("halting", [{"kind": "act"}, {"kind": "mor", "depths": 3, "kv": "shared"}], ids=["act", "mor"])
 def test_adaptive_halting_training_replays_as_cuda_graphs(halting):
