@@ -112,9 +112,9 @@ class Size:
     """One size of a study: its runs, the overrides they share, the seeds it is meant for and
     its expected wall time (how it was estimated). ``sweep``: a learning-rate sweep that
     picks each run's rate first. ``max_seeds``: when the seeds were not given explicitly,
-    seeds are added one at a time up to this many while a row's paired difference to the
-    reference on the primary metric is under two standard deviations (a sign those seeds
-    do not settle). ``notes``: how this size departs from what the study's deviations
+    seeds are added one at a time up to this many while a comparison's paired difference
+    on the primary metric is under two standard deviations (a sign those seeds do not
+    settle). ``notes``: how this size departs from what the study's deviations
     describe (its corpus, widths, budget), printed above them in results.md."""
 
     runs: Mapping[str, RunSpec]

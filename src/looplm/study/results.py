@@ -20,8 +20,8 @@ from looplm.study.runs import Run, machine_line
 class StudyResult:
     """What ran (``runs[run]``: one :class:`Run` per seed it trained at, ``measures[run]``
     beside them), what was measured, where, and on what machine. ``seeds``: every seed some
-    run trained at; a row may have fewer (the seeds added while a difference was undecided
-    train only the undecided rows and the reference)."""
+    run trained at; a row may have fewer (a seed added while a comparison was undecided
+    trains only the rows of such comparisons)."""
 
     study: Study
     size: str

@@ -21,8 +21,8 @@ writes into ``out_dir``:
   (:mod:`looplm.study.sweep`).
 
 A size with ``max_seeds`` adds seeds one at a time (when none were given explicitly) while
-a row's paired difference to the reference on the primary metric is under two standard
-deviations; an added seed trains those rows and their references only (every row when the
+a comparison's paired difference on the primary metric (:func:`~looplm.study.results.paired`)
+is under two standard deviations; an added seed trains the rows of those comparisons only (every row when the
 study has a ``prepare`` hook, whose runs may start from another row's run of the seed).
 """
 

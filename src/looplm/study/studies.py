@@ -108,7 +108,7 @@ STDLIB_NOTES = (
 
 def _stdlib_size(runs: dict[str, RunSpec]) -> Size:
     """The unrepeated-corpus size: the sweep picks each run's rate, 3 paired seeds, up to 5
-    while a difference to the reference is under two standard deviations."""
+    while a comparison is under two standard deviations."""
     return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(len(runs)),
                 notes=STDLIB_NOTES)
 
