@@ -450,7 +450,9 @@ DEPTH_EXIT_DEVIATIONS = (
 def _huginn_depth_variants(mean: int, window: int, matched: int) -> dict[str, list[str]]:
     """``matched``: the fixed count whose full-backprop training FLOPs equal the expected
     FLOPs of a drawn count around ``mean`` with window ``window`` (huginn-tiny at d = 64:
-    T = 3 against r̄ = 4, k = 2, within 1 %: E[r] = 5, of which E[min(r, k)] ≈ 2 backpropagated)."""
+    T = 3 against r̄ = 4, k = 2, within 1 %: E[r] = 5, of which E[min(r, k)] ≈ 2 backpropagated).
+    Rows in this order (DEPTH_COMPARISONS reads it): the matched fixed loop, the fixed count
+    with the window, the drawn count."""
     return {
         f"huginn-fixed-T{matched}": [f"model.layout=2+4R{matched}+2", "model.depth={kind: fixed}"],
         f"huginn-fixed-T{mean}-k{window}": [f"model.layout=2+4R{mean}+2",
@@ -466,11 +468,6 @@ _HUGINN_SHAPES = {"quick": ("huginn-tiny", 2, 1, 2), "default": ("huginn-tiny", 
 DEPTH_HUGINN = {size: _runs(preset, _huginn_depth_variants(*shape))  # size -> runs
                 for size, (preset, *shape) in _HUGINN_SHAPES.items()}
 
-
-def _huginn_comparisons(mean: int, window: int, matched: int) -> list[tuple[str, str]]:
-    """The drawn count and the fixed count with its window, each against the matched fixed loop."""
-    return [(f"huginn-r{mean}-k{window}", f"huginn-fixed-T{matched}"),
-            (f"huginn-fixed-T{mean}-k{window}", f"huginn-fixed-T{matched}")]
 DEPTH_HUGINN_METRICS = (Metric("val_loss_at_max", "val loss at 4×T", 4, better="lower"),)
 DEPTH_HUGINN_FIGURES = (Curve("test_time_compute.png", "loss_vs_iterations",
                               "validation loss against test-time iterations", "loop iterations r at inference",
@@ -505,7 +502,8 @@ DEPTH_COMPARISONS = (
     ("fixed-T2", "fixed-T3"),
     *((mor, "fixed-T3") for mor in _DEPTH_MOR),
     *((mor, "fixed-T2") for mor in _DEPTH_MOR),
-    *(pair for _, *shape in _HUGINN_SHAPES.values() for pair in _huginn_comparisons(*shape)),
+    # per size, _huginn_depth_variants' rows in order: matched fixed loop, fixed with the window, drawn count
+    *((row, matched) for matched, windowed, drawn in map(list, DEPTH_HUGINN.values()) for row in (drawn, windowed)),
 )
 
 
