@@ -87,6 +87,17 @@ def test_results_and_paired_tables_decide_against_the_scratch_hybrid(quick) -> N
             assert float(row["val_loss_loop2"]) == pytest.approx(float(row["val_loss"]), abs=1e-5)
             assert float(row["kd_final"]) >= 0
         assert runs[("teacher", seed)]["match_tokens"] == ""  # trained before the from-scratch curve exists
+        # FLOPs: a distilled row pays stage 1 and its teacher's forwards; at equal tokens distilling
+        # costs more than training the hybrid from scratch, and the saving is the matched tokens' cost
+        flops = {name: float(runs[(name, seed)]["train_flops"]) for name in ROWS}
+        per_token = flops["scratch"] / int(runs[("scratch", seed)]["tokens"])
+        assert flops["scratch-teacher-budget"] == pytest.approx(per_token * int(runs[("teacher", seed)]["tokens"]))
+        for name in distillation.DISTILLED:
+            assert flops[name] > flops["stage1"] + (flops["scratch"] - per_token * stage1)
+            match = runs[(name, seed)]["match_tokens"]
+            if match:
+                assert float(runs[(name, seed)]["saved_flops"]) == pytest.approx(
+                    float(match) * per_token - flops[name])
     paired = {(r["variant"], r["metric"]): r for r in _csv(out / "paired.csv")}
     assert {r["reference"] for r in paired.values()} == {"scratch"}
     row = paired[("distill-per-loop", "val_loss")]

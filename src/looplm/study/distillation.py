@@ -38,9 +38,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from looplm.accounting import count_flops
+from looplm.accounting.flops import build_meta_model
 from looplm.artifacts import write_text
 from looplm.config import RunConfig
 from looplm.distill.config import DistillConfig
+from looplm.distill.flops import alignment_flops, kd_flops
 from looplm.distill.selection import Selection, uniform_layers
 from looplm.distill.stages import SELECTION_FILE, alignment_trainer, choose_layers, kd_trainer, write_selection
 from looplm.distill.student import block_paths, init_student, load_teacher, student_config
@@ -212,39 +215,71 @@ def tokens_to_reach(curve: Sequence[Sequence[float]], target: float) -> Optional
     return None
 
 
-def _stage1_tokens(run: Run) -> int:
-    summary = json.loads((sibling(run.config, STAGE1) / "summary.json").read_text(encoding="utf-8"))
-    return int(summary["tokens_seen"])
+def _stage1_summary(run: Run) -> dict[str, Any]:
+    return json.loads((sibling(run.config, STAGE1) / "summary.json").read_text(encoding="utf-8"))
+
+
+def training_flops(run: Run) -> list[float]:
+    """The row's cumulative training FLOPs after each step 0 … steps (default convention):
+    a row trained on the next-token loss its model's training step; stage 1 and a distilled
+    row's stage 2 their steps with the teacher's forwards (:mod:`looplm.distill.flops`); a
+    distilled row's start is its stage 1's total (the curve continues it)."""
+    cfg = run.config
+    steps, seq_len, batch = int(run.summary["steps"]), cfg.data.seq_len, cfg.train.batch_size
+    if run.name not in (STAGE1, *DISTILLED):
+        return [_per_token(cfg) * batch * seq_len * s for s in range(steps + 1)]
+    teacher_model = _teacher_model(cfg)
+    teacher = build_meta_model(teacher_model)
+    if run.name == STAGE1:
+        return alignment_flops(teacher, build_meta_model(cfg.model), seq_len, batch, steps)
+    summary = _stage1_summary(run)
+    stage1 = RunConfig.from_dict(summary["config"])
+    start = alignment_flops(teacher, build_meta_model(stage1.model), stage1.data.seq_len, stage1.train.batch_size,
+                            int(summary["steps"]))[-1]
+    kd = kd_flops(teacher, build_meta_model(cfg.model), seq_len, batch, steps, _kd_settings(run.name).kd,
+                  SETTINGS.stage_lengths(seq_len))
+    return [start + f for f in kd]
 
 
 def measure(run: Run) -> Measures:
     """Validation loss (the held-out batches of the teacher's data config, the same for every
     row), per loop τ; the student's tokens (stage 1 + stage 2 for a distilled row: the
-    teacher's are a sunk cost, as Ouro's are in LT2); the held-out top-k KL to the teacher
-    (distilled rows); for the hybrid rows trained after it (:data:`MATCHED`), the tokens the
-    from-scratch hybrid at the teacher's budget needed to reach this loss (``match_tokens``)
-    and that minus this row's own (``saved_tokens``)."""
+    teacher's are a sunk cost, as Ouro's are in LT2) and its training FLOPs, the teacher's
+    forwards during distillation included (:func:`training_flops`); the held-out top-k KL
+    to the teacher (distilled rows); for the hybrid rows trained after it (:data:`MATCHED`),
+    the tokens the from-scratch hybrid at the teacher's budget needed to reach this loss
+    (``match_tokens``), that minus this row's own (``saved_tokens``), and the FLOPs those
+    tokens cost that hybrid minus this row's (``saved_flops``)."""
     per_step = run.config.train.batch_size * run.config.data.seq_len
-    offset = _stage1_tokens(run) if run.name in DISTILLED else 0
+    offset = int(_stage1_summary(run)["tokens_seen"]) if run.name in DISTILLED else 0
     evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
     val_loss = evals[-1]["val_loss"] if evals else run.summary.get("val_loss")
     tokens = offset + int(run.summary.get("tokens_seen", run.summary["steps"] * per_step))
-    scalars: dict[str, Any] = {"val_loss": val_loss, "tokens": tokens}
+    flops = training_flops(run)
+    scalars: dict[str, Any] = {"val_loss": val_loss, "tokens": tokens, "train_flops": flops[-1]}
     scalars.update({f"val_loss_loop{t}": v for t, v in enumerate(per_loop_val_loss(run.run_dir), 1)})
     kd = [e["kd_final"] for e in run.events("distill_eval") if e.get("kd_final") is not None]
     scalars["kd_final"] = kd[-1] if kd else None
-    long_metrics = sibling(run.config, LONG) / "metrics.jsonl"
+    long_run = sibling(run.config, LONG)
     match = None
-    if run.name in MATCHED and long_metrics.is_file() and val_loss is not None and math.isfinite(val_loss):
+    if run.name in MATCHED and (long_run / "metrics.jsonl").is_file() and val_loss is not None and math.isfinite(val_loss):
         # every row reads batches of one shape: the long run's tokens per step are this run's
-        curve = [[e["step"] * per_step, e["val_loss"]] for e in events_by_step(long_metrics, "eval")
+        curve = [[e["step"] * per_step, e["val_loss"]] for e in events_by_step(long_run / "metrics.jsonl", "eval")
                  if e.get("val_loss") is not None]
         match = tokens_to_reach(curve, val_loss)
     scalars["match_tokens"] = match
     scalars["saved_tokens"] = None if match is None else match - tokens
+    scalars["saved_flops"] = None if match is None else match * _per_token(run.config) - flops[-1]
     return {"scalars": scalars,
-            "series": {"val_loss_tokens": [[offset + e["step"] * per_step, e["val_loss"]] for e in evals]},
+            "series": {"val_loss_tokens": [[offset + e["step"] * per_step, e["val_loss"]] for e in evals],
+                       "val_loss_flops": [[flops[min(e["step"], len(flops) - 1)], e["val_loss"]] for e in evals]},
             "notes": []}
+
+
+def _per_token(cfg: RunConfig) -> float:
+    """Training FLOPs per token of ``cfg``'s model on the next-token loss (a hybrid row's is
+    the seed's from-scratch hybrid's: the same F)."""
+    return count_flops(build_meta_model(cfg.model), cfg.data.seq_len, batch=cfg.train.batch_size).training_per_token
 
 
 def notes(result) -> str:

@@ -974,9 +974,12 @@ DISTILL = Study(
           "the hybrid from scratch needs to match",
     sizes=_distill_sizes(),
     metrics=(VAL_LOSS, *(Metric(f"val_loss_loop{t}", f"val loss τ={t}", 4) for t in (1, 2, 3)),
-             Metric("tokens", "tokens (own)", 3, sci=True), Metric("kd_final", "top-k KL to teacher", 4),
+             Metric("tokens", "tokens (own)", 3, sci=True),
+             Metric("train_flops", "training FLOPs (+ teacher forwards)", 3, sci=True),
+             Metric("kd_final", "top-k KL to teacher", 4),
              Metric("match_tokens", "scratch tokens to match", 3, sci=True),
-             Metric("saved_tokens", "tokens saved", 3, sci=True, better="higher")),
+             Metric("saved_tokens", "tokens saved", 3, sci=True, better="higher"),
+             Metric("saved_flops", "FLOPs saved", 3, sci=True, better="higher")),
     measure=distillation.measure,
     reference="scratch",
     paper_columns=(PaperColumn("tokens", "lt2.txt §5: stage 1 on 100M tokens (length 512), stage 2 on 600M "
@@ -984,7 +987,10 @@ DISTILL = Study(
                                "is pretrained elsewhere (lt2.txt gives no token count for it)",
                                {"stage1": "100M", "distill-per-loop": "700M"}),),
     figures=(Curve("val_loss_tokens.png", "val_loss_tokens", "validation loss against the row's own tokens",
-                   "tokens (a distilled row: stage 1 + stage 2)", "validation loss", logx=True),),
+                   "tokens (a distilled row: stage 1 + stage 2)", "validation loss", logx=True),
+             Curve("val_loss_flops.png", "val_loss_flops", "validation loss against training FLOPs",
+                   "training FLOPs (a distilled row: stages 1 + 2 with the teacher's forwards)", "validation loss",
+                   logx=True)),
     describe=_distill_describe,
     build=distillation.build,
     prepare=distillation.prepare,
@@ -1010,6 +1016,11 @@ DISTILL = Study(
         "Every row is evaluated on the same 16 held-out batches (the teacher's data config); per-loop losses "
         "read head(norm(h^(τ))) after each loop τ; top-k KL to the teacher: the held-out final-loop KD term "
         "of the distilled rows.",
+        "Training FLOPs (default convention, looplm.distill.flops): a distilled row's stage 1 and 2 with the "
+        "teacher's forwards and per-loop readouts they run (stage 1's mixer calls at the convention's training "
+        "multiplier: high by their input projections' forward, whose input gradient is never formed); the teacher's "
+        "own row is its pretraining, left out of the others. saved_flops: what the from-scratch hybrid spent on "
+        "match_tokens minus the row's own.",
     ),
 )
 
