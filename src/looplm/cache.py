@@ -144,8 +144,9 @@ class LoopCache:
         """Forget every position from ``length`` on (e.g. rejected speculative tokens)."""
         if self.valid is None or length >= self.get_seq_length():
             return
-        self.states = {key: state.crop(self._compressed(key, length)) for key, state in self.states.items()}
-        self.chunks = {t: chunk.crop(length) for t, chunk in self.chunks.items()}
+        # every state and chunk is cropped (or refuses) before any is replaced: a refused crop changes nothing
+        states = {key: state.crop(self._compressed(key, length)) for key, state in self.states.items()}
+        self.states, self.chunks = states, {t: chunk.crop(length) for t, chunk in self.chunks.items()}
         if self.frozen is not None:
             self.frozen, self.steps_done = self.frozen_slice(0, length), self.steps_done[:length]
         if self.depth is not None:

@@ -378,6 +378,9 @@ class LoopLM(nn.Module):
             if self.cfg.lora.enabled and n_iter > trained:
                 raise ConfigError("iterations", iterations, f"at most {trained}: model.lora has one adapter per "
                                   "trained iteration (Relaxed Recursive Transformers)")
+            if self.cfg.loop_mixers is not None and n_iter > trained:
+                raise ConfigError("iterations", iterations, f"at most {trained}: model.loop_mixers names one mixer "
+                                  "per trained iteration (a loop-level hybrid)")
             if self.resolution is not None:
                 raise ConfigError(
                     "iterations", iterations, f"{trained}: layout {self.cfg.layout!r} has one resolution per trained iteration"

@@ -24,7 +24,7 @@ from looplm.resolution.config import ResolutionConfig
 from looplm.resolution import schedule
 from looplm.streams.config import SingleStreamConfig, StreamsConfig
 from looplm.structure import LoopStructure
-from looplm.topology.config import SUPPLEMENTS, TOPOLOGIES, BaseTopologyConfig, TopologyConfig
+from looplm.topology.config import SUPPLEMENTS, TOPOLOGIES, TOPOLOGY_CONFIGS, BaseTopologyConfig, TopologyConfig
 
 __all__ = ["ModelConfig", "SUPPLEMENTS", "TOPOLOGIES", "TopologyConfig"]
 
@@ -175,10 +175,18 @@ class ModelConfig(Config):
         # positions that produced it: a topology that replaces the state with that update
         # would drop every token's own information (position 0, and every token whose chunk
         # has not yet closed), so a sub-token iteration needs a state the update is added to.
-        check(not multires or self.topology.defines_update or self.streams.defines_update, "model.topology.kind",
-              self.topology.kind, f"a kind that adds the update to the state (anchor, mesh, residual, "
-              f"anchor_embedding, additive) with the multi-resolution layout {self.layout!r}: 'base' (h ← S↑ "
-              "update) drops each token's own state through the causal shift; SpiralFormer §2.3 uses Anchor or MeSH")
+        # A kind that replaces the state with the update (base; gated_residual, whose ρ starts at
+        # zero; concat_adapter's s ← update) would too; concat_adapter re-reads the input e at
+        # the next iteration, so it only needs a full-resolution last iteration.
+        adds = [k for k, c in TOPOLOGY_CONFIGS.items() if c.adds_update]
+        topology = self.topology
+        keeps = topology.adds_update or (topology.injects_input and layout.resolutions[-1] == 1)
+        check(not multires or keeps or self.streams.defines_update, "model.topology.kind",
+              topology.kind, f"a kind that adds the update to the state ({', '.join(adds)}) with the "
+              f"multi-resolution layout {self.layout!r}" + (" (or a last iteration at resolution 1 for "
+              f"{topology.kind})" if topology.injects_input else "") + f": {topology.kind!r} replaces the state "
+              "with S↑'s update, which drops each token's own state through the causal shift; SpiralFormer §2.3 "
+              "uses Anchor or MeSH")
         if self.loop_input_norm:
             check(not self.streams.defines_update, "model.loop_input_norm", self.loop_input_norm,
                   f"false with model.streams.kind={self.streams.kind} (it normalises the single loop state)")
@@ -234,6 +242,9 @@ class ModelConfig(Config):
                 ("loop_mixers", self.loop_mixers is None, self.loop_mixers, "null (one mixer per trained iteration)"),
                 ("step_embeddings", not self.step_embeddings, self.step_embeddings,
                  "false (one e_t per trained step)"),
+                ("lora.rank", not self.lora.enabled, self.lora.rank, "0 (one adapter per trained iteration)"),
+                ("moe.per_iteration", not (self.moe is not None and self.moe.per_iteration),
+                 self.moe is not None and self.moe.per_iteration, "false (one expert set per trained iteration)"),
             ):
                 check(ok, f"model.{name}", value, f"{allowed} with model.depth.kind={depth.kind}")
             check(self.topology.iteration_free, "model.topology.kind", self.topology.kind,

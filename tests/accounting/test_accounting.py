@@ -14,6 +14,7 @@ from looplm.accounting.flops import build_meta_model
 from looplm.accounting.growth import growth_timeline, training_flops_over_steps
 from looplm.accounting.hardware import mfu, peak_flops
 from looplm.config import load_config
+from looplm.config_base import ConfigError
 from looplm.model import LoopLM
 from looplm.train import parameter_counts as train_parameter_counts
 
@@ -287,3 +288,22 @@ def test_mfu():
     assert peak_flops("some cpu", torch.float32) is None
     assert mfu(1e9, 1e5, 1e15) == pytest.approx(0.1)
     assert mfu(1e9, 1e5, None) is None
+
+
+@pytest.mark.parametrize("overrides", [dict(share_core=False), dict(layout="1x{1/2,1}"), dict(lora={"rank": 2}),
+                                       dict(moe={"experts": 3, "top_k": 1, "per_iteration": True}),
+                                       dict(topology={"kind": "mesh"}, step_embeddings=True)])
+def test_count_flops_refuses_an_iteration_count_the_forward_refuses(overrides):
+    """count_flops(iterations=r) runs the forward's check: it crashed (IndexError) or counted a
+    forward that cannot run where the forward refuses r with a ConfigError."""
+    from tests.conftest import random_ids, tiny_config
+
+    fields = {"layout": "1R2", **overrides}
+    topology = fields.pop("topology", {"kind": "anchor"})["kind"]
+    model = LoopLM(tiny_config(topology, **fields))
+    with pytest.raises(ConfigError) as forward_err:
+        model(random_ids(1, 4), iterations=3)
+    with pytest.raises(ConfigError) as count_err:
+        count_flops(model, 12, batch=2, iterations=3)
+    assert count_err.value.field == forward_err.value.field == "iterations"
+    assert count_flops(model, 12, iterations=2).forward > 0  # the trained count still counts

@@ -162,6 +162,8 @@ def test_the_default_objective_runs_the_count_drawn_for_the_step():
     ("model.share_core", dict(share_core=False)),
     ("model.step_embeddings", dict(step_embeddings=True)),
     ("model.halting.kind", dict(halting={"kind": "act"})),
+    ("model.lora.rank", dict(lora={"rank": 2, "targets": ["mlp"]})),
+    ("model.moe.per_iteration", dict(moe={"experts": 3, "top_k": 1, "per_iteration": True})),
 ])
 def test_a_drawn_count_needs_a_loop_that_runs_any_count(field, overrides):
     with pytest.raises(ConfigError, match=field):

@@ -62,8 +62,21 @@ def test_window_cache_keeps_only_the_last_w_minus_1_positions():
     assert state.keys.shape[2] == 3 and state.start == 8
     with pytest.raises(ValueError, match="already dropped"):
         cache.crop(5)
-    cache.crop(10)
-    assert cache.get("core.0", 1).keys.shape[2] == 2
+    with pytest.raises(ValueError, match="already dropped"):
+        cache.crop(10)  # the query at 10 reads positions 7..10; 7 was dropped
+    assert cache.get_seq_length() == 11 and cache.get("core.0", 1).start == 8  # a refused crop changes nothing
+
+
+def test_window_cache_crop_before_dropping_decodes_like_the_full_forward():
+    """A crop that keeps every key the next query's window reads (nothing dropped yet) is exact."""
+    model = LoopLM(tiny_config("anchor", mixer={"kind": "sliding_window", "window": 8})).eval()
+    x = random_ids(2, 9)
+    full = model(x).logits
+    cache = LoopCache()
+    model(x[:, :6], cache=cache)
+    cache.crop(4)
+    got = torch.cat([model(x[:, i : i + 1], cache=cache).logits for i in range(4, 9)], 1)
+    torch.testing.assert_close(got, full[:, 4:], atol=2e-5, rtol=1e-5)
 
 
 def test_output_gate_is_sigmoid_of_the_input_elementwise():
@@ -152,3 +165,38 @@ def test_sliding_window_layer_blocked_path_equals_the_masked_path(window):
     assert blocked[1].start == masked[1].start == length - (window - 1)
     for a, b in zip(blocked[2], masked[2]):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("window", [3, 4])
+def test_a_window_crop_into_dropped_keys_is_refused_and_changes_nothing(window):
+    """The growing cache keeps the last w − 1 keys: after 8 positions, the query at 6 would
+    need keys already dropped, so crop(6) is refused (it used to attend over a truncated
+    window) and the cache decodes on as if never asked."""
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config("base", layout="1", mixer={"kind": "sliding_window", "window": window})).eval()
+    x = random_ids(3, 10)
+    full = model(x).logits
+    cache = LoopCache()
+    model(x[:, :8], cache=cache)
+    with pytest.raises(ValueError, match="cannot crop a sliding-window cache to 6"):
+        cache.crop(6)
+    assert cache.get_seq_length() == 8
+    torch.testing.assert_close(model(x[:, 8:9], cache=cache).logits[:, 0], full[:, 8], atol=2e-5, rtol=1e-5)
+
+
+def test_a_refused_crop_leaves_every_layer_of_the_cache_as_it_was():
+    """A multi-resolution loop: the attention states crop fine, the chunk buffer of the
+    half-resolution iteration refuses (a completed chunk cannot be forgotten); no state may
+    change before the refusal (they used to be cropped already), and decoding goes on exactly."""
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config("anchor", layout="1+1x{1/2,1}")).eval()
+    x = random_ids(2, 9)
+    full = model(x).logits
+    cache = LoopCache()
+    model(x[:, :8], cache=cache)
+    before = {key: state.keys.shape[2] for key, state in cache.states.items()}
+    with pytest.raises(ValueError, match="cannot crop a multi-resolution cache"):
+        cache.crop(6)  # the chunk of positions 5-6 (offset ω = 1) completed and released its buffer
+    assert {key: state.keys.shape[2] for key, state in cache.states.items()} == before
+    assert cache.get_seq_length() == 8
+    torch.testing.assert_close(model(x[:, 8:9], cache=cache).logits[:, 0], full[:, 8], atol=2e-5, rtol=1e-5)

@@ -85,3 +85,27 @@ def test_loop_level_mixers_of_different_kinds_get_their_own_parameters():
                       loop_mixers=[{"kind": "attention"}, {"kind": "gated_deltanet"}, {"kind": "sliding_window", "window": 3}])
     block = LoopLM(cfg).core[0][0]
     assert len(block.mixer_layers()) == 2
+
+
+def test_more_iterations_than_loop_mixers_is_refused_and_fewer_decode_exactly():
+    """Test-time depth r > T on a loop-level hybrid has no mixer for iteration T + 1: a
+    ConfigError naming ``iterations`` (it was an IndexError in Block.mixer_at); r < T runs
+    and decodes like the full forward at r."""
+    from looplm import LoopCache
+    from tests.invariants import prefill_then_tokens
+
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config("anchor", layout="1R2", loop_mixers=[
+        {"kind": "attention"}, {"kind": "sliding_window", "window": 3}])).eval()
+    with pytest.raises(ConfigError, match="loop_mixers") as err:
+        model(random_ids(2, 6), iterations=3)
+    assert err.value.field == "iterations"
+    with pytest.raises(ConfigError, match="loop_mixers"):
+        model.generate(random_ids(1, 4), max_new_tokens=2, temperature=0, iterations=3)
+    x = random_ids(2, 9)
+    full = model(x, iterations=1).logits
+    cache, start, pieces = LoopCache(), 0, []
+    for end in prefill_then_tokens(4, 9):
+        pieces.append(model(x[:, start:end], cache=cache, iterations=1).logits)
+        start = end
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=2e-5, rtol=1e-5)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from looplm import LoopLM
 from looplm.config import load_config
 from looplm.config_base import ConfigError
 from looplm.model_config import ModelConfig
 from looplm.resolution import IterationResolution
 from looplm.topology.config import TopologyConfig
+from tests.conftest import random_ids, tiny_config
+from tests.invariants import assert_strictly_causal
 
 C2F = "4+8x{1/8,1/4,1/2,1}+4"
 
@@ -79,3 +83,22 @@ def test_base_topology_is_refused_below_full_resolution(layout):
     for kind in ("anchor", "residual", "mesh"):
         ModelConfig.from_dict({"layout": layout, "topology": {"kind": kind}}, prefix="model")
     ModelConfig.from_dict({"layout": "1R2", "topology": {"kind": "base"}}, prefix="model")
+
+
+@pytest.mark.parametrize("kind,layout", [("gated_residual", "1x{1/2,1}"), ("gated_residual", "1+1x{1/2,1/2}+1"),
+                                         ("concat_adapter", "1x{1,1/2}"), ("concat_adapter", "1+1x{1/2,1/2}+1")])
+def test_topologies_that_replace_the_state_are_refused_below_full_resolution(kind, layout):
+    """gated_residual starts as base (ρ = 0: h ← f(h)) and concat_adapter's step is s ← update:
+    through S↑'s causal shift token 0's logits would not depend on token 0 (found by a fuzzer).
+    concat_adapter re-reads the input e at every step, so a full-resolution last step suffices."""
+    with pytest.raises(ConfigError, match="drops each token's own state") as err:
+        tiny_config(kind, layout=layout)
+    assert err.value.field == "model.topology.kind"
+
+
+@pytest.mark.parametrize("kind,layout", [("concat_adapter", "1x{1/2,1}"), ("static_combination", "1x{1/2,1/2}"),
+                                         ("dynamic_combination", "1x{1/2,1/2}"), ("additive", "1x{1/2,1/2}")])
+def test_topologies_that_keep_each_token_stay_accepted_and_strictly_causal(kind, layout):
+    torch.manual_seed(0)
+    model = LoopLM(tiny_config(kind, layout=layout)).eval()
+    assert_strictly_causal(model, random_ids(2, 13), (0, 6, 12), shift=7)

@@ -53,6 +53,8 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     ``iterations``: the loop count r the forward runs (default the layout's T; a count drawn
     by ``model.depth`` or chosen at inference). Under ``model.depth.backprop_window`` = k the
     first r − k macro steps run without gradient in training (``grad=False``: counted once)."""
+    if iterations is not None:
+        model._check_iterations(iterations, None)  # the counts the forward runs, or its ConfigError
     full = Call(batch, seq_len, seq_len, width=model.cfg.d_model)
     plan = [Step("embedding", "embed", model.embed, full)]
     if model.pos_embed is not None:

@@ -39,10 +39,13 @@ class KVState:
         return self.start + self.keys.shape[2]
 
     def crop(self, length: int) -> "KVState":
-        if length < self.start:
+        # the next query (position ``length``) reads the w - 1 positions before it: a crop
+        # is exact only while the cache still holds them (it keeps w - 1 positions in all)
+        needed = length if self.window is None else max(length - (self.window - 1), 0)
+        if self.start > needed:
             raise ValueError(
                 f"cannot crop a sliding-window cache to {length} positions: positions before {self.start} "
-                "were already dropped"
+                f"were already dropped, and the next query's window needs positions from {needed} on"
             )
         keep = length - self.start
         return KVState(self.keys[:, :, :keep], self.values[:, :, :keep], self.start, self.spare, self.window)

@@ -42,6 +42,14 @@ class TopologyConfig(KindConfig):
     #: whether the topology has no per-iteration parameters, so the loop runs any count
     #: (test-time depth, a count drawn per training step: model.depth)
     iteration_free: ClassVar[bool] = True
+    #: whether U adds the update to a carried state (h, h⁽⁰⁾ or h_emb) from initialisation on,
+    #: so each token keeps its own information through a sub-token iteration, whose update
+    #: S↑'s causal shift moved past the positions that produced it (SpiralFormer Eq. 22)
+    adds_update: ClassVar[bool] = True
+    #: whether the core reads the loop input besides the state at every iteration (Huginn's
+    #: adapter on [s, e]): a sub-token iteration may then replace the state, as long as a
+    #: full-resolution iteration follows it
+    injects_input: ClassVar[bool] = False
 
     @classmethod
     def kinds(cls) -> dict[str, type[KindConfig]]:
@@ -75,6 +83,7 @@ class BaseTopologyConfig(FixedSupplementConfig):
 
     kind: str = "base"
     defines_update = False
+    adds_update = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +141,7 @@ class GatedResidualTopologyConfig(TopologyConfig):
 
     kind: str = "gated_residual"
     iteration_free = False
+    adds_update = False  # ρ_τ starts at zero: h ← f(h), as base, until training moves it
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return GatedResidualTopology(d_model, iterations)
@@ -210,6 +220,8 @@ class ConcatAdapterTopologyConfig(TopologyConfig):
 
     kind: str = "concat_adapter"
     state_std: float = math.sqrt(2 / 5)  # the reference's √(2/(5d)) truncated normal, times the embedding scale √d
+    adds_update = False  # s_i = R(e, s_{i−1}): the update replaces the state
+    injects_input = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
