@@ -233,7 +233,8 @@ class ModelConfig(Config):
 
     def _check_depth(self, layout: Layout, multires: bool) -> None:
         """A count drawn per step needs a loop that runs any count; a truncated backward has
-        no halting losses to drop (the early steps' would train nothing)."""
+        no halting losses to drop (the early steps' would train nothing), and needs a topology
+        that re-reads the loop input (else the prelude and the embeddings train nothing)."""
         depth = self.depth
         if depth.sampled:
             for name, ok, value, allowed in (
@@ -253,6 +254,20 @@ class ModelConfig(Config):
             check(not self.halting.adaptive, "model.halting.kind", self.halting.kind,
                   f"'none' with model.depth (kind={depth.kind}, backprop_window={depth.backprop_window}): "
                   "a drawn count or a truncated backward leaves the halting losses of early steps untrained")
+        window = depth.backprop_window
+        if window is not None and (depth.sampled or window < layout.iterations) and not self.streams.defines_update:
+            # the first r − k iterations run without gradient, so the state enters the window
+            # detached: only a loop input the topology reads again at every iteration carries
+            # the gradient back to the prelude and the embeddings (Huginn's input injection)
+            reads = self.topology.rereads
+            check("h0" in reads or (layout.prelude == 0 and "h_emb" in reads), "model.topology.kind",
+                  self.topology.kind,
+                  "a kind that reads the loop input at every iteration (anchor, additive with anchor, "
+                  "static_combination, dynamic_combination, concat_adapter"
+                  + ("; anchor_embedding with no prelude" if layout.prelude == 0 else "")
+                  + f") with model.depth.backprop_window={window}: the iterations before the window run "
+                  f"without gradient, so {'the prelude and ' if layout.prelude else ''}the embeddings would "
+                  "get no gradient at all")
 
     def _check_moe(self, layout: Layout) -> None:
         """Per-iteration experts need a shared core to differ across; SGT's grown blocks

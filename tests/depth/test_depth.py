@@ -206,3 +206,29 @@ def test_an_iteration_before_the_window_dispatches_only_its_forward():
     extra_forward = forward(6).ops - forward(5).ops
     assert extra_train == extra_forward, (training(6).by_op, training(5).by_op)
     assert training(6).syncs == training(2).syncs
+
+
+# A truncated backward needs a topology that re-reads the loop input (found by fuzzing the
+# FLOP counter: the prelude and the embeddings got no gradient while their backward was counted)
+@pytest.mark.parametrize("topology", ["base", "residual", "gated_residual", "mesh", "anchor_embedding"])
+def test_truncated_backward_needs_a_topology_that_rereads_the_loop_input(topology):
+    with pytest.raises(ConfigError, match="model.topology.kind"):
+        tiny_config(topology, layout="1+1R3+1", depth={"kind": "fixed", "backprop_window": 1})
+
+
+@pytest.mark.parametrize("topology,layout", [("anchor", "1+1R3+1"), ("additive", "1+1R3+1"),
+                                             ("static_combination", "1+1R3+1"), ("dynamic_combination", "1+1R3+1"),
+                                             ("concat_adapter", "1+1R3+1"), ("anchor_embedding", "2R3")])
+def test_accepted_truncated_backward_reaches_the_prelude_and_the_embeddings(topology, layout):
+    cfg = tiny_config(topology, layout=layout, depth={"kind": "fixed", "backprop_window": 1})
+    torch.manual_seed(0)
+    model = LoopLM(cfg).train()
+    x = random_ids(2, 8)
+    model(x, targets=random_ids(2, 8, seed=1)).loss.backward()
+    assert model.embed.weight.grad is not None and model.embed.weight.grad.abs().sum() > 0
+    for name, p in model.prelude.named_parameters():
+        assert p.grad is not None, name
+
+
+def test_a_window_covering_the_loop_truncates_nothing_and_stays_allowed():
+    tiny_config("base", layout="1+1R2+1", depth={"kind": "fixed", "backprop_window": 2})

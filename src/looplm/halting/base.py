@@ -78,6 +78,12 @@ class Halting(nn.Module):
     #: whether training updates the LM (every parameter outside the rule); false where the
     #: rule trains alone on a frozen LM (the exit gate's improvement objective, Ouro's Stage II)
     trains_lm = True
+    #: whether the training loss reads the output of every macro step with gradient (a
+    #: weighted readout, a per-step loss, a halted position's frozen state), so the backward
+    #: reaches every step; false where it reads the last step's output alone. Where a step's
+    #: output reaches the next step only through a pass without gradient
+    #: (``streams.no_grad_cycles``), the earlier steps then have no backward at all.
+    reads_every_step = True
 
     def reads_logits(self, targets: bool) -> bool:
         """Whether ``observe`` reads the solution's logits (final norm and head; under
@@ -138,6 +144,8 @@ class NoHalting(Halting):
     """``halting: none``: every position runs every step, so the step count is one host
     int shared by all positions: no per-position tensor is made or updated per step (the
     model expands it once, :meth:`LoopLM._recur`)."""
+
+    reads_every_step = False  # the readout is the last step's output
 
     def begin(self, h: torch.Tensor, valid: torch.Tensor) -> HaltState:
         return HaltState(running=None, halted=None, steps=0, valid=valid)

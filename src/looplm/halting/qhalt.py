@@ -29,6 +29,8 @@ class QHalting(Halting):
         self.init_bias = init_bias
         self.loss_weight, self.full_compute = loss_weight, full_compute
         self.freezes = not full_compute
+        # a frozen position reads its state of an earlier step; the BCE reads every step's q
+        self.reads_every_step = self.freezes or loss_weight > 0
 
     def extra_repr(self) -> str:
         return f"loss_weight={self.loss_weight}, full_compute={self.full_compute}"

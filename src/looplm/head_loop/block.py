@@ -162,7 +162,8 @@ class HeadLoopBlock(GrownBlock):
         if depth == 0:  # not grown, or this iteration's mixer does not loop
             return attention + ffn
         d = self.attn_norm.weight.shape[0]
-        head_pass = head_pass_cost(self.mixer_at(iteration), call, len(self.head_loop.heads))
+        head_pass = head_pass_cost(self.mixer_at(iteration), call, len(self.head_loop.heads),
+                                   len(self.head_loop.kv_slots))
         passes = module_cost(self.attn_norm, call) + head_pass + Cost(residual=call.rows * d)
         return attention + passes.scale(depth) + ffn
 

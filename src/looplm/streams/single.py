@@ -40,6 +40,9 @@ class SingleStream(nn.Module):
 
     schedule = (CorePass(0),)  # the core passes of one macro step
     passes = len(schedule)
+    #: whether a macro step's output reaches the next step only through a pass without
+    #: gradient (two streams' no-grad cycles), which cuts the backward between steps
+    detaches_steps = False
 
     def start(self, topology: Topology, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
         return topology.start(h_emb, h_pre)

@@ -34,6 +34,8 @@ class TwoStream(nn.Module):
             for cycle in range(outer) for k in range(inner + 1)
         )
         self.passes = len(self.schedule)
+        # the first cycle of every macro step reads the previous step's Y and Z without gradient
+        self.detaches_steps = no_grad_cycles and outer > 1
         if learned_init:
             self.y_init = nn.Parameter(torch.zeros(d_model))
             self.z_init = nn.Parameter(torch.zeros(d_model))

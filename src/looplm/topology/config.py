@@ -50,6 +50,11 @@ class TopologyConfig(KindConfig):
     #: adapter on [s, e]): a sub-token iteration may then replace the state, as long as a
     #: full-resolution iteration follows it
     injects_input: ClassVar[bool] = False
+    #: the loop inputs U reads again at every iteration, as the tensors the loop started from:
+    #: "h0" (the prelude's output h⁽⁰⁾), "h_emb" (the embeddings). A truncated backward
+    #: (model.depth.backprop_window) reaches the prelude and the embeddings only through
+    #: them: the state enters the window detached by the iterations run without gradient.
+    rereads: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def kinds(cls) -> dict[str, type[KindConfig]]:
@@ -100,6 +105,7 @@ class AnchorTopologyConfig(FixedSupplementConfig):
 
     kind: str = "anchor"
     supplement = ("anchor",)
+    rereads = ("h0",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +114,7 @@ class AnchorEmbeddingTopologyConfig(FixedSupplementConfig):
 
     kind: str = "anchor_embedding"
     supplement = ("anchor_embedding",)
+    rereads = ("h_emb",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +134,10 @@ class AdditiveTopologyConfig(TopologyConfig):
             list(self.supplements),
             f"a non-empty list of distinct entries from {', '.join(SUPPLEMENTS)} (needed by kind=additive)",
         )
+
+    @property
+    def rereads(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple({"anchor": "h0", "anchor_embedding": "h_emb"}[s] for s in self.supplements if s != "residual")
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return AdditiveTopology(self.supplements)
@@ -156,6 +167,7 @@ class StaticCombinationTopologyConfig(TopologyConfig):
 
     kind: str = "static_combination"
     iteration_free = False
+    rereads = ("h0", "h_emb")
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return StaticCombinationTopology(iterations)
@@ -170,6 +182,7 @@ class DynamicCombinationTopologyConfig(TopologyConfig):
 
     kind: str = "dynamic_combination"
     iteration_free = False
+    rereads = ("h0", "h_emb")
 
     def build(self, d_model: int, iterations: int) -> Topology:
         return DynamicCombinationTopology(d_model, iterations)
@@ -222,6 +235,7 @@ class ConcatAdapterTopologyConfig(TopologyConfig):
     state_std: float = math.sqrt(2 / 5)  # the reference's √(2/(5d)) truncated normal, times the embedding scale √d
     adds_update = False  # s_i = R(e, s_{i−1}): the update replaces the state
     injects_input = True
+    rereads = ("h0",)  # e, the prelude's output
 
     def __post_init__(self) -> None:
         super().__post_init__()
