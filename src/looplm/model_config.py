@@ -10,7 +10,7 @@ import dataclasses
 import functools
 from typing import Literal, Optional, Union
 
-from looplm.config_base import Config, check
+from looplm.config_base import Config, ConfigError, check
 from looplm.depth import DepthConfig, FixedDepthConfig
 from looplm.head_loop.config import HeadLoopConfig
 from looplm.halting.config import HaltingConfig, NoHaltingConfig
@@ -178,15 +178,16 @@ class ModelConfig(Config):
         # A kind that replaces the state with the update (base; gated_residual, whose ρ starts at
         # zero; concat_adapter's s ← update) would too; concat_adapter re-reads the input e at
         # the next iteration, so it only needs a full-resolution last iteration.
-        adds = [k for k, c in TOPOLOGY_CONFIGS.items() if c.adds_update]
         topology = self.topology
         keeps = topology.adds_update or (topology.injects_input and layout.resolutions[-1] == 1)
-        check(not multires or keeps or self.streams.defines_update, "model.topology.kind",
-              topology.kind, f"a kind that adds the update to the state ({', '.join(adds)}) with the "
-              f"multi-resolution layout {self.layout!r}" + (" (or a last iteration at resolution 1 for "
-              f"{topology.kind})" if topology.injects_input else "") + f": {topology.kind!r} replaces the state "
-              "with S↑'s update, which drops each token's own state through the causal shift; SpiralFormer §2.3 "
-              "uses Anchor or MeSH")
+        if multires and not keeps and not self.streams.defines_update:
+            adds = ", ".join(k for k, c in TOPOLOGY_CONFIGS.items() if c.adds_update)
+            full_last = f" (or a last iteration at resolution 1 for {topology.kind})" if topology.injects_input else ""
+            raise ConfigError("model.topology.kind", topology.kind,
+                              f"a kind that adds the update to the state ({adds}) with the multi-resolution layout "
+                              f"{self.layout!r}{full_last}: {topology.kind!r} replaces the state with S↑'s update, "
+                              "which drops each token's own state through the causal shift; SpiralFormer §2.3 uses "
+                              "Anchor or MeSH")
         if self.loop_input_norm:
             check(not self.streams.defines_update, "model.loop_input_norm", self.loop_input_norm,
                   f"false with model.streams.kind={self.streams.kind} (it normalises the single loop state)")

@@ -12,8 +12,8 @@ from looplm import LoopLM
 from looplm.accounting import count_flops
 from looplm.distill import KDConfig, student_config
 from looplm.distill.alignment import alignment_loss, record_teacher
-from looplm.distill.flops import alignment_flops, alignment_step_flops, kd_flops, kd_step_flops, loops
-from looplm.distill.losses import length_at, loop_weights
+from looplm.distill.flops import alignment_flops, alignment_step_flops, kd_flops, kd_step_flops
+from looplm.distill.losses import length_at, loop_weights, readout_loops
 from looplm.distill.stages import KDLoss
 from looplm.mixers.linear_attention import LinearAttentionConfig
 from tests.distill.helpers import frozen_teacher, student_run
@@ -50,7 +50,7 @@ def test_every_kd_step_costs_what_the_kd_loss_runs(tmp_path, schedule):
             loss.backward()
         flops = measured(kd_step)
         length = length_at(step, 8, LENGTHS)
-        weights = loop_weights(step, 8, loops(student), schedule, kd.warmup_fraction, kd.uniform_fraction)
+        weights = loop_weights(step, 8, readout_loops(student), schedule, kd.warmup_fraction, kd.uniform_fraction)
         read.append(sum(w > 0 for w in weights))
         assert kd_step_flops(teacher, student, length, 128 // length, read[-1], "torch") == flops, step
         total += flops

@@ -84,7 +84,7 @@ def _recurrence_plan(model: LoopLM, full: Call, targets: bool, iterations: int) 
     no_grad = model.cfg.depth.no_grad_iterations(iterations)  # truncated backprop: steps t < r − k
     # no-grad cycles detach each step's output from the next: unless the halting rule reads
     # every step's output with gradient, the backward reaches the last macro step alone
-    last_only = getattr(streams, "detaches_steps", False) and not halting.reads_every_step
+    last_only = streams.detaches_steps and not halting.reads_every_step
     for t in range(iterations):
         at = dataclasses.replace(full, iteration=t, reuses_first_step_kv=halting.reuses_first_step_kv(t))
         grad = t >= no_grad and (not last_only or t == iterations - 1)

@@ -32,7 +32,7 @@ from looplm.accounting.cost import module_cost
 from looplm.accounting.flops import FlopReport
 from looplm.accounting.plan import execution_plan
 from looplm.distill.config import KDConfig
-from looplm.distill.losses import length_at, loop_weights
+from looplm.distill.losses import length_at, loop_weights, readout_loops
 from looplm.mixers.attention import SoftmaxAttention
 from looplm.model import LoopLM
 from looplm.modules.block import Block
@@ -44,11 +44,6 @@ READOUT = ("coda", "final_norm", "head")
 def readout_flops(report: FlopReport) -> float:
     """Forward FLOPs of one readout of ``report``'s forward: coda, final norm and head."""
     return sum(report.components.get(c, 0.0) for c in READOUT)
-
-
-def loops(model: LoopLM) -> int:
-    """The loop states a KD loss reads out: the layout's T (one for a model without a loop)."""
-    return model.cfg.iterations if model.topology is not None else 1
 
 
 def alignment_step_flops(teacher: LoopLM, student: LoopLM, seq_len: int, batch: int,
@@ -89,7 +84,7 @@ def kd_flops(teacher: LoopLM, student: LoopLM, seq_len: int, batch: int, steps: 
     """Cumulative KD-stage FLOPs after each step 0 … ``steps``: step t at its progressive
     length (``length_at``, the batch's tokens split into sequences of that length) reading
     the loops its weights w_t need (``loop_weights``), as :class:`KDLoss` runs it."""
-    n_loops, cost, total, cumulative = loops(student), {}, 0.0, [0.0]
+    n_loops, cost, total, cumulative = readout_loops(student), {}, 0.0, [0.0]
     for step in range(steps):
         length = length_at(step, steps, lengths)
         weights = loop_weights(step, steps, n_loops, kd.schedule, kd.warmup_fraction, kd.uniform_fraction)

@@ -63,6 +63,12 @@ def loop_weights(step: int, total_steps: int, loops: int, schedule: str, warmup_
     return final
 
 
+def readout_loops(model) -> int:
+    """The loop states a KD loss reads out of ``model`` (a LoopLM): the layout's T, one for a
+    model without a loop."""
+    return model.cfg.iterations if model.topology is not None else 1
+
+
 def kd_loss(teacher: Sequence[torch.Tensor], student: Sequence[torch.Tensor], weights: Sequence[float], top_k: int,
             temperature: float, scale_t2: bool, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Σ_τ w^(τ) · topk_kl(z_T^(τ), z_S^(τ)) (Eq. kd-loss), times T_kd² with ``scale_t2``;

@@ -41,7 +41,7 @@ from looplm.data import data_tokenizer, validation_batches
 from looplm.distill.alignment import alignment_loss, record_teacher
 from looplm.data.config import DataConfig
 from looplm.distill.config import STAGES, DistillConfig, DistillRunConfig, KDConfig
-from looplm.distill.losses import kd_loss, length_at, loop_weights, split_length, topk_kl
+from looplm.distill.losses import kd_loss, length_at, loop_weights, readout_loops, split_length, topk_kl
 from looplm.distill.selection import Selection, kl_guided, uniform_layers
 from looplm.distill.student import (
     block_paths,
@@ -159,13 +159,13 @@ class KDLoss:
 
     def __init__(self, teacher: LoopLM, kd: KDConfig, lengths: tuple[int, ...], run_cfg: RunConfig):
         self.teacher, self.kd, self.lengths = teacher, kd, lengths
-        self.iterations, self.max_steps = run_cfg.model.iterations, run_cfg.train.max_steps
+        self.max_steps = run_cfg.train.max_steps
 
     def weights(self, model: LoopLM, step: int) -> list[float]:
         """The loop weights w_τ at ``step`` (one loop for a model without a topology)."""
-        loops = self.iterations if model.topology is not None else 1
         kd = self.kd
-        return loop_weights(step, self.max_steps, loops, kd.schedule, kd.warmup_fraction, kd.uniform_fraction)
+        return loop_weights(step, self.max_steps, readout_loops(model), kd.schedule, kd.warmup_fraction,
+                            kd.uniform_fraction)
 
     def terms(self, model: LoopLM, inputs: torch.Tensor, targets: torch.Tensor,
               weights: list[float]) -> tuple[torch.Tensor, ModelOutput]:

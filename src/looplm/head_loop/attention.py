@@ -205,15 +205,13 @@ def permute_heads(attn: SoftmaxAttention, source: Sequence[int], optimizer: Opti
                 t.copy_(t.index_select(dim, index))
 
 
-def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int, kv_heads: Optional[int] = None) -> Cost:
+def head_pass_cost(m: SoftmaxAttention, call: Call, heads: int, kv_heads: int) -> Cost:
     """FLOPs of one SGT head pass over ``heads`` = |S| query heads (:func:`head_subset_attention`,
     Eq. 6): the rows of ``qkv`` for S and the ``kv_heads`` kv heads S reads (all |S| of them
-    under MHA; with GQA the groups S falls in, ``GrownLoop.kv_slots``; None: the bound
-    min(|S|, H_kv)), the gate's rows, the score/value products of |S| heads and S's columns
-    of ``o_proj`` (no output bias)."""
+    under MHA; with GQA the groups S falls in, ``GrownLoop.kv_slots``), the gate's rows, the
+    score/value products of |S| heads and S's columns of ``o_proj`` (no output bias)."""
     d, D = m.o_proj.out_features, m.head_dim
-    kv = min(heads, m.n_kv_heads) if kv_heads is None else kv_heads
-    rows = (heads + 2 * kv) * D + (heads * D if m.gate is not None else 0)
+    rows = (heads + 2 * kv_heads) * D + (heads * D if m.gate is not None else 0)
     cost = Cost(mac=call.rows * d * rows + call.rows * heads * D * d,
                 bias=call.rows * rows if m.qkv.bias is not None else 0)
     per_pair = heads * 2 * D
