@@ -70,7 +70,9 @@ def axes(draw) -> dict:
             kw["halting"] = halting
         elif extra == "streams":
             kw.update(topology="base", share_core=True,
-                      streams={"kind": "two", "outer": draw(st.integers(1, 2)), "inner": draw(st.integers(1, 2))})
+                      streams={"kind": "two", "outer": draw(st.integers(1, 2)), "inner": draw(st.integers(1, 2)),
+                               "init": draw(st.sampled_from(["learned", "random", "zeros"])),
+                               "no_grad_cycles": draw(st.booleans())})
         elif extra == "lora":
             kw.update(share_core=True, lora={"rank": 2, "targets": ["mlp"]})
         elif extra == "window":

@@ -14,7 +14,7 @@ from looplm.accounting import count_flops
 from looplm.model import LoopLM
 from tests.conftest import random_ids, tiny_config
 
-STREAMS = {"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True}
+STREAMS = {"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True, "init": "random"}
 
 
 def measured_training(model, B, T):

@@ -49,7 +49,7 @@ AXES = {  # every loop axis alone and combined
     "act-anchor-prelude-coda": dataclasses.replace(BASE, topology={"kind": "anchor"}, step_embeddings=True,
                                                     halting={"kind": "act"}, position="learned"),
     "nested-no-grad": nested(outer=3, inner=2, streams={"kind": "two", "outer": 3, "inner": 2,
-                                                         "no_grad_cycles": True}),
+                                                         "no_grad_cycles": True, "init": "random"}),
 }
 
 
@@ -139,7 +139,8 @@ def test_no_grad_cycles_count_once_in_training():
     """The first H − 1 cycles of each macro step run under no_grad: forward unchanged,
     training counts them once instead of three times."""
     T, steps = 32, 2
-    quiet_cfg = nested(3, 2, steps, streams={"kind": "two", "outer": 3, "inner": 2, "no_grad_cycles": True})
+    quiet_cfg = nested(3, 2, steps, streams={"kind": "two", "outer": 3, "inner": 2, "no_grad_cycles": True,
+                                             "init": "random"})
     grad, quiet = count_flops(nested(3, 2, steps), T), count_flops(quiet_cfg, T)
     assert quiet.forward == grad.forward and grad.no_grad == 0
     per_cycle = (grad.components["core"] + grad.components["streams"] + grad.components["step_embedding"]) / (3 * steps)

@@ -30,7 +30,7 @@ class RecordingCore:
 
 @pytest.mark.parametrize("outer, inner", [(1, 1), (1, 2), (2, 1), (2, 3)])
 def test_macro_step_follows_the_nested_schedule(outer, inner):
-    streams = TwoStream(1, outer, inner, learned_init=False, no_grad_cycles=False)
+    streams = TwoStream(1, outer, inner, init="zeros", no_grad_cycles=False)
     x = torch.full((1, 1, 1), 3.0)
     state = streams.start(None, x, x)
     core = RecordingCore()
@@ -51,7 +51,7 @@ def test_macro_step_follows_the_nested_schedule(outer, inner):
 
 
 def test_no_grad_cycles_run_all_but_the_last_cycle_without_gradient():
-    streams = TwoStream(1, outer=3, inner=1, learned_init=True, no_grad_cycles=True)
+    streams = TwoStream(1, outer=3, inner=1, init="random", no_grad_cycles=True)
     x = torch.ones(1, 1, 1, requires_grad=True)
     core = RecordingCore()
     new = streams.step(None, streams.start(None, x, x), core, 0)
@@ -65,6 +65,39 @@ def test_learned_initial_states_are_parameters_and_zeros_are_not():
     zeros = LoopLM(ladder_config("dual_ut", 4, streams={"kind": "two", "init": "zeros"}))
     assert {n for n, _ in learned.streams.named_parameters()} == {"y_init", "z_init"}
     assert list(zeros.streams.parameters()) == [] and not zeros.streams.y_init.any()
+
+
+def test_random_initial_states_are_saved_buffers_that_no_step_changes():
+    """TRM's Y⁰, Z⁰: drawn at initialisation, fixed in training, part of the state dict."""
+    streams = {"kind": "two", "outer": 2, "inner": 1, "init": "random", "no_grad_cycles": True}
+    model = LoopLM(ladder_config("ar_trm", 6, streams=streams))
+    assert list(model.streams.parameters()) == [] and model.streams.y_init.abs().sum() > 0
+    assert {"streams.y_init", "streams.z_init"} <= set(model.state_dict())
+    before = model.streams.y_init.clone()
+    x = random_ids(2, 9)
+    model(x, targets=x).loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.grad is not None], lr=1.0).step()
+    assert torch.equal(model.streams.y_init, before)
+    torch.manual_seed(123)  # another draw, then the saved one loaded over it
+    other = LoopLM(model.cfg)
+    assert not torch.equal(other.streams.y_init, before)
+    other.load_state_dict(model.state_dict())
+    torch.testing.assert_close(other.eval()(x).logits, model.eval()(x).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("outer, no_grad_cycles", [(1, False), (2, False), (1, True)])
+def test_learned_initial_states_get_a_gradient_wherever_they_are_accepted(outer, no_grad_cycles):
+    streams = {"kind": "two", "outer": outer, "inner": 1, "no_grad_cycles": no_grad_cycles}
+    model = LoopLM(ladder_config("dual_ut", 4 * outer, streams=streams))
+    x = random_ids(2, 9)
+    model(x, targets=x).loss.backward()
+    assert model.streams.y_init.grad.abs().sum() > 0 and model.streams.z_init.grad.abs().sum() > 0
+
+
+def test_learned_initial_states_that_no_cycle_trains_are_refused():
+    """With H > 1 no-grad cycles, the one cycle with gradient reads Y, Z from a no-grad one."""
+    with pytest.raises(ConfigError, match=r"model\.streams\.init.*'learned'.*'random' or 'zeros'"):
+        ladder_config("dual_ut", 8, streams={"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True})
 
 
 def test_latents_are_reinitialised_on_every_forward():

@@ -29,7 +29,8 @@ RESUME_GRID = (
        ("additive", {"topology": {"kind": "additive", "supplements": ["anchor", "anchor_embedding"]}}, 1),
        # the ladder's axes: adaptive ACT with its ponder cost, nested streams with Q-halt's BCE
        ("base", {"layout": "1R3", "step_embeddings": True, "halting": {"kind": "act", "ponder_cost": 0.1}}, 1),
-       ("base", {"layout": "1R2", "streams": {"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True},
+       ("base", {"layout": "1R2", "streams": {"kind": "two", "outer": 2, "inner": 1, "no_grad_cycles": True,
+                                                "init": "random"},
                  "halting": {"kind": "qhalt"}, "position": "learned"}, 2),
        # Ouro's axes: sandwich norms, the loop-input norm, the exit gate's readout and its
        # Stage I objective (expected loss under the exit distribution, entropy bonus)

@@ -62,15 +62,18 @@ class TwoStreamsConfig(StreamsConfig):
     Z (autoregressive-trm.txt App. B.1). Each macro step runs ``outer`` = H cycles of
     ``inner`` = L reasoning updates Z ← f(X + Y + Z) and one solution update Y ← f(Y + Z):
     H·(L + 1) block passes. H = L = 1 is the Dual UT (Z' = f(X+Y+Z), Y' = f(Y+Z')); larger
-    H or L the Dual Nested UT. ``init``: Y⁰ and Z⁰ are learned vectors (default) or zeros.
-    ``no_grad_cycles``: the first H − 1 cycles of each macro step run without gradient
-    (the original TRM recipe); false backpropagates through every pass.
+    H or L the Dual Nested UT. ``init``: Y⁰ and Z⁰ are learned vectors (default), fixed
+    random vectors drawn at initialisation and saved with the model (TRM's buffers), or
+    zeros. ``no_grad_cycles``: the first H − 1 cycles of each macro step run without
+    gradient (the original TRM recipe); false backpropagates through every pass. With
+    H > 1 the only cycle with gradient reads Y and Z from a no-grad cycle, so nothing would
+    ever train learned Y⁰, Z⁰: that pair is refused.
     """
 
     kind: str = "two"
     outer: int = 1
     inner: int = 1
-    init: Literal["learned", "zeros"] = "learned"
+    init: Literal["learned", "random", "zeros"] = "learned"
     no_grad_cycles: bool = False
 
     defines_update = True
@@ -79,6 +82,9 @@ class TwoStreamsConfig(StreamsConfig):
         super().__post_init__()
         check(self.outer >= 1, "model.streams.outer", self.outer, "an integer >= 1 (H outer cycles)")
         check(self.inner >= 1, "model.streams.inner", self.inner, "an integer >= 1 (L reasoning updates)")
+        check(not (self.init == "learned" and self.no_grad_cycles and self.outer > 1), "model.streams.init",
+              self.init, "'random' or 'zeros' with no_grad_cycles and outer > 1 (the first cycle of every "
+              "macro step runs without gradient, so learned Y⁰, Z⁰ would never train)")
 
     @property
     def passes(self) -> int:
@@ -86,10 +92,10 @@ class TwoStreamsConfig(StreamsConfig):
         return self.outer * (self.inner + 1)
 
     def build(self, d_model: int) -> nn.Module:
-        return TwoStream(d_model, self.outer, self.inner, self.init == "learned", self.no_grad_cycles)
+        return TwoStream(d_model, self.outer, self.inner, self.init, self.no_grad_cycles)
 
     def parameter_count(self, d_model: int) -> int:
-        return 2 * d_model if self.init == "learned" else 0  # learned Y⁰ and Z⁰ (zeros are buffers)
+        return 2 * d_model if self.init == "learned" else 0  # learned Y⁰ and Z⁰ (the others are buffers)
 
 
 #: The stream layouts: ``kind`` -> config class. One line per kind.

@@ -20,12 +20,12 @@ class TwoStream(nn.Module):
 
     H·(L + 1) block passes (App. B "Compute normalization"), listed in ``schedule``. The
     state's ``h`` is Y, what halting reads and the loop hands on; the topology is never
-    called (it must be ``base``). Y⁰, Z⁰ are learned vectors or zeros, set anew at every
-    forward: nothing is carried across calls, so logits at position i depend only on
+    called (it must be ``base``). Y⁰, Z⁰ (``init``) are learned vectors, fixed random vectors
+    (TRM's buffers) or zeros, set anew at every forward: nothing is carried across calls, so logits at position i depend only on
     tokens ≤ i (§3.2, Challenge 2). ``no_grad_cycles``: the first H − 1 cycles of every
     macro step run under ``torch.no_grad`` (TRM)."""
 
-    def __init__(self, d_model: int, outer: int, inner: int, learned_init: bool, no_grad_cycles: bool):
+    def __init__(self, d_model: int, outer: int, inner: int, init: str, no_grad_cycles: bool):
         super().__init__()
         self.outer, self.inner, self.no_grad_cycles = outer, inner, no_grad_cycles
         self.schedule = tuple(
@@ -36,15 +36,15 @@ class TwoStream(nn.Module):
         self.passes = len(self.schedule)
         # the first cycle of every macro step reads the previous step's Y and Z without gradient
         self.detaches_steps = no_grad_cycles and outer > 1
-        if learned_init:
-            self.y_init = nn.Parameter(torch.zeros(d_model))
-            self.z_init = nn.Parameter(torch.zeros(d_model))
-        else:
-            self.register_buffer("y_init", torch.zeros(d_model), persistent=False)
-            self.register_buffer("z_init", torch.zeros(d_model), persistent=False)
+        self.init = init
+        for name in ("y_init", "z_init"):
+            if init == "learned":
+                setattr(self, name, nn.Parameter(torch.zeros(d_model)))
+            else:  # drawn once and saved ("random"), or zeros that need no saving
+                self.register_buffer(name, torch.zeros(d_model), persistent=init == "random")
 
     def extra_repr(self) -> str:
-        return f"outer={self.outer}, inner={self.inner}, no_grad_cycles={self.no_grad_cycles}"
+        return f"outer={self.outer}, inner={self.inner}, init={self.init}, no_grad_cycles={self.no_grad_cycles}"
 
     def start(self, topology: Topology, h_emb: torch.Tensor, h_pre: torch.Tensor) -> LoopState:
         y = self.y_init.to(h_pre.dtype).expand_as(h_pre)
@@ -65,7 +65,7 @@ class TwoStream(nn.Module):
         return state.h
 
     def reset_parameters(self, init_std: float) -> None:
-        if isinstance(self.y_init, nn.Parameter):
+        if self.init != "zeros":
             nn.init.normal_(self.y_init, std=init_std)
             nn.init.normal_(self.z_init, std=init_std)
 
