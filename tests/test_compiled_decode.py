@@ -192,22 +192,23 @@ def test_sliding_window_static_cache_is_a_ring(window):
     from looplm.mixers.attention import RING_SPARE, StaticKVState
 
     model = LoopLM(tiny_config("anchor", mixer={"kind": "sliding_window", "window": window})).eval()
-    x = random_ids(2, 40)
+    decoded = RING_SPARE + 20  # positions decoded before the crop; then rewound to 20
+    x = random_ids(2, decoded + 4)
     full = model(x).logits
     cache = LoopCache()
     with torch.no_grad():
         pieces = [model(x[:, :5], cache=cache).logits]
-        static = cache.static(64)
+        static = cache.static(2 * decoded)
         rings = [s for s in static.states.values() if isinstance(s, StaticKVState)]
         assert rings and all(s.keys.shape[2] == window + RING_SPARE and s.window == window for s in rings)
-        for start, end in [(5, 6), (6, 9), (9, 30), (30, 31), (31, 36)]:
+        for start, end in [(5, 6), (6, 9), (9, 30), (30, 31), (31, decoded)]:
             pieces.append(model(x[:, start:end], cache=static).logits)
-        torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :36], atol=2e-5, rtol=1e-5)
-        static.crop(36 - RING_SPARE)
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full[:, :decoded], atol=2e-5, rtol=1e-5)
+        static.crop(decoded - RING_SPARE)
         torch.testing.assert_close(model(x[:, 20:21], cache=static).logits[:, 0], full[:, 20], atol=2e-5, rtol=1e-5)
-        model(x[:, 21:40], cache=static)
+        model(x[:, 21:], cache=static)
         with pytest.raises(ValueError, match="ring that can rewind"):
-            static.crop(40 - RING_SPARE - 1)
+            static.crop(x.shape[1] - RING_SPARE - 1)
 
 
 def test_compiled_generate_over_a_ring():

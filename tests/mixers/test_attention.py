@@ -8,7 +8,7 @@ import torch
 from looplm import LoopCache, LoopLM
 from looplm.config_base import ConfigError
 from looplm.mixers import MixerContext
-from looplm.mixers.attention import SoftmaxAttention, blocked_window_attention
+from looplm.mixers.attention import RING_SPARE, SoftmaxAttention, blocked_window_attention
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary
 from tests.conftest import random_ids, tiny_config
@@ -51,20 +51,26 @@ def test_looped_sliding_window_receptive_field_grows_with_iterations(iterations)
     torch.testing.assert_close(reach, (j <= i) & (i - j <= span))
 
 
-def test_window_cache_keeps_only_the_last_w_minus_1_positions():
-    model = LoopLM(tiny_config("anchor", mixer={"kind": "sliding_window", "window": 4})).eval()
-    x = random_ids(2, 11)
+def test_window_cache_keeps_the_last_w_minus_1_positions_and_the_spare_ones():
+    """w − 1 keys for the next query and RING_SPARE more, so a crop can rewind that far."""
+    window, n = 4, RING_SPARE + 24
+    model = LoopLM(tiny_config("anchor", mixer={"kind": "sliding_window", "window": window})).eval()
+    x = random_ids(2, n)
     cache = LoopCache()
     model(x[:, :7], cache=cache)
-    for i in range(7, 11):
+    for i in range(7, n):
         model(x[:, i : i + 1], cache=cache)
     state = cache.get("core.0", 1)
-    assert state.keys.shape[2] == 3 and state.start == 8
+    kept = window - 1 + RING_SPARE
+    assert state.keys.shape[2] == kept and state.start == n - kept
+    shortest = n - RING_SPARE  # its query reads positions from n - kept on: the first kept one
     with pytest.raises(ValueError, match="already dropped"):
-        cache.crop(5)
-    with pytest.raises(ValueError, match="already dropped"):
-        cache.crop(10)  # the query at 10 reads positions 7..10; 7 was dropped
-    assert cache.get_seq_length() == 11 and cache.get("core.0", 1).start == 8  # a refused crop changes nothing
+        cache.crop(shortest - 1)
+    assert cache.get_seq_length() == n and cache.get("core.0", 1).start == n - kept  # a refused crop changes nothing
+    cache.crop(shortest)
+    full = model(x).logits
+    got = torch.cat([model(x[:, i : i + 1], cache=cache).logits for i in range(shortest, n)], 1)
+    torch.testing.assert_close(got, full[:, shortest:], atol=2e-5, rtol=1e-5)
 
 
 def test_window_cache_crop_before_dropping_decodes_like_the_full_forward():
@@ -162,26 +168,27 @@ def test_sliding_window_layer_blocked_path_equals_the_masked_path(window):
     tol = dict(atol=1e-5, rtol=1e-4)  # the explicit path takes its softmax in float32
     torch.testing.assert_close(blocked[0], masked[0], **tol)
     torch.testing.assert_close(blocked[1].keys, masked[1].keys)
-    assert blocked[1].start == masked[1].start == length - (window - 1)
+    assert blocked[1].start == masked[1].start == length - (window - 1 + RING_SPARE)
     for a, b in zip(blocked[2], masked[2]):
         torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("window", [3, 4])
 def test_a_window_crop_into_dropped_keys_is_refused_and_changes_nothing(window):
-    """The growing cache keeps the last w − 1 keys: after 8 positions, the query at 6 would
-    need keys already dropped, so crop(6) is refused (it used to attend over a truncated
-    window) and the cache decodes on as if never asked."""
+    """The growing cache keeps the last w − 1 + RING_SPARE keys: after n positions, the
+    query at n − RING_SPARE − 1 would need a key already dropped, so that crop is refused
+    (it used to attend over a truncated window) and the cache decodes on as if never asked."""
     torch.manual_seed(0)
     model = LoopLM(tiny_config("base", layout="1", mixer={"kind": "sliding_window", "window": window})).eval()
-    x = random_ids(3, 10)
+    n = RING_SPARE + 14
+    x = random_ids(3, n + 1)
     full = model(x).logits
     cache = LoopCache()
-    model(x[:, :8], cache=cache)
-    with pytest.raises(ValueError, match="cannot crop a sliding-window cache to 6"):
-        cache.crop(6)
-    assert cache.get_seq_length() == 8
-    torch.testing.assert_close(model(x[:, 8:9], cache=cache).logits[:, 0], full[:, 8], atol=2e-5, rtol=1e-5)
+    model(x[:, :n], cache=cache)
+    with pytest.raises(ValueError, match=f"cannot crop a sliding-window cache to {n - RING_SPARE - 1}"):
+        cache.crop(n - RING_SPARE - 1)
+    assert cache.get_seq_length() == n
+    torch.testing.assert_close(model(x[:, n:], cache=cache).logits[:, 0], full[:, n], atol=2e-5, rtol=1e-5)
 
 
 def test_a_refused_crop_leaves_every_layer_of_the_cache_as_it_was():

@@ -19,10 +19,17 @@ from looplm.mixers.reserve import Reserve, extend
 from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last
 
 
+#: positions a sliding window's cache keeps beyond the w − 1 its next query reads, in the
+#: growing cache and in the static ring alike: how many positions either may be cropped by
+#: (speculative decoding rejecting draft tokens) before a key the next query needs is gone
+RING_SPARE = 32
+
+
 @dataclasses.dataclass
 class KVState:
     """Keys and values [B, H_kv, S_kept, D] of the last S_kept positions; ``start`` is the
-    absolute index of the first kept position (> 0 once a sliding window drops keys).
+    absolute index of the first kept position (> 0 once a sliding window drops keys: it
+    keeps w − 1 + ``RING_SPARE``, so a crop by up to ``RING_SPARE`` positions stays exact).
     ``spare``: the buffers the keys and values are views of (:mod:`looplm.mixers.reserve`),
     so that decoding appends in place."""
 
@@ -40,7 +47,7 @@ class KVState:
 
     def crop(self, length: int) -> "KVState":
         # the next query (position ``length``) reads the w - 1 positions before it: a crop
-        # is exact only while the cache still holds them (it keeps w - 1 positions in all)
+        # is exact only while the cache still holds them (it keeps w - 1 + RING_SPARE)
         needed = length if self.window is None else max(length - (self.window - 1), 0)
         if self.start > needed:
             raise ValueError(
@@ -66,11 +73,6 @@ class KVState:
         state = StaticKVState(keys, values, self.window if ring else None)
         state.write(columns % rows if ring else columns, self.keys, self.values)
         return state
-
-
-#: spare rows of a sliding window's ring buffer beyond the window: how many positions a
-#: static cache may be cropped by (speculative decoding) before a needed row is overwritten
-RING_SPARE = 16
 
 
 @dataclasses.dataclass
@@ -262,8 +264,9 @@ class SoftmaxAttention(nn.Module):
         if ctx.first_step_kv is not None:  # MoR's recursive KV sharing: later steps attend over these
             ctx.first_step_kv.keep(ctx.location[0], attend)
         new_state = KVState(k, v, start, spare, self.window)
-        if self.window is not None and k.shape[2] > self.window - 1:
-            drop = k.shape[2] - (self.window - 1)  # the next query needs the last w - 1 keys only
+        if self.window is not None and k.shape[2] > self.window - 1 + RING_SPARE:
+            # the next query needs the last w - 1 keys; the spare ones let a crop rewind
+            drop = k.shape[2] - (self.window - 1 + RING_SPARE)
             new_state = KVState(k[:, :, drop:], v[:, :, drop:], start + drop, spare, self.window)
         return y.transpose(1, 2).reshape(B, T, H * D), new_state
 

@@ -55,6 +55,13 @@ class LoopLMCache(Cache):
             logger.warning("LoopLMCache(max_cache_len=%d) stays a growing cache: %s", self.max_cache_len, reason)
             self.max_cache_len = None
 
+    @property
+    def is_linear(self) -> list[bool]:
+        """[False]: not a recurrent-state-only cache, so ``generate()`` feeds the model only the
+        positions the cache lacks when it restarts from one (an assistant's draft rounds;
+        with no layers, transformers >= 5.24 would read ``all([])`` as linear and resend all)."""
+        return [False]
+
     def __repr__(self) -> str:
         return f"LoopLMCache(seq_length={self.get_seq_length()}, entries={len(self.loop.states)})"
 

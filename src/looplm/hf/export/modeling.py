@@ -55,6 +55,19 @@ class LoopLMForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model makes its own LoopLMCache (forward with use_cache)
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """``generate()``'s hook for the cache it starts with: a :class:`LoopLMCache` unless the
+        caller passed one or turned caching off. Assisted decoding needs the cache to exist
+        before the first forward (it crops rejected draft tokens from it)."""
+        given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if given is None and generation_config.use_cache is not False:
+            model_kwargs[_CACHE_FIELD] = LoopLMCache()
+
+    def create_masks_for_generate(self, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:
+        """The 2-D padding mask unchanged: transformers would build 4-D masks for a static
+        cache, while looplm builds every mask it needs from the padding and the cache."""
+        return attention_mask
+
     def _init_weights(self, module: nn.Module) -> None:
         """Nothing: looplm's own init (:mod:`looplm.init`) ran when the model was built, and
         loading fills every tensor from the checkpoint."""
