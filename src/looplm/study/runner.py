@@ -29,8 +29,6 @@ study has a ``prepare`` hook, whose runs may start from another row's run of the
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import json
 import logging
 import os
@@ -46,6 +44,7 @@ from looplm.config_base import ConfigError
 from looplm.ladder.rungs import RUNGS
 from looplm.ladder.runner import PathLike
 from looplm.study.definition import Measures, Study, variant_of
+from looplm.study.fingerprint import code_fingerprint, module_fingerprint
 from looplm.study.plots import write_plots
 from looplm.study.results import (
     PAIRED_FIELDS,
@@ -198,13 +197,18 @@ def undecided_variants(result: StudyResult) -> set[str]:
 
 def measure_run(study: Study, run: Run) -> Measures:
     """The study's measures of a run, read from its ``study.json`` when the same measure code
-    took them at the same final step, else measured and stored there."""
+    took them at the same final step (:mod:`looplm.study.fingerprint`), else measured and
+    stored there."""
     path = run.run_dir / MEASURES_FILE
     key = {"study": study.name, "measure": getattr(study.measure, "__qualname__", ""),
            "code": measure_fingerprint(study.measure), "steps": run.summary.get("steps")}
     if run.reused and path.is_file():
         stored = json.loads(path.read_text(encoding="utf-8"))
-        if {k: stored.get(k) for k in key} == key:
+        same = {k: stored.get(k) for k in key}
+        if same == key:
+            return stored["measures"]
+        if same == {**key, "code": module_fingerprint_of(study.measure)}:  # stored under the older key
+            write_text(path, json.dumps({**stored, **key}, indent=1) + "\n", atomic=True)
             return stored["measures"]
     measures = study.measure(run)
     measures.setdefault("series", {})
@@ -213,16 +217,9 @@ def measure_run(study: Study, run: Run) -> Measures:
     return measures
 
 
-@functools.lru_cache(maxsize=None)
-def measure_fingerprint(measure) -> str:
-    """sha256 of the source of the module defining ``measure`` (its helpers live beside it), so
-    an edit to the measuring code re-measures reused runs instead of reading stale numbers.
-    Read once per measure and process, not once per run."""
-    try:
-        text = inspect.getsource(inspect.getmodule(measure) or measure)
-    except (OSError, TypeError):  # no source (a builtin, an interactive definition)
-        text = getattr(measure, "__qualname__", repr(measure))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+#: the fingerprints, read once per measure and process, not once per run
+measure_fingerprint = functools.lru_cache(maxsize=None)(code_fingerprint)
+module_fingerprint_of = functools.lru_cache(maxsize=None)(module_fingerprint)
 
 
 def default_out(name: str, size: str) -> str:
