@@ -47,3 +47,35 @@ def test_gqa_head_pass_flops_match_the_flop_counter(weights, n_kv_heads):
     with FlopCounterMode(display=False) as fc:
         model(random_ids(B, T), output_attentions=True)
     assert count_flops(model, T, batch=B, convention="torch").forward == fc.get_total_flops()
+
+
+#: halting rules and topologies whose small heads run a backward that is a weight gradient
+#: only (their input carries no gradient) or none at all (their output reaches no loss)
+PARTIAL_BACKWARD = {
+    # the gate's λ only selects the readout (a mask): no gradient reaches the gate or its norm
+    "exit-gate-readout": dict(layout="1+1R3", halting={"kind": "exit_gate", "threshold": 0.5}),
+    "exit-gate-expected": dict(layout="1+1R3", halting={"kind": "exit_gate", "objective": "expected"}),
+    # Ouro Stage II: the LM frozen, the gate's input has no gradient
+    "exit-gate-improvement": dict(layout="1+1R3", halting={"kind": "exit_gate", "objective": "improvement"}),
+    # q only decides halting (a comparison): no loss reads it
+    "qhalt-loss-weight-0": dict(layout="1+1R3", halting={"kind": "qhalt", "loss_weight": 0.0}),
+    "qhalt-full-compute-loss-weight-0": dict(layout="1+1R3", halting={"kind": "qhalt", "loss_weight": 0.0,
+                                                                       "full_compute": True}),
+    "qhalt": dict(layout="1+1R3", halting={"kind": "qhalt"}),
+    # MoR's auxiliary router reads the detached state
+    "mor-aux-router": dict(layout="1+1R3+1", halting={"kind": "mor", "auxiliary": "router", "init_bias": 0.0}),
+    # the state entering a truncated backward's window has no gradient: the coefficients'
+    # linear on it computes its weight gradient only
+    "dynamic-combination-window": dict(layout="1+1R3+1", depth={"kind": "fixed", "backprop_window": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(PARTIAL_BACKWARD))
+def test_heads_with_a_partial_backward_are_counted_as_it_runs(name):
+    kw = dict(PARTIAL_BACKWARD[name])
+    topology = "dynamic_combination" if name.startswith("dynamic") else "anchor"
+    cfg = tiny_config(topology, **kw)
+    torch.manual_seed(0)
+    model = LoopLM(cfg)
+    B, T = 2, 12
+    assert count_flops(model, T, batch=B, convention="torch").training == measured_training(model, B, T)

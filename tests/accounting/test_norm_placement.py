@@ -61,7 +61,10 @@ def test_exit_gate_counts_its_norm_gate_and_selection_every_step():
 def test_expected_objective_counts_a_trained_head_every_step_and_an_untrained_readout(convention, per_mac):
     """Ouro's Stage I objective reads head(norm(Y_t)) at every step with gradient (on the
     norm the gate already reads), and the readout's final norm and head then run without
-    backward. Hand count: H = per_mac·rows·d·V per head call, N the final norm."""
+    backward. Under the readout objective no loss reaches the gates or their norms (λ only
+    selects the readout); under the expected one every gate but the last does (p(T) reads
+    no λ_T) and every step's norm (its head reads it). Hand count: H = per_mac·rows·d·V per
+    head call, N the final norm, G and N_s one step's gate and norm."""
     readout = tiny_config("base", layout="2R3", norm="rmsnorm", mlp="swiglu", bias=False,
                           halting={"kind": "exit_gate", "threshold": 0.5})
     expected = dataclasses.replace(readout, halting={"kind": "exit_gate", "threshold": 0.5, "objective": "expected"})
@@ -77,8 +80,11 @@ def test_expected_objective_counts_a_trained_head_every_step_and_an_untrained_re
     assert a.targets_only == {f"halting.target.head.{t}": head for t in range(steps)}
     assert a.targets_only_grad == steps * head
     assert a.forward_with_targets == a.forward + steps * head
-    # training: every step's head m times; the readout's norm + head once instead of m times
-    assert a.training == b.training + m * steps * head - (m - 1) * (head + norm)
+    # training: every step's head m times; the readout's norm + head once instead of m times;
+    # the gates but the last and every step's norm m times instead of once
+    gate, step_norm = a.steps["halting.0"], a.steps["halting.norm.0"]
+    assert a.training == (b.training + m * steps * head - (m - 1) * (head + norm)
+                          + (m - 1) * ((steps - 1) * gate + steps * step_norm))
 
 
 def test_expected_objective_targets_only_flops_match_flop_counter():

@@ -69,9 +69,14 @@ def _owner(step: Step) -> nn.Module:
 
 
 def planned_calls(model: LoopLM, targets: bool) -> list[tuple[str, nn.Module]]:
-    """(step name, owner) of every plan step a hook can see, in plan order."""
-    return [(s.name, _owner(s)) for s in execution_plan(model, T, 2, targets=targets)
-            if s.component not in UNHOOKED and (targets or not s.targets_only) and s.call.tokens > 0]
+    """(step name, owner) of every plan step a hook can see, in plan order. A step whose
+    module lies inside another step's (an auxiliary router, a topology's coefficients:
+    listed apart for their backward) runs within that step's call."""
+    plan = execution_plan(model, T, 2, targets=targets)
+    inner = {id(m) for s in plan for m in _owner(s).modules() if m is not _owner(s)}
+    return [(s.name, _owner(s)) for s in plan
+            if s.component not in UNHOOKED and (targets or not s.targets_only) and s.call.tokens > 0
+            and id(_owner(s)) not in inner]
 
 
 @contextlib.contextmanager

@@ -68,11 +68,12 @@ def test_gradients_reach_the_gate_alone():
 
 def test_the_frozen_lm_is_counted_forward_once_and_the_gate_with_its_backward():
     """training = the forward given targets (the frozen LM, the per-step label heads) once,
-    plus 2 × the gate's forward for its backward; Stage I backpropagates through everything."""
+    plus the weight gradient of every gate a label reads (all but the last step's: its λ
+    gets none), 1 × its forward; Stage I backpropagates through everything."""
     report = count_flops(stage_two(), 16)
-    gate = report.components["halting"]
-    assert gate > 0
-    assert report.training == pytest.approx(report.forward_with_targets + 2 * gate, rel=1e-12)
+    gates = [report.steps[f"halting.{t}"] for t in range(4)]
+    assert min(gates) > 0 and report.weights_only == sum(gates[:-1])
+    assert report.training == pytest.approx(report.forward_with_targets + sum(gates[:-1]), rel=1e-12)
     stage_one = count_flops(LoopLM(tiny_config("base", layout="2R4", **OURO_AXES,
                                                halting={**STAGE_II, "objective": "expected"})), 16)
     assert stage_one.forward == report.forward and stage_one.training > 2 * report.training

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm import LoopLM
-from looplm.accounting.cost import Call, Cost
+from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.config_base import ConfigError
 from looplm.halting import HaltingConfig, MoRHalting
 from looplm.topology.base import LoopState
@@ -177,11 +177,17 @@ def test_realised_block_passes_follow_each_positions_depth():
 
 def test_flop_rule_by_hand():
     """Expert choice, per routed step: router d -> 1 (d MACs + a bias) and the gated update
-    (3d); token choice, once: router d -> N (N·d MACs + N biases) and N − 1 gated updates."""
+    (3d); token choice, once: router d -> N (N·d MACs + N biases) and N − 1 gated updates.
+    The auxiliary router (d -> 1) is a step of its own, on the detached state: its backward
+    is a weight gradient only."""
     call = Call(2, 5, 5, width=D)
     assert rule().flop_cost(call) == Cost(mac=10 * D, bias=10, state=30 * D)
     assert rule(routing="token_choice").flop_cost(call) == Cost(mac=10 * 3 * D, bias=30, state=2 * 30 * D)
-    assert rule(auxiliary="router").flop_cost(call) == Cost(mac=2 * 10 * D, bias=20, state=30 * D)
+    aux = rule(auxiliary="router")
+    assert aux.flop_cost(call) == rule().flop_cost(call)
+    steps = aux.step_calls(0, call, None, targets=False)
+    assert [(s.name, s.input_grad) for s in steps] == [("halting.0", True), ("halting.aux.0", False)]
+    assert module_cost(steps[1].module, call) == Cost(mac=10 * D, bias=10)
 
 
 def test_parameter_count_matches_the_module():

@@ -87,7 +87,11 @@ class Call:
     values of the first step (Mixture-of-Recursions' recursive KV sharing; the halting
     rule says which steps, ``Halting.reuses_first_step_kv``), so it projects queries only.
     ``training``: a training-mode forward, for a rule whose module works more in training
-    (DSA scores every query for its indexer loss; the class sets ``flop_cost_reads_training``)."""
+    (DSA scores every query for its indexer loss; the class sets ``flop_cost_reads_training``).
+    ``last``: the forward's last macro step. ``state_grad``: whether the loop state entering
+    the step carries a gradient (not at the first step of a truncated backward's window, nor
+    after a macro step without gradient), so a call reading it directly backpropagates into
+    its weights alone."""
 
 
     batch: int
@@ -98,6 +102,8 @@ class Call:
     width: int = 0  # d_model, for modules without a parameter that says it
     reuses_first_step_kv: bool = False
     training: bool = False
+    last: bool = False
+    state_grad: bool = True
 
     @property
     def rows(self) -> int:
@@ -114,8 +120,11 @@ class Step:
     (macro step t, pass i of it), as the model names it in the cache and the attention
     record. ``grad``: whether a training step backpropagates through the call (False for
     the first H − 1 cycles of ``streams.no_grad_cycles`` and for Q-halt's target readout,
-    both run under ``torch.no_grad``): training counts it once, not ``training_multiplier``
-    times. ``targets_only``: the call runs only in a forward given targets (training, or
+    both run under ``torch.no_grad``, and for calls whose output reaches no loss): training
+    counts it once, not ``training_multiplier`` times. ``input_grad``: whether the backward
+    also computes the gradient of the call's input; false where the input carries none (a
+    detached state, the frozen LM's states under Ouro's Stage II): training counts the call
+    twice, forward and weight gradient. ``targets_only``: the call runs only in a forward given targets (training, or
     an evaluation loss): Q-halt's per-step norm + LM head that builds its BCE target (no
     gradient), the exit gate's per-step LM head of its expected objective (gradient)."""
 
@@ -126,6 +135,7 @@ class Step:
     slot: Optional[int] = None
     grad: bool = True
     targets_only: bool = False
+    input_grad: bool = True
 
 
 def in_pass(steps: list[Step], *, slot: Optional[int] = None, grad: bool = True) -> list[Step]:

@@ -47,7 +47,9 @@ class FlopReport:
     ``training_multiplier`` times the ``targets_only_grad`` part that is backpropagated)
     and in :attr:`forward_with_targets`. no_grad: the part of
     ``forward`` that training runs without gradient (TRM's no-grad cycles), counted once
-    in ``training``. training_only: forward FLOPs that only a training-mode forward adds
+    in ``training``. weights_only: the part of ``forward`` whose backward computes weight
+    gradients alone (``Step.input_grad`` false), counted twice in ``training``.
+    training_only: forward FLOPs that only a training-mode forward adds
     (DSA's index scores of the queries before top_k, for its indexer loss), in ``training``
     like the call they belong to (``training_only_grad`` the backpropagated part). training:
     see :attr:`training`."""
@@ -63,6 +65,7 @@ class FlopReport:
     targets_only_grad: float = 0.0
     no_grad: float = 0.0
     embedding_matmul: float = 0.0  # the embedding lookups' one-hot matmul FLOPs (``convention.embedding``)
+    weights_only: float = 0.0
     training_only: float = 0.0
     training_only_grad: float = 0.0
 
@@ -70,13 +73,15 @@ class FlopReport:
     def training(self) -> float:
         """One training step's FLOPs: ``training_multiplier`` × the forward of every call
         the backward runs through; an embedding counted as a matmul (``convention.embedding``)
-        2 × its forward (forward and weight gradient, no input gradient); calls run under
+        and the calls whose input carries no gradient (``weights_only``) 2 × their forward
+        (forward and weight gradient, no input gradient); calls run under
         ``torch.no_grad`` (no-grad cycles, Q-halt's target readout) once; the calls given
         targets that the backward runs through (the exit gate's per-step heads) and the work
         only a training-mode forward does (``training_only``) like the rest."""
         extra = sum(self.targets_only.values()) - self.targets_only_grad + self.training_only - self.training_only_grad
-        grad = self.forward - self.no_grad - self.embedding_matmul + self.targets_only_grad + self.training_only_grad
-        return self.convention.training_multiplier * grad + 2 * self.embedding_matmul + self.no_grad + extra
+        weights = self.embedding_matmul + self.weights_only
+        grad = self.forward - self.no_grad - weights + self.targets_only_grad + self.training_only_grad
+        return self.convention.training_multiplier * grad + 2 * weights + self.no_grad + extra
 
     @property
     def forward_with_targets(self) -> float:
@@ -106,6 +111,7 @@ class FlopReport:
             "targets_only_grad_flops": self.targets_only_grad,
             "training_only_flops": self.training_only,
             "no_grad_flops": self.no_grad,
+            "weights_only_flops": self.weights_only,
         }
 
 
@@ -133,7 +139,7 @@ def count_flops(
     steps: dict[str, float] = {}
     costs: dict[str, Cost] = {}
     targets_only: dict[str, float] = {}
-    no_grad = embedding_matmul = targets_only_grad = training_only = training_only_grad = 0.0
+    no_grad = embedding_matmul = weights_only = targets_only_grad = training_only = training_only_grad = 0.0
     reads_training: dict[int, bool] = {}  # per module of the plan: does a rule below it read call.training
     for step in execution_plan(model, seq_len, batch, targets=True, iterations=iterations):
         if step.component == "head" and not conv.head:
@@ -157,11 +163,13 @@ def count_flops(
         costs[step.component] = costs.get(step.component, Cost()) + cost
         if not step.grad:
             no_grad += flops
+        elif not step.input_grad:
+            weights_only += flops
         elif conv.embedding:
             embedding_matmul += conv.flops_per_mac * cost.embed
     return FlopReport(conv, seq_len, batch, sum(components.values()), components, steps, costs,
                       targets_only=targets_only, targets_only_grad=targets_only_grad, no_grad=no_grad,
-                      embedding_matmul=embedding_matmul, training_only=training_only,
+                      embedding_matmul=embedding_matmul, weights_only=weights_only, training_only=training_only,
                       training_only_grad=training_only_grad)
 
 

@@ -71,8 +71,8 @@ def execution_plan(model: LoopLM, seq_len: int, batch: int = 1, *, targets: bool
     plan.append(Step("head", "head", model.head, full, grad=trained))
     if model.halting is not None and not model.halting.trains_lm:
         # the LM frozen (Ouro's Stage II): no input needs a gradient, so the backward runs
-        # through the halting rule's own calls alone (its weight gradient)
-        plan = [dataclasses.replace(s, grad=s.grad and s.module is model.halting) for s in plan]
+        # through the halting rule's own calls alone, into their weights
+        plan = [dataclasses.replace(s, grad=s.grad and s.module is model.halting, input_grad=False) for s in plan]
     return plan
 
 
@@ -85,8 +85,10 @@ def _recurrence_plan(model: LoopLM, full: Call, targets: bool, iterations: int) 
     # no-grad cycles detach each step's output from the next: unless the halting rule reads
     # every step's output with gradient, the backward reaches the last macro step alone
     last_only = streams.detaches_steps and not halting.reads_every_step
+    grad = True  # the state entering the loop (the prelude's output) carries a gradient
     for t in range(iterations):
-        at = dataclasses.replace(full, iteration=t, reuses_first_step_kv=halting.reuses_first_step_kv(t))
+        at = dataclasses.replace(full, iteration=t, reuses_first_step_kv=halting.reuses_first_step_kv(t),
+                                 last=t == iterations - 1, state_grad=grad and not (streams.detaches_steps and t > 0))
         grad = t >= no_grad and (not last_only or t == iterations - 1)
         plan += in_pass(streams.step_calls(topology, t, at, model._pass_calls(t, at)), grad=grad)
         plan += halting.step_calls(t, at, readout, targets)

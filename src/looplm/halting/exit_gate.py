@@ -158,9 +158,14 @@ class ExitGateHalting(Halting):
     def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
         """norm(Y), the gate on it; under the expected and improvement objectives, given
         targets, the LM head on the same norm(Y) (L^(t): with gradient under the expected
-        objective, a stop-gradient label under the improvement objective)."""
-        steps = [Step("final_norm", f"halting.norm.{t}", readout.norm, call),
-                 Step("halting", f"halting.{t}", self, call)]
+        objective, a stop-gradient label under the improvement objective). Under the readout
+        objective λ only selects where the readout is taken (a mask), and neither the expected
+        objective's p(T) nor the improvement objective's labels read the last step's λ: no
+        loss reaches those gates, nor the norm that feeds them alone."""
+        trained = self.objective != "readout" and not call.last
+        read = trained or (self.reads_logits(targets) and self.objective == "expected")  # L^(t) reads the norm too
+        steps = [Step("final_norm", f"halting.norm.{t}", readout.norm, call, grad=read),
+                 Step("halting", f"halting.{t}", self, call, grad=trained)]
         if self.reads_logits(targets):
             steps.append(Step("head", f"halting.target.head.{t}", readout.head, call,
                               grad=self.objective == "expected", targets_only=True))

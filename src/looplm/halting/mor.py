@@ -127,9 +127,9 @@ class StepRouter(nn.Module):
         return score, self.chooser(h.detach()).squeeze(-1).float()
 
     def flop_cost(self, call: Call) -> Cost:
-        """The score router, and the auxiliary router when there is one (each d -> 1 with a bias)."""
-        cost = module_cost(self.score, call)
-        return cost if self.chooser is None else cost + module_cost(self.chooser, call)
+        """The score router (d -> 1 with a bias); the auxiliary router is a plan step of its
+        own (:meth:`MoRHalting.step_calls`): its backward stops at its weights."""
+        return module_cost(self.score, call)
 
 
 class MoRHalting(Halting):
@@ -319,14 +319,19 @@ class MoRHalting(Halting):
 
     def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
         """After step t: expert choice, the router of step t + 1 (t + 1 < depths, with its
-        auxiliary router); token choice, the router after step 0. Listed under step t, where
-        ``observe`` calls it."""
+        auxiliary router, which reads the detached state: a weight gradient only); token
+        choice, the router after step 0. Listed under step t, where ``observe`` calls it."""
         runs = (t + 1 < self.depths) if self.routing == "expert_choice" else t == 0
-        return [Step("halting", f"halting.{t}", self, call)] if runs else []
+        if not runs:
+            return []
+        steps = [Step("halting", f"halting.{t}", self, call)]
+        if self.routing == "expert_choice" and self.routers[t].chooser is not None:
+            steps.append(Step("halting", f"halting.aux.{t}", self.routers[t].chooser, call, input_grad=False))
+        return steps
 
     def flop_cost(self, call: Call) -> Cost:
-        """Expert choice, one step: the router d -> 1 with its bias (and the auxiliary router;
-        counted as trained like the rest, though its backward stops at its own weights), and the gated update
+        """Expert choice, one step: the router d -> 1 with its bias (the auxiliary router is a
+        step of its own), and the gated update
         h + g·(h' − h) of the step it decides (a subtract, multiply and add per element).
         Token choice, listed once after step 0: the router d -> N and the gated updates of the
         N − 1 steps after it. The batched forward runs every position through every step

@@ -69,9 +69,10 @@ class QHalting(Halting):
         nn.init.constant_(self.head.bias, self.init_bias)
 
     def step_calls(self, t: int, call: Call, readout: Readout, targets: bool) -> list[Step]:
-        """The q head; given targets, then the BCE target's readout head(norm(Y)) under
-        ``torch.no_grad``."""
-        steps = [Step("halting", f"halting.{t}", self, call)]
+        """The q head (with a backward only where the BCE reads q: ``loss_weight`` > 0; else q
+        only decides halting, by a comparison); given targets, then the BCE target's readout
+        head(norm(Y)) under ``torch.no_grad``."""
+        steps = [Step("halting", f"halting.{t}", self, call, grad=self.loss_weight > 0)]
         if self.reads_logits(targets):
             steps += [Step("final_norm", f"halting.target.norm.{t}", readout.norm, call, grad=False, targets_only=True),
                       Step("head", f"halting.target.head.{t}", readout.head, call, grad=False, targets_only=True)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from looplm.accounting.cost import Call, Cost, module_cost
+from looplm.accounting.cost import Call, Cost, Step
 from looplm.topology.base import LoopState, Topology
 
 _INIT = (1.0, 1 / 3, 1 / 3, 1 / 3)
@@ -69,8 +69,15 @@ class DynamicCombinationTopology(Topology):
             with torch.no_grad():
                 layer.bias.copy_(torch.tensor(_INIT))
 
+    def step_calls(self, t: int, call: Call) -> list[Step]:
+        """The coefficients' linear on h^(t) (a weight gradient only where h^(t) carries no
+        gradient: the first step of a truncated backward's window), then the combination."""
+        return [Step("topology", f"topology.coefficients.{t}", self.coefficients[t], call, input_grad=call.state_grad),
+                *super().step_calls(t, call)]
+
     def flop_cost(self, call: Call) -> Cost:
+        """The combination of one step: four scalings and three additions per element (the
+        coefficients' linear is a step of its own)."""
         if call.phase == "start":
             return Cost()
-        d = self.coefficients[0].in_features
-        return module_cost(self.coefficients[0], call) + Cost(state=7 * call.rows * d)
+        return Cost(state=7 * call.rows * self.coefficients[0].in_features)
