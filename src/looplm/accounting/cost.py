@@ -124,8 +124,8 @@ class Step:
     counts it once, not ``training_multiplier`` times. ``input_grad``: whether the backward
     also computes the gradient of the call's input; false where the input carries none (a
     detached state, the frozen LM's states under Ouro's Stage II): training counts the call
-    twice, forward and weight gradient. ``targets_only``: the call runs only in a forward given targets (training, or
-    an evaluation loss): Q-halt's per-step norm + LM head that builds its BCE target (no
+    twice, forward and weight gradient. ``targets_only``: the call runs only in a forward
+    given targets (training, or an evaluation loss): Q-halt's per-step norm + LM head that builds its BCE target (no
     gradient), the exit gate's per-step LM head of its expected objective (gradient)."""
 
     component: str

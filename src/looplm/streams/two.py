@@ -22,8 +22,9 @@ class TwoStream(nn.Module):
     state's ``h`` is Y, what halting reads and the loop hands on; the topology is never
     called (it must be ``base``). Y⁰, Z⁰ (``init``) are learned vectors, fixed random
     vectors (TRM's buffers) or zeros, set anew at every forward: nothing is carried across
-    calls, so logits at position i depend only on tokens ≤ i (§3.2, Challenge 2). ``no_grad_cycles``: the first H − 1 cycles of every
-    macro step run under ``torch.no_grad`` (TRM)."""
+    calls, so logits at position i depend only on tokens ≤ i (§3.2, Challenge 2).
+    ``no_grad_cycles``: the first H − 1 cycles of every macro step run under
+    ``torch.no_grad`` (TRM)."""
 
     def __init__(self, d_model: int, outer: int, inner: int, init: str, no_grad_cycles: bool):
         super().__init__()
