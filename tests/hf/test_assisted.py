@@ -4,6 +4,8 @@ output equals plain greedy decoding, and no forward is fed positions its cache h
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -38,8 +40,10 @@ def assistant() -> LoopLMForCausalLM:
     return model
 
 
-def spy(monkeypatch, *models) -> tuple[list, list]:
-    """Record every crop (positions held, count removed) and every forward's (cached, new)."""
+@contextlib.contextmanager
+def spied(monkeypatch, *models):
+    """Record every crop (positions held, count removed) and every forward's (cached, new)
+    of ``models`` while the block runs."""
     crops, feeds = [], []
     crop = LoopLMCache.crop
     monkeypatch.setattr(LoopLMCache, "crop", lambda self, n: (crops.append((self.get_seq_length(), n)), crop(self, n))[1])
@@ -49,9 +53,12 @@ def spy(monkeypatch, *models) -> tuple[list, list]:
         ids = kwargs.get("input_ids", args[0] if args else None)
         feeds.append((0 if cache is None else cache.get_seq_length(), ids.shape[1]))
 
-    for model in models:
-        monkeypatch.setattr(model, "_hooks", [model.register_forward_pre_hook(record, with_kwargs=True)], raising=False)
-    return crops, feeds
+    hooks = [model.register_forward_pre_hook(record, with_kwargs=True) for model in models]
+    try:
+        yield crops, feeds
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.mark.parametrize("name, static", [("attention", False), ("attention", True), ("sliding-window", False),
@@ -62,15 +69,9 @@ def test_assisted_greedy_decoding_equals_greedy_decoding(name, static, assistant
     model = hf_model(MODELS[name], seed=0)
     prompt, new = random_ids(1, 24), 24
     plain = model.generate(prompt, max_new_tokens=new, do_sample=False)
-    crops, feeds = spy(monkeypatch, model, assistant)
-    cache = {CACHE_FIELD: LoopLMCache(max_cache_len=64)}
-    try:
-        assisted = model.generate(prompt, max_new_tokens=new, do_sample=False, assistant_model=assistant,
-                                  **(cache if static else {}))
-    finally:
-        for m in (model, assistant):
-            for hook in m._hooks:
-                hook.remove()
+    cache = {CACHE_FIELD: LoopLMCache(max_cache_len=64)} if static else {}
+    with spied(monkeypatch, model, assistant) as (crops, feeds):
+        assisted = model.generate(prompt, max_new_tokens=new, do_sample=False, assistant_model=assistant, **cache)
     torch.testing.assert_close(assisted, plain, rtol=0, atol=0)
     assert any(removed < -1 for _, removed in crops)  # multi-token rejections were cropped
     assert all(cached + fed <= prompt.shape[1] + new for cached, fed in feeds)  # nothing fed twice

@@ -17,7 +17,7 @@ import hashlib
 import inspect
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 #: where the measuring code lives: references into it are followed, others are not
 PACKAGE = "looplm.study"
@@ -35,10 +35,9 @@ def code_fingerprint(fn: Callable[..., Any], package: str = PACKAGE) -> str:
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        try:
-            parts.append(inspect.getsource(obj))
-        except (OSError, TypeError):  # no source (a builtin, an interactive definition)
-            parts.append(getattr(obj, "__qualname__", repr(obj)))
+        source = _source(obj)
+        parts.append(source or getattr(obj, "__qualname__", repr(obj)))
+        if source is None:
             return
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
         scope = vars(module) if module is not None else {}
@@ -52,17 +51,25 @@ def code_fingerprint(fn: Callable[..., Any], package: str = PACKAGE) -> str:
                     parts.append(f"{name} = {_stable_repr(value)}")
 
     visit(fn)
-    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()[:16]
+    return _digest("\n".join(parts))
 
 
 def module_fingerprint(fn: Callable[..., Any]) -> str:
     """The older key: sha256 of the whole module defining ``fn``. Measures stored under it
     are still read while that module is unchanged (and then re-keyed by
     :func:`code_fingerprint`), so the change of key re-measures nothing."""
+    return _digest(_source(inspect.getmodule(fn) or fn) or getattr(fn, "__qualname__", repr(fn)))
+
+
+def _source(obj: Any) -> Optional[str]:
+    """``obj``'s source, or None where it has none (a builtin, an interactive definition)."""
     try:
-        text = inspect.getsource(inspect.getmodule(fn) or fn)
+        return inspect.getsource(obj)
     except (OSError, TypeError):
-        text = getattr(fn, "__qualname__", repr(fn))
+        return None
+
+
+def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
