@@ -14,6 +14,7 @@ import torch
 from looplm.cli import main
 from looplm.config import load_config
 from looplm.config_base import ConfigError
+from looplm.provenance import code_version
 from looplm.study import RunSpec, Size, Study, get_study, run_study, study_names
 from looplm.study import measures as study_measures
 from looplm.study import runs as runs_module
@@ -257,6 +258,7 @@ def test_paired_differences_by_seed(quick, name) -> None:
         assert int(row["wins"]) == sum(sign * d > 0 for d in got)
     markdown = (result.out_dir / "results.md").read_text()
     assert "Paired by seed, each row minus its reference" in markdown
+    assert f"- trained by: looplm {code_version()} (" in markdown  # every run records its training code
     assert any(line.startswith(f"| {rows[0]['variant']} − {rows[0]['reference']} |") for line in markdown.splitlines())
 
 

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from looplm.provenance import is_dirty
 from looplm.study.definition import Measures, Metric, Study, variant_of
 from looplm.study.runs import Run, machine_line
 
@@ -173,8 +174,9 @@ def results_markdown(result: StudyResult) -> str:
         + f"{first.train.max_steps} steps",
         f"- looplm {m['looplm']}, torch {m['torch']}, Python {m['python']}, {m['platform']}",
         f"- machine: {machine_line(m)}",
+        f"- trained by: {trained_by(result)}",
         "",
-        *([warning, ""] if (warning := dirty_warning(m)) else []),
+        *([warning, ""] if (warning := dirty_warning(m, result)) else []),
         f"Each cell: mean ± sample standard deviation over {seed_counts(result)} (best mean in bold). "
         f"Runs: `{result.out_dir}/<variant>/seed-<s>/`; every seed's numbers in runs.csv. Train time: seconds "
         "of training steps per seed (over every session of a resumed run; evaluations not counted).",
@@ -306,13 +308,31 @@ def paired_rows(result: StudyResult) -> list[dict[str, Any]]:
              "wins": p.wins, "n": len(p.differences), "undecided": p.undecided} for p in paired(result)]
 
 
-def dirty_warning(machine: dict[str, Any]) -> Optional[str]:
-    """A line for results.md when the runs' code came from a working tree with uncommitted
-    changes (``git describe --dirty``): its commit does not reproduce the numbers."""
-    if "dirty" not in str(machine.get("looplm", "")):
+def trained_by(result: StudyResult) -> str:
+    """Which looplm versions trained the table's runs, with how many runs each (a run resumed
+    under other code counts for each), and how many runs did not record it."""
+    counts: dict[str, int] = {}
+    unrecorded = 0
+    for run in (r for runs in result.runs.values() for r in runs):
+        unrecorded += not run.code
+        for code in run.code:
+            counts[code] = counts.get(code, 0) + 1
+    parts = [f"looplm {code} ({n} run{'s' * (n != 1)})" for code, n in counts.items()]
+    if unrecorded:
+        parts.append(f"{unrecorded} run{'s' * (unrecorded != 1)} trained before runs recorded their code")
+    return "; ".join(parts)
+
+
+def dirty_warning(machine: dict[str, Any], result: Optional[StudyResult] = None) -> Optional[str]:
+    """A line for results.md when the tables' code (``machine``) or a run's training code came
+    from a working tree with uncommitted changes (``git describe --dirty``): its commit does not
+    reproduce the numbers."""
+    dirty = [code for code in [machine.get("looplm", "")] + [c for runs in (result.runs.values() if result else [])
+                                                             for r in runs for c in r.code] if is_dirty(str(code))]
+    if not dirty:
         return None
-    return (f"**Run from a working tree with uncommitted changes ({machine['looplm']}): the commit named "
-            "does not reproduce these numbers exactly.**")
+    return (f"**Run from a working tree with uncommitted changes ({', '.join(dict.fromkeys(dirty))}): the "
+            "commit named does not reproduce these numbers exactly.**")
 
 
 def summary_rows(result: StudyResult) -> list[dict[str, Any]]:
@@ -344,9 +364,10 @@ def run_rows(result: StudyResult) -> tuple[list[str], list[dict[str, Any]]]:
             rows.append({"study": result.study.name, "run": name, "variant": variant_of(name), "seed": run.seed,
                          "steps": run.summary.get("steps"), "parameters": run.parameters["total"],
                          "non_embedding": run.parameters["non_embedding"], "train_time_s": run.train_time_s,
-                         "wall_time_s": run.wall_time_s, "reused": run.reused, **measures["scalars"]})
+                         "wall_time_s": run.wall_time_s, "reused": run.reused, "code": " → ".join(run.code),
+                         **measures["scalars"]})
     fields = ["study", "run", "variant", "seed", "steps", "parameters", "non_embedding", "train_time_s", "wall_time_s", "reused",
-              *keys]
+              "code", *keys]
     return fields, rows
 
 

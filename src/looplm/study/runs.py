@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -28,6 +27,7 @@ import torch
 from looplm.config import RunConfig
 from looplm.config_base import ConfigError
 from looplm.data.source_kinds import TaskSource
+from looplm.provenance import code_version
 from looplm.train import Trainer
 from looplm.train.checkpoint import CONFIG_FILE, config_differences, has_checkpoints, resolve_checkpoint, with_defaults
 from looplm.train.metrics import read_metrics
@@ -66,6 +66,14 @@ class Run:
     @property
     def device(self) -> str:
         return self.summary.get("device", self.config.train.device)
+
+    @property
+    def code(self) -> list[str]:
+        """The looplm versions (:func:`looplm.provenance.code_version`) its training sessions
+        ran, in order, each once; empty for a run trained before runs recorded it."""
+        sessions = [e["code"] for e in read_metrics(self.run_dir / "metrics.jsonl")
+                    if e["event"] in ("start", "resume") and "code" in e]
+        return list(dict.fromkeys(sessions))
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         """The run's ``kind`` events of metrics.jsonl in step order; the last record of a step
@@ -157,7 +165,7 @@ def train_or_reuse(name: str, seed: int, cfg: RunConfig, summary: Optional[dict[
 def machine_info(device: str) -> dict[str, Any]:
     """What a reader needs to compare timings and reproduce the numbers."""
     info: dict[str, Any] = {
-        "looplm": _looplm_version(),
+        "looplm": code_version(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -174,23 +182,6 @@ def machine_info(device: str) -> dict[str, Any]:
 def machine_line(m: dict[str, Any]) -> str:
     text = f"{m['cpu']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, device {m['device']}"
     return text + (f" ({m['gpu']})" if "gpu" in m else "")
-
-
-def _looplm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        text = version("looplm")
-    except PackageNotFoundError:
-        text = "unknown"
-    try:
-        described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                                   capture_output=True, text=True, timeout=5)
-        if described.returncode == 0 and described.stdout.strip():
-            text += f" (git {described.stdout.strip()})"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return text
 
 
 def _cpu_name() -> str:

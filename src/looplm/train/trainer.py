@@ -82,6 +82,7 @@ from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.model import LoopLM
 from looplm.ops.backend import check_before_compile
+from looplm.provenance import code_version
 from looplm.tasks.config import is_task_source
 from looplm.train import checkpointer
 from looplm.train.activation_checkpointing import apply_activation_checkpointing
@@ -216,9 +217,10 @@ class Trainer:
                                      trackers=trackers)
         if self.resumed_from is None:
             self.metrics.log("start", 0, parameters=parameter_counts(self.model), world_size=world_size,
-                             device=str(self.device))
+                             device=str(self.device), code=code_version())
         else:
-            self.metrics.log("resume", self.step, checkpoint=str(self.resumed_from), world_size=world_size)
+            self.metrics.log("resume", self.step, checkpoint=str(self.resumed_from), world_size=world_size,
+                             code=code_version())
             logger.info("resumed from %s at step %d", self.resumed_from, self.step)
         for callback in self.callbacks:
             callback.on_start(self)
