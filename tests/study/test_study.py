@@ -518,6 +518,35 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
     with pytest.raises(ConfigError, match="size.max_seeds"):
         dataclasses.replace(quick, max_seeds=1)
     assert Metric("x", "x").better is None and study.primary is VAL_LOSS
+def test_a_sweep_reads_the_final_validation_loss_without_the_studys_measure(tmp_path) -> None:
+    """A sweep on the validation loss reads each run's last eval record: the study's measure
+    (probes, test-time curves: minutes per run) runs for the seed runs only; a sweep on
+    another metric measures."""
+    import dataclasses
+
+    from looplm.study.definition import Metric, Sweep
+    from looplm.study.studies import VAL_LOSS
+
+    measured = []
+
+    def measure(run):
+        measured.append(run.run_dir)
+        return {**study_measures.lm(run), "scalars": {**study_measures.lm(run)["scalars"], "score": 1.0}}
+
+    quick = dataclasses.replace(TINY.sizes["quick"], seeds=1, sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
+    study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,), measure=measure)
+    run_study(study, tmp_path / "loss", size="quick")
+    assert measured and all("lr-sweep" not in str(path) for path in measured)
+    for row in csv.DictReader(open(tmp_path / "loss" / "lr-sweep.csv")):
+        summary = json.loads((tmp_path / "loss" / "lr-sweep" / f"lr-{float(row['lr']):g}" / row["run"] / "seed-0"
+                              / "summary.json").read_text())
+        assert float(row["value"]) == pytest.approx(summary["val_loss"])
+    measured.clear()
+    scored = dataclasses.replace(study, metrics=(Metric("score", "score", better="higher"), VAL_LOSS))
+    run_study(scored, tmp_path / "score", size="quick")
+    assert sum("lr-sweep" in str(path) for path in measured) == 4
+
+
 def test_an_added_seed_trains_only_the_undecided_rows_and_the_reference(tmp_path, monkeypatch) -> None:
     """Seeds past the size's own train the rows whose paired difference is under two sd and the
     reference, not the decided rows; the table counts each row's seeds and pairs on shared ones.
@@ -671,6 +700,10 @@ def test_depth_study_measures_drawn_counts_and_the_test_time_curve(quick) -> Non
     assert scalars["train_flops"] == pytest.approx(want)
     assert [r for r, _ in curve] == list(range(1, 4 * cfg.model.iterations + 1))
     assert scalars["val_loss_at_max"] == curve[-1][1]
+    for row in ("huginn-r2-k1", "huginn-fixed-T2", "fixed-T3", "mor-expert"):  # on the batches training validated on
+        trained = result.runs[row][0].config.model.iterations
+        for scalars, curve in zip(result.scalars(row).values(), result.series(row, "loss_vs_iterations")):
+            assert curve[trained - 1][1] == pytest.approx(scalars["val_loss"], rel=1e-5), row
 
 
 def test_test_time_curve_is_none_for_a_model_that_runs_only_its_trained_count(tmp_path) -> None:

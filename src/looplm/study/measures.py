@@ -134,8 +134,9 @@ def test_time_curve(run: Run, factor: int = 4) -> Measures:
     """The test-time compute curve (arXiv 2502.05171 §5, Figs. 1 and 7): the validation loss
     of the final model run at r = 1 … ``factor``·T iterations (T: the trained mean r̄, or the
     fixed count) as the series ``loss_vs_iterations``, and its value at ``factor``·T
-    (``val_loss_at_max``). None for a model that runs only its trained count (a dense
-    layout, per-iteration parameters: the model refuses the count, naming why)."""
+    (``val_loss_at_max``), on the held-out batches training validated on (so at r = T the
+    curve is the run's ``val_loss``). None for a model that runs only its trained count (a
+    dense layout, per-iteration parameters: the model refuses the count, naming why)."""
     from looplm.config_base import ConfigError
     from looplm.eval.validation import evaluate_run
 
@@ -144,7 +145,8 @@ def test_time_curve(run: Run, factor: int = 4) -> Measures:
     if not run.config.model.parsed_layout.is_looped:
         return none
     try:
-        curve = [[r, evaluate_run(run.run_dir, iterations=r, verify=False)["val_loss"]]
+        curve = [[r, evaluate_run(run.run_dir, iterations=r, verify=False,
+                                  batch_size=run.config.train.batch_size)["val_loss"]]
                  for r in range(1, factor * trained + 1)]
     except ConfigError:
         return none

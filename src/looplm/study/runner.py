@@ -139,7 +139,7 @@ def run_study(
         chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]),
                               lambda name, seed, cfg: prepare_and_train(study, name, seed, cfg, finished_run(cfg),
                                                                         progress),
-                              lambda run: measure_run(study, run))
+                              lambda run: sweep_measure(study, run))
         configs = {seed: configs_at(seed) for seed in seeds}
     finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
     runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
@@ -193,6 +193,18 @@ def undecided_variants(result: StudyResult) -> set[str]:
     metric = result.study.primary
     return {row for p in paired(result) if metric is not None and p.metric.key == metric.key and p.undecided
             for row in (p.variant, p.reference)}
+
+
+def sweep_measure(study: Study, run: Run) -> Measures:
+    """What the learning-rate sweep reads of a run: its primary metric. A final validation
+    loss is read from the run's last eval record (every study's measure reports that as
+    ``val_loss``) rather than measured: a study's measure (probes, test-time curves) costs
+    minutes per run that the sweep never reads."""
+    if study.primary is not None and study.primary.key == "val_loss":
+        evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
+        return {"scalars": {"val_loss": evals[-1]["val_loss"] if evals else run.summary.get("val_loss")},
+                "series": {}, "notes": []}
+    return measure_run(study, run)
 
 
 def measure_run(study: Study, run: Run) -> Measures:
