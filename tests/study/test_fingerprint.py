@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from looplm.study.fingerprint import code_fingerprint, module_fingerprint
+from looplm.study.fingerprint import code_fingerprint
 
 MODULE = '''
 import dataclasses
@@ -65,7 +65,6 @@ def fingerprint(measure) -> str:
 def test_edits_beside_the_measure_keep_its_fingerprint(tmp_path):
     base = fingerprint(load(tmp_path))
     assert fingerprint(load(tmp_path, notes="other notes", unrelated=5)) == base
-    assert module_fingerprint(load(tmp_path, unrelated=5)) != module_fingerprint(load(tmp_path))  # the older key moved
 
 
 @pytest.mark.parametrize("edit", [{"scale": 3}, {"rates": "(1, 3)"}, {"steps": 4}, {"offset": 2}])
@@ -90,7 +89,7 @@ def test_the_fingerprint_is_the_same_in_every_process(tmp_path):
     assert len(prints) == 1 and len(prints.pop()) == 16
 
 
-def test_measures_stored_under_the_module_key_are_read_and_rekeyed(tmp_path):
+def test_measures_stored_under_another_key_are_measured_again(tmp_path):
     import dataclasses
 
     from looplm.study import measures as study_measures
@@ -107,10 +106,8 @@ def test_measures_stored_under_the_module_key_are_read_and_rekeyed(tmp_path):
     runner.run_study(study, tmp_path, size="quick")
     path = tmp_path / "a" / "seed-0" / runner.MEASURES_FILE
     stored = json.loads(path.read_text())
-    path.write_text(json.dumps({**stored, "code": module_fingerprint(counting)}))  # as written before the change
     runner.run_study(study, tmp_path, size="quick")
     assert len(calls) == 4  # read back, not measured again
-    assert json.loads(path.read_text())["code"] == runner.measure_fingerprint(counting)
-    path.write_text(json.dumps({**stored, "code": "from-another-module-text"}))
+    path.write_text(json.dumps({**stored, "code": "measured-by-other-code"}))
     runner.run_study(study, tmp_path, size="quick")
-    assert len(calls) == 5  # neither key: measured again
+    assert len(calls) == 5 and json.loads(path.read_text())["code"] == runner.measure_fingerprint(counting)

@@ -54,13 +54,6 @@ def code_fingerprint(fn: Callable[..., Any], package: str = PACKAGE) -> str:
     return _digest("\n".join(parts))
 
 
-def module_fingerprint(fn: Callable[..., Any]) -> str:
-    """The older key: sha256 of the whole module defining ``fn``. Measures stored under it
-    are still read while that module is unchanged (and then re-keyed by
-    :func:`code_fingerprint`), so the change of key re-measures nothing."""
-    return _digest(_source(inspect.getmodule(fn) or fn) or getattr(fn, "__qualname__", repr(fn)))
-
-
 def _source(obj: Any) -> Optional[str]:
     """``obj``'s source, or None where it has none (a builtin, an interactive definition)."""
     try:

@@ -44,7 +44,7 @@ from looplm.config_base import ConfigError
 from looplm.ladder.rungs import RUNGS
 from looplm.ladder.runner import PathLike
 from looplm.study.definition import Measures, Study, variant_of
-from looplm.study.fingerprint import code_fingerprint, module_fingerprint
+from looplm.study.fingerprint import code_fingerprint
 from looplm.study.plots import write_plots
 from looplm.study.results import (
     PAIRED_FIELDS,
@@ -219,9 +219,6 @@ def measure_run(study: Study, run: Run) -> Measures:
         same = {k: stored.get(k) for k in key}
         if same == key:
             return stored["measures"]
-        if same == {**key, "code": module_fingerprint_of(study.measure)}:  # stored under the older key
-            write_text(path, json.dumps({**stored, **key}, indent=1) + "\n", atomic=True)
-            return stored["measures"]
     measures = study.measure(run)
     measures.setdefault("series", {})
     measures.setdefault("notes", [])
@@ -229,9 +226,8 @@ def measure_run(study: Study, run: Run) -> Measures:
     return measures
 
 
-#: the fingerprints, read once per measure and process, not once per run
+#: the fingerprint, read once per measure and process, not once per run
 measure_fingerprint = functools.lru_cache(maxsize=None)(code_fingerprint)
-module_fingerprint_of = functools.lru_cache(maxsize=None)(module_fingerprint)
 
 
 def default_out(name: str, size: str) -> str:
