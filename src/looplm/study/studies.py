@@ -480,7 +480,8 @@ DEPTH_HUGINN_DEVIATIONS = (
     "Matched training FLOPs: huginn-fixed-T3 runs T = 3 with full backprop, whose training FLOPs equal the expected "
     "FLOPs of r ~ P(e^τ) + 1 around r̄ = 4 with k = 2 (looplm's accounting, the no-grad iterations once) "
     "within 1 %; huginn-fixed-T4-k2 isolates the random count from the window.",
-    "Validation runs the layout's T (r̄ for Huginn); the test-time curve reruns the final model at r = 1 … 4T.",
+    "Validation runs the layout's T (r̄ for Huginn); the test-time curve reruns the final model at r = 1 … 4T "
+    "on the same held-out batches (at r = T it is the val loss).",
 )
 # --- end of Huginn's randomized depth
 
