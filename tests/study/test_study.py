@@ -713,3 +713,24 @@ def test_test_time_curve_is_none_for_a_model_that_runs_only_its_trained_count(tm
         run = runs_module.Run(name=name, seed=0, run_dir=tmp_path / name, config=cfg, summary={}, reused=False)
         assert study_measures.test_time_curve(run) == {"scalars": {"val_loss_at_max": None}, "series": {},
                                                        "notes": []}
+
+
+def test_stdlib_sweeps_warm_up_as_the_full_runs_do(tmp_path) -> None:
+    """A sweep run reaches its peak rate at the step the full run does (a warmup compressed
+    with the sweep's budget mis-ranked rates for the depth study's deeper loop); the depth and
+    sharing sizes keep the compressed sweep they ran, and say so."""
+    from looplm.study.studies import COMPRESSED_SWEEP_NOTE
+    from looplm.train.schedule import lr_at
+
+    for name in ("mesh", "spiralformer", "sgt", "lt2", "depth", "sharing"):
+        study = get_study(name)
+        size = study.size("stdlib")
+        run = next(iter(size.runs))
+        full = study.configs("stdlib", tmp_path, 0, [])[run].train
+        swept = study.configs("stdlib", tmp_path, 0, list(size.sweep.overrides))[run].train
+        assert swept.max_steps == full.max_steps // 3
+        compressed = name in ("depth", "sharing")
+        assert (swept.warmup == full.warmup) != compressed and (COMPRESSED_SWEEP_NOTE in size.notes) == compressed
+        peak = full.warmup
+        if not compressed:
+            assert lr_at(peak, swept) == lr_at(peak, full) == full.lr and lr_at(peak - 1, swept) < full.lr
