@@ -327,8 +327,8 @@ def dirty_warning(machine: dict[str, Any], result: Optional[StudyResult] = None)
     """A line for results.md when the tables' code (``machine``) or a run's training code came
     from a working tree with uncommitted changes (``git describe --dirty``): its commit does not
     reproduce the numbers."""
-    dirty = [code for code in [machine.get("looplm", "")] + [c for runs in (result.runs.values() if result else [])
-                                                             for r in runs for c in r.code] if is_dirty(str(code))]
+    trained = [code for runs in result.runs.values() for run in runs for code in run.code] if result else []
+    dirty = [code for code in [str(machine.get("looplm", "")), *trained] if is_dirty(code)]
     if not dirty:
         return None
     return (f"**Run from a working tree with uncommitted changes ({', '.join(dict.fromkeys(dirty))}): the "
