@@ -111,3 +111,33 @@ def test_measures_stored_under_another_key_are_measured_again(tmp_path):
     path.write_text(json.dumps({**stored, "code": "measured-by-other-code"}))
     runner.run_study(study, tmp_path, size="quick")
     assert len(calls) == 5 and json.loads(path.read_text())["code"] == runner.measure_fingerprint(counting)
+
+
+def test_a_study_keys_its_measures_by_the_source_it_started_with(tmp_path):
+    """A file edited while a study trains (a long sweep first) does not re-key what the
+    process measures with the code it loaded."""
+    import dataclasses
+    import inspect
+
+    from looplm.study import runner
+    from tests.study.test_study import TINY
+
+    (tmp_path / "fpedit").mkdir()
+    (tmp_path / "fpedit" / "__init__.py").write_text("")
+    source = tmp_path / "fpedit" / "measures.py"
+    source.write_text("from looplm.study import measures\n\n\ndef measure(run):\n    return measures.lm(run)  # v1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        measure = importlib.import_module("fpedit.measures").measure
+    finally:
+        sys.path.remove(str(tmp_path))
+    loaded = code_fingerprint(measure)
+
+    def edit_then_train(name, cfg, resume, progress):
+        source.write_text(source.read_text().replace("# v1", "# v2"))
+        return None  # the default Trainer
+
+    study = dataclasses.replace(TINY, measure=measure, trainer=edit_then_train)
+    runner.run_study(study, tmp_path / "out", size="quick")
+    assert inspect.getsource(measure).endswith("# v2\n") and code_fingerprint(measure) != loaded
+    assert json.loads((tmp_path / "out" / "a" / "seed-0" / runner.MEASURES_FILE).read_text())["code"] == loaded

@@ -119,6 +119,8 @@ def run_study(
     threads: torch threads. command: recorded in results.md (default: the equivalent
     ``looplm study`` call). variants: train and tabulate only these (default: all)."""
     study = get_study(study, size) if isinstance(study, str) else study
+    if study.measure is not None:  # keyed by the source this process loaded, not by a later edit of it
+        measure_fingerprint(study.measure)
     spec = study.size(size)
     extend = seeds is None and spec.max_seeds is not None  # seeds given explicitly are run as given
     seeds = resolve_seeds(spec.seeds if seeds is None else seeds)
