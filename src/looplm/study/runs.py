@@ -15,6 +15,7 @@ what an interrupted one left and never mix settings in one table, so before anyt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -67,10 +68,11 @@ class Run:
     def device(self) -> str:
         return self.summary.get("device", self.config.train.device)
 
-    @property
+    @functools.cached_property
     def code(self) -> list[str]:
         """The looplm versions (:func:`looplm.provenance.code_version`) its training sessions
-        ran, in order, each once; empty for a run trained before runs recorded it."""
+        ran, in order, each once; empty for a run trained before runs recorded it. Read once:
+        results.md, its dirty-tree warning and runs.csv each ask, after every seed."""
         sessions = [e["code"] for e in read_metrics(self.run_dir / "metrics.jsonl")
                     if e["event"] in ("start", "resume") and "code" in e]
         return list(dict.fromkeys(sessions))
