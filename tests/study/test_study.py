@@ -717,8 +717,8 @@ def test_test_time_curve_is_none_for_a_model_that_runs_only_its_trained_count(tm
 
 def test_stdlib_sweeps_warm_up_as_the_full_runs_do(tmp_path) -> None:
     """A sweep run reaches its peak rate at the step the full run does (a warmup compressed
-    with the sweep's budget mis-ranked rates for the depth study's deeper loop); the depth and
-    sharing sizes keep the compressed sweep they ran, and say so."""
+    with the sweep's budget mis-ranked rates for the depth study's deeper loop); the sharing size
+    keeps the compressed sweep it ran, and says so."""
     from looplm.study.studies import COMPRESSED_SWEEP_NOTE
     from looplm.train.schedule import lr_at
 
@@ -729,7 +729,7 @@ def test_stdlib_sweeps_warm_up_as_the_full_runs_do(tmp_path) -> None:
         full = study.configs("stdlib", tmp_path, 0, [])[run].train
         swept = study.configs("stdlib", tmp_path, 0, list(size.sweep.overrides))[run].train
         assert swept.max_steps == full.max_steps // 3
-        compressed = name in ("depth", "sharing")
+        compressed = name == "sharing"
         assert (swept.warmup == full.warmup) != compressed and (COMPRESSED_SWEEP_NOTE in size.notes) == compressed
         peak = full.warmup
         if not compressed:

@@ -69,9 +69,9 @@ _SWEEP_BUDGET = (f"train.max_steps={STDLIB_STEPS // 3}", f"train.eval_every={STD
 #: Learning rates swept per run at seed 0 (a third of the budget) before the seeds: the
 #: default sizes' 2e-3 and two larger (the pydoc SpiralFormer check found 4e-3 better); a
 #: run whose best is an edge of the rates it tried tries past it, twice at most (the first
-#: stdlib sweeps put many runs' best at 2e-3, the lowest). As the depth and sharing stdlib
-#: studies ran it, the warmup compressed with the schedule; kept for them, so that their
-#: recorded sweep runs are read back, not refused as runs of other settings.
+#: stdlib sweeps put many runs' best at 2e-3, the lowest). As the sharing stdlib study ran
+#: it, the warmup compressed with the schedule; kept for it, so that its committed table is
+#: what its size reproduces.
 STDLIB_SWEEP_COMPRESSED = Sweep((2e-3, 4e-3, 8e-3), _SWEEP_BUDGET, extend=2)
 #: The sweep since: it keeps the full runs' warmup in steps. Compressed with the rest of the
 #: schedule (5 % of 133 steps, 7) it ranked 4e-3 far below 2e-3 for the deeper fixed loop of
@@ -551,7 +551,7 @@ DEPTH = Study(
         "default": Size(_depth_runs("default"), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 75 min on one thread (24 runs of 600 steps; MoR rows not yet timed, Huginn's "
                                   "≈ 0.2 s per step for the fixed loops and ≈ 0.35 s for the drawn counts)"),
-        "stdlib": _stdlib_size(_depth_runs("default"), STDLIB_SWEEP_COMPRESSED),
+        "stdlib": _stdlib_size(_depth_runs("default")),
         "paper": Size(DEPTH_HUGINN["paper"], seeds=1,
                       wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
                                 "data.tokenizer and train.max_steps"),
