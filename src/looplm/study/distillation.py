@@ -51,7 +51,7 @@ from looplm.errors import LoopLMError
 from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 from looplm.study.definition import Measures, RunSpec, Study, preset_configs, run_dir
-from looplm.study.runs import Run, events_by_step
+from looplm.study.runs import Run, events_by_step, validation
 from looplm.train.trainer import Trainer
 
 TEACHER, LONG, SCRATCH, STAGE1 = "teacher", "scratch-teacher-budget", "scratch", "stage1"
@@ -252,8 +252,7 @@ def measure(run: Run) -> Measures:
     tokens cost that hybrid minus this row's (``saved_flops``)."""
     per_step = run.config.train.batch_size * run.config.data.seq_len
     offset = int(_stage1_summary(run)["tokens_seen"]) if run.name in DISTILLED else 0
-    evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
-    val_loss = evals[-1]["val_loss"] if evals else run.summary.get("val_loss")
+    evals, val_loss = validation(run)
     tokens = offset + int(run.summary.get("tokens_seen", run.summary["steps"] * per_step))
     flops = training_flops(run)
     scalars: dict[str, Any] = {"val_loss": val_loss, "tokens": tokens, "train_flops": flops[-1]}

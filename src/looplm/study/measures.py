@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from looplm.data.source_kinds import TaskSource
 from looplm.study.definition import Measures
-from looplm.study.runs import Run
+from looplm.study.runs import Run, validation
 
 
 def _flops_per_step(run: Run, convention: str, model=None) -> float:
@@ -41,7 +41,7 @@ def _lm(run: Run, convention: str) -> tuple[Measures, float]:
 
     cfg = run.config
     model = build_meta_model(cfg.model)  # one meta-device model for every count (building one is the slow part)
-    evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
+    evals, val_loss = validation(run)
     steps = run.summary.get("steps", cfg.train.max_steps)
     base = _flops_per_step(run, convention, model)
     if cfg.model.head_loop is not None:
@@ -53,7 +53,7 @@ def _lm(run: Run, convention: str) -> tuple[Measures, float]:
     forward = count_flops(model, cfg.data.seq_len, convention=convention)
     return {
         "scalars": {
-            "val_loss": evals[-1]["val_loss"] if evals else run.summary.get("val_loss"),
+            "val_loss": val_loss,
             "train_flops": cumulative[min(steps, len(cumulative) - 1)],
             "forward_flops_per_token": forward.forward / cfg.data.seq_len,
         },

@@ -59,7 +59,7 @@ from looplm.study.results import (
     series_rows,
     summary_rows,
 )
-from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse
+from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse, validation
 from looplm.study.studies import get_study, ladder_study
 from looplm.study.sweep import run_lr_sweep, with_lr
 
@@ -203,9 +203,7 @@ def sweep_measure(study: Study, run: Run) -> Measures:
     ``val_loss``) rather than measured: a study's measure (probes, test-time curves) costs
     minutes per run that the sweep never reads."""
     if study.primary is not None and study.primary.key == "val_loss":
-        evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
-        return {"scalars": {"val_loss": evals[-1]["val_loss"] if evals else run.summary.get("val_loss")},
-                "series": {}, "notes": []}
+        return {"scalars": {"val_loss": validation(run)[1]}, "series": {}, "notes": []}
     return measure_run(study, run)
 
 

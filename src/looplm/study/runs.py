@@ -101,6 +101,14 @@ def events_by_step(metrics_path: PathLike, kind: str) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def validation(run: Run) -> tuple[list[dict[str, Any]], Optional[float]]:
+    """A run's ``eval`` records that carry a validation loss (step order) and its final
+    validation loss: the last of them, else the summary's (what every study reports as
+    ``val_loss``, and what the learning-rate sweep ranks)."""
+    evals = [e for e in run.events("eval") if e.get("val_loss") is not None]
+    return evals, evals[-1]["val_loss"] if evals else run.summary.get("val_loss")
+
+
 def task_history(metrics_path: PathLike) -> list[dict[str, Any]]:
     """The ``task_eval`` records of a run, in step order (see :func:`events_by_step`)."""
     return events_by_step(metrics_path, "task_eval")
