@@ -402,6 +402,43 @@ def test_reused_runs_are_measured_again_when_the_measure_code_changes(tmp_path, 
     assert len(calls) == 8  # the measuring code changed: measured again
 
 
+def test_records_without_checkpoints_are_read_back_and_refuse_a_new_measure(tmp_path, monkeypatch) -> None:
+    """A finished study directory without its checkpoints (as committed under docs/results,
+    whose .gitignore drops them) is read back whole on a fresh machine: nothing trains, the
+    tables are the same. A run whose measures must be taken again says it has no model."""
+    import dataclasses
+    import subprocess
+    from pathlib import Path
+
+    from looplm.artifacts import CheckpointError
+    from looplm.eval.load import load_run
+    from looplm.study import runner
+
+    def probing(run):  # reads the model, as the depth study's test-time curve does
+        load_run(run.run_dir)
+        return study_measures.lm(run)
+
+    study = dataclasses.replace(TINY, measure=probing)
+    run_study(study, tmp_path / "full", size="quick")
+    shutil.copytree(tmp_path / "full", tmp_path / "records", ignore=shutil.ignore_patterns("checkpoints"))
+    trained = []
+    monkeypatch.setattr(runs_module, "Trainer", lambda cfg, **kwargs: trained.append(cfg))
+    run_study(study, tmp_path / "records", size="quick")
+    assert trained == []
+    assert (tmp_path / "records" / "results.csv").read_text() == (tmp_path / "full" / "results.csv").read_text()
+    monkeypatch.setattr(runner, "measure_fingerprint", lambda measure: "edited")
+    with pytest.raises(CheckpointError, match="without its checkpoints") as err:
+        run_study(study, tmp_path / "records", size="quick")
+    assert "measures taken by other code" in str(err.value) and "delete" in str(err.value)
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / ".git").exists():  # the repository commits a study's records, not its checkpoints
+        checkpoint = "docs/results/depth-stdlib/fixed-T3/seed-0/checkpoints/step-400/model.safetensors"
+        ignored = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", checkpoint], check=False)
+        kept = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q",
+                               "docs/results/depth-stdlib/fixed-T3/seed-0/metrics.jsonl"], check=False)
+        assert (ignored.returncode, kept.returncode) == (0, 1)
+
+
 def test_variants_trains_and_tabulates_only_those(tmp_path) -> None:
     result = run_study(TINY, tmp_path, size="quick", seeds=1, variants=["b"])
     assert list(result.runs) == ["b"] and not (tmp_path / "a").exists()

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from looplm.artifacts import write_text
+from looplm.artifacts import CheckpointError, write_text
 from looplm.config_base import ConfigError
 from looplm.ladder.rungs import RUNGS
 from looplm.ladder.runner import PathLike
@@ -62,6 +62,7 @@ from looplm.study.results import (
 from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse, validation
 from looplm.study.studies import get_study, ladder_study
 from looplm.study.sweep import run_lr_sweep, with_lr
+from looplm.train.checkpoint import has_checkpoints
 
 if TYPE_CHECKING:
     from looplm.config import RunConfig
@@ -214,12 +215,19 @@ def measure_run(study: Study, run: Run) -> Measures:
     path = run.run_dir / MEASURES_FILE
     key = {"study": study.name, "measure": getattr(study.measure, "__qualname__", ""),
            "code": measure_fingerprint(study.measure), "steps": run.summary.get("steps")}
-    if run.reused and path.is_file():
-        stored = json.loads(path.read_text(encoding="utf-8"))
-        same = {k: stored.get(k) for k in key}
-        if same == key:
-            return stored["measures"]
-    measures = study.measure(run)
+    stored = json.loads(path.read_text(encoding="utf-8")) if run.reused and path.is_file() else None
+    if stored is not None and {k: stored.get(k) for k in key} == key:
+        return stored["measures"]
+    try:
+        measures = study.measure(run)
+    except CheckpointError as e:
+        if has_checkpoints(run.run_dir):
+            raise
+        taken = "no measures" if stored is None else f"measures taken by other code ({stored.get('code')})"
+        raise CheckpointError(
+            f"{run.run_dir} holds a finished run's records without its checkpoints (as committed under "
+            f"docs/results) and {taken}: measuring it again needs the model. Tabulate it with the looplm "
+            f"version that measured it, or delete {run.run_dir} to train it again") from e
     measures.setdefault("series", {})
     measures.setdefault("notes", [])
     write_text(path, json.dumps({**key, "measures": measures}, indent=1) + "\n", atomic=True)
