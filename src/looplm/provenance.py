@@ -2,8 +2,10 @@
 
 A training run records it in every session's first metrics.jsonl event (``start`` or
 ``resume``), so a table made later from many runs can say which commits trained them and
-flag any trained from a working tree with uncommitted changes, whose commit does not
-reproduce its numbers (``git describe --dirty``).
+flag any trained from a working tree with uncommitted changes to looplm's code, whose commit
+does not reproduce its numbers. Only the package's own files and ``pyproject.toml`` (its
+dependency pins) count: a README edit, or the tables and run records a study writes under
+``docs/results``, change nothing a run computes.
 """
 
 from __future__ import annotations
@@ -18,20 +20,33 @@ DIRTY = "-dirty"
 
 @functools.lru_cache(maxsize=None)
 def code_version() -> str:
-    """``"<version> (git <describe>)"`` of this looplm, e.g. ``0.1.0 (git 336d443-dirty)``; the
-    version alone where looplm does not run from a git checkout (an installed wheel)."""
+    """``"<version> (git <commit>)"`` of this looplm, e.g. ``0.1.0 (git 336d443-dirty)``; the
+    version alone where looplm does not run from a git checkout (an installed wheel). Read
+    once per process: the code a process runs is the code it loaded."""
     try:
         text = version("looplm")
     except PackageNotFoundError:
         text = "unknown"
-    try:
-        described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                                   capture_output=True, text=True, timeout=5)
-        if described.returncode == 0 and described.stdout.strip():
-            text += f" (git {described.stdout.strip()})"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return text
+    commit = git_commit(Path(__file__).parent)
+    return text + (f" (git {commit})" if commit else "")
+
+
+def git_commit(package: Path) -> str | None:
+    """The commit of the checkout holding ``package`` (``git describe --always``), with
+    ``-dirty`` when the package's files or the ``pyproject.toml`` beside its source root
+    differ from it (modified, staged or untracked); None outside a git checkout."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    commit = (git("describe", "--always") or "").strip()
+    if not commit:
+        return None
+    changes = git("status", "--porcelain", "--", ".", str(package.parent.parent / "pyproject.toml"))
+    return commit + (DIRTY if changes is None or changes.strip() else "")
 
 
 def is_dirty(code: str) -> bool:

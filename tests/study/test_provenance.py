@@ -43,3 +43,35 @@ def test_every_session_records_its_code_and_the_table_names_each(tmp_path, monke
     clean = {"looplm": "0.1.0 (git ccccccc)"}
     assert "uncommitted changes (0.1.0 (git bbbbbbb-dirty))" in dirty_warning(clean, result)  # a run's session
     assert dirty_warning(clean, SimpleNamespace(runs={"b": [unrecorded]})) is None
+
+
+def test_only_looplms_own_files_make_a_checkout_dirty(tmp_path):
+    """A README edit or the records a study writes under docs/results change nothing a run
+    computes; an edit to the package (tracked or new) or to pyproject.toml's pins does."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    package = tmp_path / "src" / "pkg"
+    package.mkdir(parents=True)
+    for path in (package / "mod.py", tmp_path / "pyproject.toml", tmp_path / "README.md"):
+        path.write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = provenance.git_commit(package)
+    assert clean and not provenance.is_dirty(clean)
+    (tmp_path / "README.md").write_text("edited\n")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "metrics.jsonl").write_text("{}\n")
+    assert provenance.git_commit(package) == clean
+    for edit in (package / "mod.py", package / "new.py", tmp_path / "pyproject.toml"):
+        before = edit.read_text() if edit.exists() else None
+        edit.write_text("x = 2\n")
+        assert provenance.git_commit(package) == clean + provenance.DIRTY, edit
+        edit.unlink() if before is None else edit.write_text(before)
+    assert provenance.git_commit(package) == clean
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    assert provenance.git_commit(outside) is None  # not a checkout: the version alone
