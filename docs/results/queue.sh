@@ -1,0 +1,64 @@
+#!/bin/bash
+# The studies whose tables are still to come (issues 27 and 28), in the order they land, as
+# two lanes of one thread each for a 2-core machine. Run from the repository root:
+#
+#   nohup bash docs/results/queue.sh a > runs/queue-a.log 2>&1 &
+#   nohup bash docs/results/queue.sh b > runs/queue-b.log 2>&1 &
+#   bash docs/results/queue.sh stage    # before the machine goes: git add the finished runs' records
+#
+# Every study trains into its docs/results directory. A lane stopped anywhere restarts with the
+# same command on any machine: a finished run whose records (metrics.jsonl, summary.json,
+# study.json) are committed is read back; .gitignore keeps the checkpoints out, so an
+# unfinished run starts over. `stage` adds the records of finished runs only (a study run
+# also needs its measures, study.json; a sweep run does not); commit them with the tables.
+# The distillation study is staged only whole: its rows start from the seed's teacher's
+# checkpoint, which a committed record does not carry.
+set -u
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=1
+study() { looplm study "$@" --threads 1 --no-progress; }
+mkdir -p runs/queue
+
+DEPTH=(depth --size stdlib --out docs/results/depth-stdlib)
+case "${1:-}" in
+  a)
+    study "${DEPTH[@]}" --variants fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
+    while [ ! -e runs/queue/depth-huginn.done ]; do sleep 60; done
+    study "${DEPTH[@]}"                                   # every row read back: the table
+    study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
+    study lt2 --size stdlib --out docs/results/lt2-stdlib
+    study ladder --seeds 5 --out docs/results/ladder
+    ;;
+  b)
+    study "${DEPTH[@]}" --variants huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2 && touch runs/queue/depth-huginn.done
+    study mesh --size stdlib --out docs/results/mesh-stdlib
+    study spiralformer --size stdlib --out docs/results/spiralformer-stdlib
+    study sgt --size stdlib --out docs/results/sgt-stdlib
+    study distill --out docs/results/distill
+    ;;
+  stage)
+    python - <<'EOF'
+import json
+import subprocess
+from pathlib import Path
+
+files = []
+for summary in sorted(Path("docs/results").rglob("summary.json")):
+    run = summary.parent
+    if "distill" in run.parts[2]:
+        continue  # staged whole, by hand, once its table is written
+    done = json.loads(summary.read_text(encoding="utf-8"))
+    finished = done.get("steps", 0) >= done["config"]["train"]["max_steps"]
+    measured = "lr-sweep" in run.parts or (run / "study.json").is_file()
+    if finished and measured:
+        files += [p for p in (summary, run / "metrics.jsonl", run / "study.json") if p.is_file()]
+if files:
+    subprocess.run(["git", "add", "--", *map(str, files)], check=True)
+print(f"staged {len(files)} files of finished runs" if files else "no finished run to stage")
+EOF
+    ;;
+  *)
+    echo "usage: bash docs/results/queue.sh a|b|stage" >&2
+    exit 2
+    ;;
+esac
