@@ -25,8 +25,8 @@ case "${1:-}" in
     study "${DEPTH[@]}" --variants fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
     while [ ! -e runs/queue/depth-huginn.done ]; do sleep 60; done
     study "${DEPTH[@]}"                                   # every row read back: the table
-    study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     study lt2 --size stdlib --out docs/results/lt2-stdlib
+    study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     study ladder --seeds 5 --out docs/results/ladder
     ;;
   b)
