@@ -215,3 +215,27 @@ def test_the_real_standard_library_lists_and_splits(monkeypatch) -> None:
     held = [r for r in relative if path_unit(r) < 0.05]
     assert 0.02 * len(relative) < len(held) < 0.09 * len(relative)
     assert path_unit("json/__init__.py") == path_unit("json/__init__.py")  # no salted hash()
+
+
+def test_data_identity_tells_another_machines_corpus_and_tokenizer(library) -> None:
+    """A run's data identity (looplm.data.identity): the corpus's digest and the trained
+    tokenizer's content; an edited library (another Python) changes both, and the
+    differences name what changed. The byte tokenizer and a task's are the code's: no digest."""
+    from looplm.data.identity import data_differences, data_identity
+
+    cfg = DataConfig(source="python-stdlib", tokenizer=f"bpe:{VOCAB}", seq_len=32)
+    first = data_identity(cfg, data_tokenizer(cfg))
+    assert first == {"corpus": corpus_identity()["fingerprint"], "tokenizer": first["tokenizer"]}
+    assert len(first["tokenizer"]) == 64 and data_identity(cfg, data_tokenizer(cfg)) == first  # stable
+    edited = sorted(p for p in library.rglob("mod_*.py") if path_unit(str(p.relative_to(library))) >= BPE_HOLDOUT)[0]
+    edited.write_text(edited.read_text(encoding="utf-8") + "\nEDITED = True\n", encoding="utf-8")
+    second = data_identity(cfg, data_tokenizer(cfg))
+    assert second["corpus"] != first["corpus"] and second["tokenizer"] != first["tokenizer"]
+    assert [d.split(":")[0] for d in data_differences(first, second)] == ["the corpus", "the tokenizer"]
+    assert data_differences(None, second) == [] and data_differences(first, None) == []  # unrecorded: unchecked
+    assert data_differences(first, {"corpus": first["corpus"], "tokenizer": None}) == []  # unknown here
+    byte = DataConfig(source="pydoc", tokenizer="byte", seq_len=32)
+    assert data_identity(byte, data_tokenizer(byte)) == {"corpus": data_identity(byte, data_tokenizer(byte))["corpus"],
+                                                         "tokenizer": None}
+    task = DataConfig(source="task:addition", seq_len=64)
+    assert data_identity(task, data_tokenizer(task)) is None

@@ -439,6 +439,22 @@ def test_records_without_checkpoints_are_read_back_and_refuse_a_new_measure(tmp_
         assert (ignored.returncode, kept.returncode) == (0, 1)
 
 
+def test_a_finished_run_trained_on_other_data_is_refused(tmp_path) -> None:
+    """A finished run whose sessions recorded other data than this machine's (its corpus, its
+    tokenizer) is not read back into the table: a study is never mixed from two corpora."""
+    run_study(TINY, tmp_path, size="quick")
+    metrics = tmp_path / "b" / "seed-1" / "metrics.jsonl"
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    recorded = events[0]["data"]
+    assert events[0]["event"] == "start" and recorded["corpus"]
+    events[0]["data"] = {**recorded, "corpus": "f" * 32}
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
+    with pytest.raises(ConfigError) as err:
+        run_study(TINY, tmp_path, size="quick")
+    assert err.value.field == "data.source" and str(tmp_path / "b" / "seed-1") in str(err.value)
+    assert f"the corpus: recorded {'f' * 32}, here {recorded['corpus']}" in str(err.value)
+
+
 def test_variants_trains_and_tabulates_only_those(tmp_path) -> None:
     result = run_study(TINY, tmp_path, size="quick", seeds=1, variants=["b"])
     assert list(result.runs) == ["b"] and not (tmp_path / "a").exists()

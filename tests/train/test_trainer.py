@@ -138,6 +138,27 @@ def test_resume_with_another_model_is_refused(tmp_path):
         Trainer(run_config(tmp_path / "run", model={"layout": "1+1R3+1"}), resume=True, progress=False)
 
 
+def test_resume_on_other_data_is_refused(tmp_path, monkeypatch):
+    """Each session records what identifies its tokens (looplm.data.identity); a run is not
+    continued where the corpus or tokenizer differ (another machine's Python), and is where
+    they are the same."""
+    import looplm.train.trainer as trainer_module
+
+    cfg = run_config(tmp_path / "run", max_steps=4, save_every=2)
+    Trainer(cfg, progress=False).fit(stop_after=2)
+    (start,) = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "start"]
+    assert len(start["data"]["corpus"]) == 32 and start["data"]["tokenizer"] is None  # pydoc in bytes
+    real = trainer_module.data_identity
+    monkeypatch.setattr(trainer_module, "data_identity", lambda data, tokenizer: {"corpus": "0" * 32, "tokenizer": None})
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg, resume=True, progress=False)
+    assert err.value.field == "data.source" and f"the corpus: recorded {start['data']['corpus']}, here {'0' * 32}" in str(err.value)
+    monkeypatch.setattr(trainer_module, "data_identity", real)
+    Trainer(cfg, resume=True, progress=False).fit()
+    sessions = [e["data"] for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] in ("start", "resume")]
+    assert sessions == [start["data"]] * 2
+
+
 def test_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"model.vocab_size=200 .*>= 257"):
         Trainer(run_config(tmp_path / "run", model={"vocab_size": 200}), progress=False)

@@ -9,7 +9,9 @@ what an interrupted one left and never mix settings in one table, so before anyt
   read back, not retrained;
 - one holding checkpoints of the same configuration resumes from the latest (the Trainer's
   exact resume: the same losses as an uninterrupted run);
-- one holding a run of other settings is refused with a ConfigError naming the differences.
+- one holding a run of other settings is refused with a ConfigError naming the differences,
+  and a finished run trained on other data than this machine's (its sessions' recorded
+  corpus and tokenizer, :mod:`looplm.data.identity`: another Python's built-in corpora) too.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ import torch
 
 from looplm.config import RunConfig
 from looplm.config_base import ConfigError
+from looplm.data import data_tokenizer
+from looplm.data.config import DataConfig
+from looplm.data.identity import data_differences, data_identity
 from looplm.data.source_kinds import TaskSource
 from looplm.provenance import code_version
 from looplm.train import Trainer
 from looplm.train.checkpoint import CONFIG_FILE, config_differences, has_checkpoints, resolve_checkpoint, with_defaults
-from looplm.train.metrics import read_metrics
+from looplm.train.metrics import read_metrics, recorded_data
 
 logger = logging.getLogger("looplm")
 
@@ -127,12 +132,24 @@ def finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
         check_same_config(run_dir, saved, cfg)
     if summary is None or summary.get("steps", 0) < cfg.train.max_steps:
         return None
+    differences = data_differences(recorded_data(run_dir / "metrics.jsonl"), _data_identity(cfg.data))
+    if differences:
+        raise ConfigError("data.source", cfg.data.source,
+                          f"the data {run_dir} was trained on; here it differs ({'; '.join(differences)}): "
+                          "tabulate it where the corpus and tokenizer are those it trained on, or delete it "
+                          "to train it again")
     if isinstance(cfg.data.parsed_source, TaskSource):  # the table reads the final task evaluation
         metrics = run_dir / "metrics.jsonl"
         steps = [e["step"] for e in task_history(metrics)] if metrics.is_file() else []
         if not steps or steps[-1] < cfg.train.max_steps:
             return None
     return summary
+
+
+@functools.lru_cache(maxsize=8)
+def _data_identity(data: DataConfig) -> Optional[dict[str, Any]]:
+    """This machine's identity of ``data`` (once per data config: a study reads back many runs)."""
+    return data_identity(data, data_tokenizer(data))
 
 
 def check_same_config(run_dir: Path, saved: dict[str, Any], cfg: RunConfig) -> None:

@@ -86,6 +86,16 @@ def read_metrics(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def recorded_data(path: Union[str, os.PathLike]) -> Optional[dict[str, Any]]:
+    """The data identity (:func:`looplm.data.identity.data_identity`) the last training session
+    of a run recorded: its latest ``start`` or ``resume`` event carrying one; None without a
+    ``metrics.jsonl`` or for sessions from before runs recorded it."""
+    if not os.path.isfile(path):
+        return None
+    sessions = [e["data"] for e in read_metrics(path) if e["event"] in ("start", "resume") and e.get("data")]
+    return sessions[-1] if sessions else None
+
+
 def train_losses(path: Union[str, os.PathLike]) -> dict[int, float]:
     """``{step: loss}`` of the ``train`` events, the last record of each step winning."""
     return {e["step"]: e["loss"] for e in read_metrics(path) if e["event"] == "train"}

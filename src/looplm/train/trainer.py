@@ -80,6 +80,7 @@ from torch import nn
 from looplm.config_base import ConfigError
 from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
+from looplm.data.identity import data_differences, data_identity
 from looplm.model import LoopLM
 from looplm.ops.backend import check_before_compile
 from looplm.provenance import code_version
@@ -90,7 +91,7 @@ from looplm.train.callbacks import Callback, LossFn, lm_loss, sampled_depth_loss
 from looplm.train.checkpoint import config_differences, with_defaults
 from looplm.train.distributed import Ranks
 from looplm.train.growth import sgt_growth
-from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perplexity
+from looplm.train.metrics import MetricsWriter, format_summary, json_safe, perplexity, recorded_data
 from looplm.train.optim import build_optimizer
 from looplm.train.params import parameter_counts
 from looplm.train.schedule import lr_at
@@ -101,6 +102,7 @@ from looplm.train.validation import ValidationLoss
 
 if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
     from looplm.config import RunConfig
+    from looplm.data.config import DataConfig
     from looplm.model_config import ModelConfig
 
 logger = logging.getLogger("looplm")
@@ -146,6 +148,7 @@ class Trainer:
         _seed_everything(tc.seed)
 
         self.tokenizer = data_tokenizer(run_cfg.data)  # a task source brings its own vocabulary
+        self.data_identity = data_identity(run_cfg.data, self.tokenizer)
         if run_cfg.model.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 "model.vocab_size", run_cfg.model.vocab_size,
@@ -162,6 +165,8 @@ class Trainer:
         # SGT (model.head_loop): entropy measured in training forwards (hooks placed before wrapping)
         self.growth = sgt_growth(self)
         source = checkpointer.resume_source(self.out_dir, resume)
+        if source == self.out_dir:  # this run continued: on the data it trained on
+            _check_same_data(self.out_dir, run_cfg.data, self.data_identity)
         if tc.init_from is not None:
             if source is not None:
                 raise ConfigError("train.init_from", tc.init_from,
@@ -217,10 +222,10 @@ class Trainer:
                                      trackers=trackers)
         if self.resumed_from is None:
             self.metrics.log("start", 0, parameters=parameter_counts(self.model), world_size=world_size,
-                             device=str(self.device), code=code_version())
+                             device=str(self.device), code=code_version(), data=self.data_identity)
         else:
             self.metrics.log("resume", self.step, checkpoint=str(self.resumed_from), world_size=world_size,
-                             code=code_version())
+                             code=code_version(), data=self.data_identity)
             logger.info("resumed from %s at step %d", self.resumed_from, self.step)
         for callback in self.callbacks:
             callback.on_start(self)
@@ -595,6 +600,17 @@ def _check_parts(model_factory: Any, loss_fn: Any, callbacks: Sequence[Any]) -> 
                               f"({', '.join(sorted(checkpointer.RESERVED_STATE_KEYS))}) or another callback")
         if key is not None:
             keys.add(key)
+
+
+def _check_same_data(out_dir: Path, data: DataConfig, identity: Optional[dict[str, Any]]) -> None:
+    """Refuse to continue a run on other tokens than its earlier sessions trained on (another
+    machine's Python makes other built-in corpora, and trains another ``bpe:N``)."""
+    differences = data_differences(recorded_data(out_dir / "metrics.jsonl"), identity)
+    if differences:
+        raise ConfigError("data.source", data.source,
+                          f"the data {out_dir} trained on; here it differs ({'; '.join(differences)}): resume "
+                          "where the corpus and tokenizer are those it started with, or start a new run "
+                          "in another train.out_dir")
 
 
 def _pick_device(spec: str, distributed: bool) -> torch.device:
