@@ -17,20 +17,21 @@ set -u
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 study() { looplm study "$@" --threads 1 --no-progress; }
-mkdir -p runs/queue
+STATE=${QUEUE_STATE:-runs/queue}  # where lane b says the depth study's Huginn half is done
+mkdir -p "$STATE"
 
 DEPTH=(depth --size stdlib --out docs/results/depth-stdlib)
 case "${1:-}" in
   a)
     study "${DEPTH[@]}" --variants fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
-    while [ ! -e runs/queue/depth-huginn.done ]; do sleep 60; done
+    while [ ! -e "$STATE/depth-huginn.done" ]; do sleep 60; done
     study "${DEPTH[@]}"                                   # every row read back: the table
     study lt2 --size stdlib --out docs/results/lt2-stdlib
     study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     study ladder --seeds 5 --out docs/results/ladder
     ;;
   b)
-    study "${DEPTH[@]}" --variants huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2 && touch runs/queue/depth-huginn.done
+    study "${DEPTH[@]}" --variants huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2 && touch "$STATE/depth-huginn.done"
     study mesh --size stdlib --out docs/results/mesh-stdlib
     study spiralformer --size stdlib --out docs/results/spiralformer-stdlib
     study sgt --size stdlib --out docs/results/sgt-stdlib
