@@ -135,7 +135,7 @@ def finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
     differences = data_differences(recorded_data(run_dir / "metrics.jsonl"), _data_identity(cfg.data))
     if differences:
         raise ConfigError("data.source", cfg.data.source,
-                          f"the data {run_dir} was trained on; here it differs ({'; '.join(differences)}): "
+                          f"the data {run_dir} was trained on, which differs here ({'; '.join(differences)}): "
                           "tabulate it where the corpus and tokenizer are those it trained on, or delete it "
                           "to train it again")
     if isinstance(cfg.data.parsed_source, TaskSource):  # the table reads the final task evaluation

@@ -608,7 +608,7 @@ def _check_same_data(out_dir: Path, data: DataConfig, identity: Optional[dict[st
     differences = data_differences(recorded_data(out_dir / "metrics.jsonl"), identity)
     if differences:
         raise ConfigError("data.source", data.source,
-                          f"the data {out_dir} trained on; here it differs ({'; '.join(differences)}): resume "
+                          f"the data {out_dir} trained on, which differs here ({'; '.join(differences)}): resume "
                           "where the corpus and tokenizer are those it started with, or start a new run "
                           "in another train.out_dir")
 
