@@ -12,6 +12,7 @@ from looplm.cli import main
 from looplm.config_base import ConfigError
 from looplm.study import get_study
 from looplm.study.claims import BEGIN, CLAIMS, END, Claim, claims_markdown, read_rows, replace_block, verdict
+from looplm.study.results import INCOMPLETE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +60,9 @@ def test_a_claim_reads_its_first_table_present_and_says_when_none_is(tmp_path) -
     assert verdict(both, tmp_path).table == "t" and verdict(both, tmp_path).word == "reversed"
     write_runs(tmp_path / "t-stdlib", [lm("ref", s, 2.0 + s) for s in range(3)] + [lm("a", s, 1.9 + s) for s in range(3)])
     assert verdict(both, tmp_path).table == "t-stdlib" and verdict(both, tmp_path).word == "reproduced"
+    (tmp_path / "t-stdlib" / INCOMPLETE).write_text("still training\n")  # a study's half, or one under way
+    assert verdict(both, tmp_path).table == "t"
+    (tmp_path / "t-stdlib" / INCOMPLETE).unlink()
     missing = verdict(claim(tables=("u-stdlib", "u")), tmp_path)
     assert missing.word == "not run yet" and missing.evidence() == "no table yet (docs/results/u-stdlib)"
     untested = verdict(Claim("P", "c", "p.txt", untested="too small here"), tmp_path)

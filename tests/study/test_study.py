@@ -456,10 +456,15 @@ def test_a_finished_run_trained_on_other_data_is_refused(tmp_path) -> None:
 
 
 def test_variants_trains_and_tabulates_only_those(tmp_path) -> None:
+    from looplm.study.results import INCOMPLETE
+
     result = run_study(TINY, tmp_path, size="quick", seeds=1, variants=["b"])
     assert list(result.runs) == ["b"] and not (tmp_path / "a").exists()
     table = (tmp_path / "results.md").read_text()
     assert "| b |" in table and "| a |" not in table and "--variants b" in table
+    assert (tmp_path / INCOMPLETE).is_file()  # half a table: the claims do not read it
+    run_study(TINY, tmp_path, size="quick", seeds=1)
+    assert not (tmp_path / INCOMPLETE).exists()  # the whole study ran: its tables are final
     with pytest.raises(ConfigError) as err:
         run_study(TINY, tmp_path, size="quick", variants=["c"])
     assert err.value.field == "variants" and "a, b" in str(err.value)

@@ -2,7 +2,8 @@
 
 A claim names two rows of a study (or two metrics of one row) and the direction its paper
 reports; its verdict is read from the ``runs.csv`` of the first of its tables present under
-``docs/results`` (the unrepeated-corpus table before the pydoc one), paired by seed as
+``docs/results`` (the unrepeated-corpus table before the pydoc one; a table whose study is
+still training, marked ``INCOMPLETE``, is not read), paired by seed as
 results.md pairs rows: *reproduced* when the mean difference goes the paper's way and is at
 least two standard deviations of the differences, *reversed* when it goes the other way as
 clearly, *not settled* when it is under two standard deviations, *untested at this scale*
@@ -21,7 +22,7 @@ from typing import Optional, Union
 
 from looplm.config_base import ConfigError
 from looplm.study.definition import Metric
-from looplm.study.results import Paired, _number, mean_std
+from looplm.study.results import INCOMPLETE, Paired, _number, mean_std
 
 PathLike = Union[str, Path]
 
@@ -113,7 +114,7 @@ def verdict(claim: Claim, results_dir: PathLike) -> Verdict:
     """The claim's pairs in its first table present under ``results_dir``."""
     for table in claim.tables:
         path = Path(results_dir) / table / "runs.csv"
-        if not path.is_file():
+        if not path.is_file() or (path.parent / INCOMPLETE).is_file():  # a table still training is no verdict
             continue
         rows = read_rows(path)
         other = claim.reference_metric or claim.metric

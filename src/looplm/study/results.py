@@ -296,6 +296,11 @@ def paired_table(result: StudyResult) -> str:
     return "\n".join(lines)
 
 
+#: The file a study's directory holds while its tables are not final: written when a study
+#: starts, removed when a run of the whole study (no ``--variants``) finishes. The claims
+#: read no table that has it (a lane training half of a study writes half a table).
+INCOMPLETE = "INCOMPLETE"
+
 PAIRED_FIELDS = ("study", "size", "variant", "reference", "metric", "seeds", "differences", "mean", "wins", "n",
                  "undecided")
 

@@ -47,6 +47,7 @@ from looplm.study.definition import Measures, Study, variant_of
 from looplm.study.fingerprint import code_fingerprint
 from looplm.study.plots import write_plots
 from looplm.study.results import (
+    INCOMPLETE,
     PAIRED_FIELDS,
     SERIES_FIELDS,
     SUMMARY_FIELDS,
@@ -138,6 +139,9 @@ def run_study(
     if command is None:
         command = equivalent_command(study.name, size, out_dir, None if extend else seeds, overrides, threads, variants)
     start = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text(out_dir / INCOMPLETE, f"{command}\nstarted {time.strftime('%Y-%m-%d %H:%M:%S')}: the tables here are "
+               "not final until a run of the whole study (no --variants) finishes\n", atomic=True)
     if spec.sweep is not None:
         chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]),
                               lambda name, seed, cfg: prepare_and_train(study, name, seed, cfg, finished_run(cfg),
@@ -172,6 +176,8 @@ def run_study(
             configs[seed] = {run: cfg for run, cfg in configs_at(seed).items() if variant_of(run) in keep}
             finished.update({(run, seed): finished_run(cfg) for run, cfg in configs[seed].items()})
         written = write_results(result, figures=i == len(seeds))  # an interrupted study leaves whole seeds' tables
+    if variants is None:  # the whole study: its tables are final
+        (out_dir / INCOMPLETE).unlink(missing_ok=True)
     logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
                 ", ".join(str(p) for p in written))
     return result
