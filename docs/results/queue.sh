@@ -11,8 +11,8 @@
 # study.json) are committed is read back; .gitignore keeps the checkpoints out, so an
 # unfinished run starts over. `stage` adds the records of finished runs only (a study run
 # also needs its measures, study.json; a sweep run does not); commit them with the tables.
-# The distillation study is staged only whole: its rows start from the seed's teacher's
-# checkpoint, which a committed record does not carry.
+# The distillation study is staged only once it has finished (its directory no longer marked
+# INCOMPLETE): its rows start from the seed's teacher's checkpoint, which a record does not carry.
 set -u
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
@@ -46,8 +46,8 @@ from pathlib import Path
 files = []
 for summary in sorted(Path("docs/results").rglob("summary.json")):
     run = summary.parent
-    if "distill" in run.parts[2]:
-        continue  # staged whole, by hand, once its table is written
+    if run.parts[2] == "distill" and (Path(*run.parts[:3]) / "INCOMPLETE").exists():
+        continue  # staged whole, once the study has finished
     done = json.loads(summary.read_text(encoding="utf-8"))
     finished = done.get("steps", 0) >= done["config"]["train"]["max_steps"]
     measured = "lr-sweep" in run.parts or (run / "study.json").is_file()
