@@ -11,6 +11,7 @@ dependency pins) count: a README edit, or the tables and run records a study wri
 from __future__ import annotations
 
 import functools
+import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -47,6 +48,20 @@ def git_commit(package: Path) -> str | None:
         return None
     changes = git("status", "--porcelain", "--", ".", str(package.parent.parent / "pyproject.toml"))
     return commit + (DIRTY if changes is None or changes.strip() else "")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s model name, else the platform's): a run's numbers
+    depend on it at float rounding (its kernels' order of summation), so a session records it
+    beside its code."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def is_dirty(code: str) -> bool:

@@ -28,6 +28,8 @@ def test_every_session_records_its_code_and_the_table_names_each(tmp_path, monke
     sessions = [(e["event"], e.get("code")) for e in read_metrics(tmp_path / "run" / "metrics.jsonl")
                 if e["event"] in ("start", "resume")]
     assert sessions == [("start", "0.1.0 (git aaaaaaa)"), ("resume", "0.1.0 (git bbbbbbb-dirty)")]
+    cpus = [e.get("cpu") for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] in ("start", "resume")]
+    assert cpus == [provenance.cpu_name()] * 2 and cpus[0]  # each session's machine: float rounding depends on it
 
     resumed = Run("a", 0, tmp_path / "run", cfg, {}, reused=True)
     assert resumed.code == ["0.1.0 (git aaaaaaa)", "0.1.0 (git bbbbbbb-dirty)"]

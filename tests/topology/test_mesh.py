@@ -99,7 +99,9 @@ def test_unrolled_read_equals_buffer_forward_and_backward(slots, K):
         assert len(got_record[key]) == K + 1
         for a, b in zip(got_record[key], want_record[key]):
             assert not a.requires_grad and a.shape == (B, T, slots)
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            # a later step's weights read states that already differ at float rounding between the
+            # two orders of summation (how much depends on the CPU's kernels): the states' tolerance
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _shrunk(preset: str) -> ModelConfig:

@@ -33,7 +33,7 @@ from looplm.data import data_tokenizer
 from looplm.data.config import DataConfig
 from looplm.data.identity import data_differences, data_identity
 from looplm.data.source_kinds import TaskSource
-from looplm.provenance import code_version
+from looplm.provenance import code_version, cpu_name
 from looplm.train import Trainer
 from looplm.train.checkpoint import CONFIG_FILE, config_differences, has_checkpoints, resolve_checkpoint, with_defaults
 from looplm.train.metrics import read_metrics, recorded_data
@@ -196,7 +196,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
@@ -209,14 +209,4 @@ def machine_info(device: str) -> dict[str, Any]:
 def machine_line(m: dict[str, Any]) -> str:
     text = f"{m['cpu']}, {m['cpus']} CPUs, {m['torch_threads']} torch threads, device {m['device']}"
     return text + (f" ({m['gpu']})" if "gpu" in m else "")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 

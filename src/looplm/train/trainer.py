@@ -83,7 +83,7 @@ from looplm.data import data_tokenizer, train_stream, validation_batches
 from looplm.data.identity import data_differences, data_identity
 from looplm.model import LoopLM
 from looplm.ops.backend import check_before_compile
-from looplm.provenance import code_version
+from looplm.provenance import code_version, cpu_name
 from looplm.tasks.config import is_task_source
 from looplm.train import checkpointer
 from looplm.train.activation_checkpointing import apply_activation_checkpointing
@@ -222,10 +222,10 @@ class Trainer:
                                      trackers=trackers)
         if self.resumed_from is None:
             self.metrics.log("start", 0, parameters=parameter_counts(self.model), world_size=world_size,
-                             device=str(self.device), code=code_version(), data=self.data_identity)
+                             device=str(self.device), code=code_version(), cpu=cpu_name(), data=self.data_identity)
         else:
             self.metrics.log("resume", self.step, checkpoint=str(self.resumed_from), world_size=world_size,
-                             code=code_version(), data=self.data_identity)
+                             code=code_version(), cpu=cpu_name(), data=self.data_identity)
             logger.info("resumed from %s at step %d", self.resumed_from, self.step)
         for callback in self.callbacks:
             callback.on_start(self)
