@@ -7,7 +7,7 @@ made from the running Python (pydoc's topics, the standard library's sources) an
 other tokens on a machine with another Python. A training session records
 :func:`data_identity` in its ``start`` / ``resume`` event
 (:func:`looplm.train.metrics.recorded_data` reads it back); resuming, and a study reading a
-finished run back, compare it with this machine's (:func:`data_differences`).
+finished run back, compare it with this machine's (:func:`refuse_other_data`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from looplm.config_base import ConfigError
 from looplm.data.config import DataConfig
 from looplm.data.source_kinds import BuiltinCorpus, TokenShards
 from looplm.data.tokenizer import Tokenizer, tokenizer_identity
@@ -43,6 +44,16 @@ def data_differences(recorded: Optional[dict[str, Any]], current: Optional[dict[
         return []
     return [f"{FIELDS[key]}: recorded {recorded[key]}, here {current[key]}" for key in FIELDS
             if recorded.get(key) is not None and current.get(key) is not None and recorded[key] != current[key]]
+
+
+def refuse_other_data(run_dir: Path, data: DataConfig, recorded: Optional[dict[str, Any]],
+                      current: Optional[dict[str, Any]], remedy: str) -> None:
+    """Raise a ConfigError naming what differs when ``run_dir``'s sessions recorded other data
+    (``recorded``) than this machine's (``current``); ``remedy`` says what to do instead."""
+    differences = data_differences(recorded, current)
+    if differences:
+        raise ConfigError("data.source", data.source,
+                          f"the data {run_dir} trained on, which differs here ({'; '.join(differences)}): {remedy}")
 
 
 def _corpus_digest(cfg: DataConfig) -> Optional[str]:

@@ -31,12 +31,12 @@ from looplm.config import RunConfig
 from looplm.config_base import ConfigError
 from looplm.data import data_tokenizer
 from looplm.data.config import DataConfig
-from looplm.data.identity import data_differences, data_identity
+from looplm.data.identity import data_identity, refuse_other_data
 from looplm.data.source_kinds import TaskSource
 from looplm.provenance import code_version, cpu_name
 from looplm.train import Trainer
 from looplm.train.checkpoint import CONFIG_FILE, config_differences, has_checkpoints, resolve_checkpoint, with_defaults
-from looplm.train.metrics import read_metrics, recorded_data
+from looplm.train.metrics import read_metrics, recorded_data, session_values
 
 logger = logging.getLogger("looplm")
 
@@ -78,9 +78,7 @@ class Run:
         """The looplm versions (:func:`looplm.provenance.code_version`) its training sessions
         ran, in order, each once; empty for a run trained before runs recorded it. Read once:
         results.md, its dirty-tree warning and runs.csv each ask, after every seed."""
-        sessions = [e["code"] for e in read_metrics(self.run_dir / "metrics.jsonl")
-                    if e["event"] in ("start", "resume") and "code" in e]
-        return list(dict.fromkeys(sessions))
+        return list(dict.fromkeys(session_values(self.run_dir / "metrics.jsonl", "code")))
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         """The run's ``kind`` events of metrics.jsonl in step order; the last record of a step
@@ -132,12 +130,10 @@ def finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
         check_same_config(run_dir, saved, cfg)
     if summary is None or summary.get("steps", 0) < cfg.train.max_steps:
         return None
-    differences = data_differences(recorded_data(run_dir / "metrics.jsonl"), _data_identity(cfg.data))
-    if differences:
-        raise ConfigError("data.source", cfg.data.source,
-                          f"the data {run_dir} was trained on, which differs here ({'; '.join(differences)}): "
-                          "tabulate it where the corpus and tokenizer are those it trained on, or delete it "
-                          "to train it again")
+    recorded = recorded_data(run_dir / "metrics.jsonl")
+    if recorded is not None:  # this machine's identity only for a run that recorded one
+        refuse_other_data(run_dir, cfg.data, recorded, _data_identity(cfg.data), "tabulate it where the corpus "
+                          "and tokenizer are those it trained on, or delete it to train it again")
     if isinstance(cfg.data.parsed_source, TaskSource):  # the table reads the final task evaluation
         metrics = run_dir / "metrics.jsonl"
         steps = [e["step"] for e in task_history(metrics)] if metrics.is_file() else []

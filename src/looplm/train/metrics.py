@@ -86,13 +86,19 @@ def read_metrics(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def session_values(path: Union[str, os.PathLike], key: str) -> list[Any]:
+    """``key`` of each training session of a run (its ``start`` and ``resume`` events), in
+    order, for the sessions that recorded one; empty without a ``metrics.jsonl``."""
+    if not os.path.isfile(path):
+        return []
+    return [e[key] for e in read_metrics(path) if e["event"] in ("start", "resume") and e.get(key) is not None]
+
+
 def recorded_data(path: Union[str, os.PathLike]) -> Optional[dict[str, Any]]:
     """The data identity (:func:`looplm.data.identity.data_identity`) the last training session
-    of a run recorded: its latest ``start`` or ``resume`` event carrying one; None without a
-    ``metrics.jsonl`` or for sessions from before runs recorded it."""
-    if not os.path.isfile(path):
-        return None
-    sessions = [e["data"] for e in read_metrics(path) if e["event"] in ("start", "resume") and e.get("data")]
+    of a run recorded, or None (sessions from before runs recorded it, or data looplm cannot
+    identify)."""
+    sessions = session_values(path, "data")
     return sessions[-1] if sessions else None
 
 

@@ -80,7 +80,7 @@ from torch import nn
 from looplm.config_base import ConfigError
 from looplm.errors import TrainingDiverged
 from looplm.data import data_tokenizer, train_stream, validation_batches
-from looplm.data.identity import data_differences, data_identity
+from looplm.data.identity import data_identity, refuse_other_data
 from looplm.model import LoopLM
 from looplm.ops.backend import check_before_compile
 from looplm.provenance import code_version, cpu_name
@@ -102,7 +102,6 @@ from looplm.train.validation import ValidationLoss
 
 if TYPE_CHECKING:  # looplm.config imports looplm.train.config, so a runtime import here would be circular
     from looplm.config import RunConfig
-    from looplm.data.config import DataConfig
     from looplm.model_config import ModelConfig
 
 logger = logging.getLogger("looplm")
@@ -166,7 +165,9 @@ class Trainer:
         self.growth = sgt_growth(self)
         source = checkpointer.resume_source(self.out_dir, resume)
         if source == self.out_dir:  # this run continued: on the data it trained on
-            _check_same_data(self.out_dir, run_cfg.data, self.data_identity)
+            refuse_other_data(self.out_dir, run_cfg.data, recorded_data(self.out_dir / "metrics.jsonl"),
+                              self.data_identity, "resume where the corpus and tokenizer are those it started "
+                              "with, or start a new run in another train.out_dir")
         if tc.init_from is not None:
             if source is not None:
                 raise ConfigError("train.init_from", tc.init_from,
@@ -600,17 +601,6 @@ def _check_parts(model_factory: Any, loss_fn: Any, callbacks: Sequence[Any]) -> 
                               f"({', '.join(sorted(checkpointer.RESERVED_STATE_KEYS))}) or another callback")
         if key is not None:
             keys.add(key)
-
-
-def _check_same_data(out_dir: Path, data: DataConfig, identity: Optional[dict[str, Any]]) -> None:
-    """Refuse to continue a run on other tokens than its earlier sessions trained on (another
-    machine's Python makes other built-in corpora, and trains another ``bpe:N``)."""
-    differences = data_differences(recorded_data(out_dir / "metrics.jsonl"), identity)
-    if differences:
-        raise ConfigError("data.source", data.source,
-                          f"the data {out_dir} trained on, which differs here ({'; '.join(differences)}): resume "
-                          "where the corpus and tokenizer are those it started with, or start a new run "
-                          "in another train.out_dir")
 
 
 def _pick_device(spec: str, distributed: bool) -> torch.device:
