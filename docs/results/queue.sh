@@ -17,21 +17,29 @@ set -u
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 study() { looplm study "$@" --threads 1 --no-progress; }
-STATE=${QUEUE_STATE:-runs/queue}  # where lane b says the depth study's Huginn half is done
+STATE=${QUEUE_STATE:-runs/queue}  # where each lane says its half of the depth study is done
 mkdir -p "$STATE"
 
 DEPTH=(depth --size stdlib --out docs/results/depth-stdlib)
+# One lane's half of the depth table's rows; the lane that finishes its half second reads
+# every row back and writes the table (mkdir: one lane only, if both finish at once), and
+# neither waits for the other.
+depth_half() {  # depth_half NAME VARIANTS
+  study "${DEPTH[@]}" --variants "$2" || return 0
+  touch "$STATE/depth-$1.done"
+  if [ -e "$STATE/depth-fixed-mor.done" ] && [ -e "$STATE/depth-huginn.done" ] && mkdir "$STATE/depth-table" 2>/dev/null; then
+    study "${DEPTH[@]}" || rmdir "$STATE/depth-table"  # failed: the next restart tries again
+  fi
+}
 case "${1:-}" in
   a)
-    study "${DEPTH[@]}" --variants fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
-    while [ ! -e "$STATE/depth-huginn.done" ]; do sleep 60; done
-    study "${DEPTH[@]}"                                   # every row read back: the table
+    depth_half fixed-mor fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
     study lt2 --size stdlib --out docs/results/lt2-stdlib
     study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     study ladder --seeds 5 --out docs/results/ladder
     ;;
   b)
-    study "${DEPTH[@]}" --variants huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2 && touch "$STATE/depth-huginn.done"
+    depth_half huginn huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2
     study mesh --size stdlib --out docs/results/mesh-stdlib
     study spiralformer --size stdlib --out docs/results/spiralformer-stdlib
     study sgt --size stdlib --out docs/results/sgt-stdlib

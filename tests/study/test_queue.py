@@ -1,6 +1,7 @@
 """docs/results/queue.sh, the committed lanes of the studies still to run: every command it
 would run is a valid `looplm study` call of an existing study, size and variants, training
-into docs/results; and a lane that waits for the other starts once that one is done."""
+into docs/results; and the depth table is written once, by whichever lane finishes its half
+second, neither lane waiting for the other."""
 
 from __future__ import annotations
 
@@ -19,22 +20,22 @@ REPO = Path(__file__).resolve().parents[2]
 QUEUE = REPO / "docs" / "results" / "queue.sh"
 
 
-def lane_commands(lane: str, tmp_path: Path) -> list[list[str]]:
-    """The ``looplm`` argument lists lane ``lane`` runs, recorded by a stand-in ``looplm``."""
-    bin_dir, log = tmp_path / "bin", tmp_path / f"calls-{lane}"
+def lane_commands(lane: str, tmp_path: Path, state: str = "state") -> list[list[str]]:
+    """The ``looplm`` argument lists lane ``lane`` runs (its markers in ``tmp_path / state``),
+    recorded by a stand-in ``looplm``."""
+    bin_dir, log = tmp_path / "bin", tmp_path / f"calls-{lane}-{state}"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "looplm"
     fake.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" >> {log}\nprintf "\\n" >> {log}\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "QUEUE_STATE": str(tmp_path / "state")}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "QUEUE_STATE": str(tmp_path / state)}
     subprocess.run(["bash", str(QUEUE), lane], check=True, env=env, timeout=60)
     return [line.rstrip("\0").split("\0") for line in log.read_text().splitlines() if line]
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_every_queued_study_is_a_valid_call_into_docs_results(tmp_path) -> None:
-    commands = lane_commands("b", tmp_path) + lane_commands("a", tmp_path)  # b first: a waits for its depth half
-    assert (tmp_path / "state" / "depth-huginn.done").is_file()
+    commands = lane_commands("b", tmp_path) + lane_commands("a", tmp_path)
     parser = build_parser()
     outs = []
     for argv in commands:
@@ -51,3 +52,19 @@ def test_every_queued_study_is_a_valid_call_into_docs_results(tmp_path) -> None:
     halves = [set(v.split(",")) for v in depth if v]
     assert None in depth and halves[0].isdisjoint(halves[1])
     assert halves[0] | halves[1] == set(get_study("depth", "stdlib").size("stdlib").runs)  # the halves are the table
+
+
+def _table_calls(commands: list[list[str]]) -> int:
+    return sum(1 for argv in commands if argv[:2] == ["study", "depth"] and "--variants" not in argv)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_the_lane_that_finishes_its_depth_half_second_writes_the_table(tmp_path, first) -> None:
+    second = "b" if first == "a" else "a"
+    early, late = lane_commands(first, tmp_path), lane_commands(second, tmp_path)
+    assert _table_calls(early) == 0 and _table_calls(late) == 1
+    halves = [argv for argv in late if argv[:2] == ["study", "depth"]]
+    assert "--variants" in halves[0] and "--variants" not in halves[1]  # its own half first, then the table
+    # a lane run again (a restart) after the table was written does not write it twice
+    assert _table_calls(lane_commands(first, tmp_path)) == 0
