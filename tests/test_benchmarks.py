@@ -379,3 +379,12 @@ def test_ladder_speed_times_each_rung(tmp_path):
         assert row["step_s"] > 0 and row["projected_s"] == pytest.approx(5000 * row["step_s"])
     text = out.read_text()
     assert "| dense |" in text and "| dual_nested_ut |" in text and "train.compile=false" in text
+
+
+def test_hugepages_benchmark_runs_both_settings_and_compares_the_losses(tmp_path):
+    out = tmp_path / "hugepages.md"
+    run("cpu_hugepages.py", "--rows", "depth-pydoc-fixed-T3", "--steps", "1", "--repeats", "1", "--out", str(out))
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| depth-pydoc-fixed-T3 |"))
+    assert row.endswith("| yes |") and "2048 × 257" in row, text  # the same loss bit for bit in both processes
+    assert "transparent_hugepage" in text and "cpu_hugepages.py --rows depth-pydoc-fixed-T3" in text, text
