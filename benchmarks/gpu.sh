@@ -120,7 +120,10 @@ TEST_ARGS=(-v -p no:cacheprovider -k "not cpu")
 TEST_FILES=(tests/gpu tests/ops/test_selected_triton.py)
 if ((!DRY)); then
   "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_ARGS+=(--timeout 60)
-  "$PY" -c "import xdist" 2>/dev/null && TEST_ARGS+=(-n 8)
+  # pyproject's addopts ask for pytest-xdist (one worker per core, a file per worker): here 8
+  # workers share the tests one by one, or, without xdist, addopts without its options
+  if "$PY" -c "import xdist" 2>/dev/null; then TEST_ARGS+=(-n 8 --dist load)
+  else TEST_ARGS+=(-o "addopts=-ra -m 'not bf16_on_cpu'"); fi
 fi
 TEST_LOG=$RESULTS/.gpu-tests.log
 LABEL="$PY -m pytest ${TEST_FILES[*]} ${TEST_ARGS[*]}" part "GPU tests" 60 bash -c 'set -o pipefail; "$0" -m pytest "${@:2}" 2>&1 | tee "$1"' "$PY" "$TEST_LOG" "${TEST_FILES[@]}" "${TEST_ARGS[@]}"
