@@ -381,10 +381,12 @@ def test_ladder_speed_times_each_rung(tmp_path):
     assert "| dense |" in text and "| dual_nested_ut |" in text and "train.compile=false" in text
 
 
-def test_hugepages_benchmark_runs_both_settings_and_compares_the_losses(tmp_path):
-    out = tmp_path / "hugepages.md"
-    run("cpu_hugepages.py", "--rows", "depth-pydoc-fixed-T3", "--steps", "1", "--repeats", "1", "--out", str(out))
+def test_cpu_step_benchmark_runs_every_setting_and_compares_the_losses(tmp_path):
+    out = tmp_path / "cpu-step.md"
+    run("cpu_step.py", "--rows", "depth-pydoc-fixed-T3", "--steps", "1", "--repeats", "1", "--out", str(out))
     text = out.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| depth-pydoc-fixed-T3 |"))
-    assert row.endswith("| yes |") and "2048 × 257" in row, text  # the same loss bit for bit in both processes
-    assert "transparent_hugepage" in text and "cpu_hugepages.py --rows depth-pydoc-fixed-T3" in text, text
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2048 × 257" and cells[6] == "yes", text  # huge pages: the same loss bit for bit
+    assert float(cells[7]) < 1e-5, text  # loss_rows: the same loss to float rounding
+    assert "transparent_hugepage" in text and "cpu_step.py --rows depth-pydoc-fixed-T3" in text, text

@@ -17,7 +17,7 @@ set -u
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 # 2 MB pages for PyTorch's large CPU allocations (the logits): the same numbers, faster steps
-# (benchmarks/cpu_hugepages.py)
+# (benchmarks/cpu_step.py)
 export THP_MEM_ALLOC_ENABLE=1
 study() { looplm study "$@" --threads 1 --no-progress; }
 STATE=${QUEUE_STATE:-runs/queue}  # where each lane says its half of the depth study is done

@@ -34,6 +34,7 @@ from looplm.mixers import MixerContext
 from looplm.model_config import ModelConfig
 from looplm.modules.block import Block, build_block
 from looplm.modules.norm import build_norm
+from looplm.modules.linear_cross_entropy import linear_cross_entropy
 from looplm.modules.region import static_block_pass, takes_region
 from looplm.modules.rotary import Rotary
 from looplm.modules.step import StepEmbedding
@@ -45,7 +46,8 @@ from looplm.topology import Topology, build_topology
 
 @dataclasses.dataclass
 class ModelOutput:
-    """logits: [B, T, V]. lm_loss: mean next-token cross-entropy over targets != -100
+    """logits: [B, T, V] (None when the loss was computed without them: ``loss_rows``).
+    lm_loss: mean next-token cross-entropy over targets != -100
     (None without targets). loss: lm_loss plus every auxiliary loss, what training
     minimises (a halting rule whose losses hold the task loss leaves lm_loss out: the exit
     gate's expected objective). aux_losses: named auxiliary losses already weighted (e.g. ``dsa_index``),
@@ -63,7 +65,7 @@ class ModelOutput:
     [], the block evaluations this forward spent giving cached positions the macro steps
     they had skipped (decoding under adaptive halting, :meth:`LoopLM._catch_up`)."""
 
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     loss: Optional[torch.Tensor] = None
     lm_loss: Optional[torch.Tensor] = None
     aux_losses: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -157,6 +159,7 @@ class LoopLM(nn.Module):
         output_states: bool = False,
         output_attentions: bool = False,
         logits_to_keep: int = 0,
+        loss_rows: int = 0,
     ) -> ModelOutput:
         """input_ids, targets: [B, T] (targets already shifted; -100 is ignored).
         attention_mask: [B, T], 1 for real tokens and 0 for (left) padding of the *new*
@@ -165,9 +168,14 @@ class LoopLM(nn.Module):
         output_attentions: return the softmax mixers' probabilities per (block, iteration).
         logits_to_keep: > 0 computes the logits of the last that many positions only (a
         generation prefill needs one: [B, T, V] logits at a large vocabulary are the largest
-        tensor of a long prompt); 0 computes all. Not with targets."""
+        tensor of a long prompt); 0 computes all. Not with targets.
+        loss_rows: > 0 computes the loss without the logits (``logits`` is None), that many
+        rows at a time (:mod:`looplm.modules.linear_cross_entropy`: no [B·T, V] tensor,
+        equal to float rounding); 0 computes the logits and the loss from them."""
         if logits_to_keep and targets is not None:
             raise ConfigError("logits_to_keep", logits_to_keep, "0 when targets are given (the loss reads every position)")
+        if loss_rows < 0 or (loss_rows and targets is None):
+            raise ConfigError("loss_rows", loss_rows, "0, or a number of rows >= 1 when targets are given")
         n_iter = self._check_iterations(iterations, cache)
         h_emb = self.embed(input_ids)
         if self.cfg.embed_scale:
@@ -182,13 +190,18 @@ class LoopLM(nn.Module):
         recurrence = self._recur(n_iter, h_emb, h, ctx, cache, targets) if self.topology is not None else None
         if recurrence is not None:
             h = recurrence.readout
-        logits = self.read_out(h, ctx, cache, logits_to_keep)
-
-        loss = lm_loss = None
+        logits = lm_loss = loss = None
+        if loss_rows:
+            out = self.final_states(h, ctx, cache)
+            lm_loss = linear_cross_entropy(out.reshape(-1, out.shape[-1]), self.head.weight, targets.reshape(-1),
+                                           loss_rows, IGNORE_INDEX)
+        else:
+            logits = self.read_out(h, ctx, cache, logits_to_keep)
         if targets is not None:
-            lm_loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-            )
+            if lm_loss is None:
+                lm_loss = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+                )
             if self.halting is not None and not self.halting.trains_readout:
                 loss = sum(ctx.losses.values())  # the halting rule's losses hold the task loss (Ouro's Stage I)
             else:
@@ -474,8 +487,14 @@ class LoopLM(nn.Module):
         """Logits head(norm(coda(h))) [B, T, V] of a state h [B, T, d] leaving the loop, with
         the positions and masks of ``ctx``; ``logits_to_keep`` > 0: of the last that many
         positions only (the coda still runs on all, to fill ``cache``)."""
+        return self.head(self.final_states(h, ctx, cache, logits_to_keep))
+
+    def final_states(self, h: torch.Tensor, ctx: MixerContext, cache: Optional[LoopCache] = None,
+                     logits_to_keep: int = 0) -> torch.Tensor:
+        """norm(coda(h)) [B, T, d]: what the head reads (of the last ``logits_to_keep``
+        positions when > 0; the coda still runs on all, to fill ``cache``)."""
         h = self._run(self.coda, "coda", 0, h, ctx, cache)
-        return self.head(self.norm(h[:, -logits_to_keep:] if logits_to_keep > 0 else h))
+        return self.norm(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
 
     def loop_logits(self, input_ids: torch.Tensor, states: list[torch.Tensor]) -> list[torch.Tensor]:
         """z^(τ) = head(norm(coda(h^(τ)))) [B, T, V] for each loop state h^(τ) of

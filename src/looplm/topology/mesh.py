@@ -28,7 +28,6 @@ iteration (DESIGN.md invariant 6). Saved for the backward: each write-read's t +
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -36,6 +35,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from looplm.accounting.cost import Call, Cost, module_cost
+from looplm.ops.autocast import no_autocast
 from looplm.topology.base import LoopState, Topology
 
 
@@ -57,7 +57,7 @@ class _WriteRead(torch.autograd.Function):
     def forward(ctx, state, update, values, weights, write_weight, write_bias, read_weight, read_bias):
         B, T, d = state.shape
         N, J, S = B * T, values.shape[-2], write_weight.shape[0]
-        with _no_autocast(state.device):
+        with no_autocast(state.device):
             router_weight = torch.cat([write_weight, read_weight]).to(state.dtype)  # [2S, d]
             router_bias = torch.cat([write_bias, read_bias]).to(state.dtype)
             s = state.reshape(N, d)
@@ -81,7 +81,7 @@ class _WriteRead(torch.autograd.Function):
         s, router_weight, probs, weights, values, coef = ctx.saved_tensors
         B, T, J1, d = values.shape
         N, S = B * T, probs.shape[-1]
-        with _no_autocast(s.device):
+        with no_autocast(s.device):
             g_h = (torch.zeros_like(s) if grad_h is None else grad_h).reshape(N, 1, d)  # None: h unused
             g_coef = torch.bmm(values.view(N, J1, d), g_h.transpose(1, 2)).to(coef.dtype)  # [N, J+1, 1]
             g_values = _outer(grad_values, coef.to(values.dtype), g_h, (N, J1, d))  # [N, J+1, d]
@@ -103,13 +103,6 @@ class _WriteRead(torch.autograd.Function):
         g_prev_weights = g_weights[:, :-1].view(B, T, J1 - 1, S) if ctx.needs_input_grad[3] else None
         return (g_state, g_update, g_prev_values, g_prev_weights,
                 g_router_weight[:S], g_router_bias[:S], g_router_weight[S:], g_router_bias[S:])
-
-
-def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast off on ``device`` (a device without autocast, e.g. meta, needs nothing)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _outer(incoming: Optional[torch.Tensor], column: torch.Tensor, row: torch.Tensor, shape) -> torch.Tensor:

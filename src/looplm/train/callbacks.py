@@ -52,20 +52,24 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     return out.loss, out.aux_losses
 
 
-def sampled_depth_loss(model_cfg: "ModelConfig", seed: int) -> LossFn:
+def sampled_depth_loss(model_cfg: "ModelConfig", seed: int, loss_rows: int = 0) -> LossFn:
     """The default objective of a run of ``model_cfg``: :func:`lm_loss`, or, when
     ``model.depth`` draws a count per step (Huginn's log-normal Poisson), the model's own
     loss at the count drawn for (``train.seed``, step), passed as ``iterations=``
     (:meth:`looplm.depth.DepthConfig.count`: a pure function, so a resumed run draws the
     same counts and every rank the same). Every micro-batch of a step runs the step's count.
-    A custom ``loss_fn`` draws its own with the same call."""
+    A custom ``loss_fn`` draws its own with the same call. ``loss_rows`` > 0: the
+    cross-entropy without the logits (``train.loss_rows``, ``LoopLM.forward``)."""
     depth, mean = model_cfg.depth, model_cfg.iterations
-    if not depth.sampled:
+    if not depth.sampled and not loss_rows:
         return lm_loss
+    options = {"loss_rows": loss_rows} if loss_rows else {}
 
     def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
              step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = model(inputs, targets, iterations=depth.count(mean, seed, step))
+        if depth.sampled:
+            options["iterations"] = depth.count(mean, seed, step)
+        out = model(inputs, targets, **options)
         return out.loss, out.aux_losses
 
     return loss

@@ -42,6 +42,9 @@ class TrainConfig(Config):
     # replays each micro-step's forward and backward as CUDA graphs (static shapes)
     compile: Union[bool, Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]] = False
     activation_checkpointing: Literal["none", "block", "iteration"] = "none"
+    # > 0: the default objective computes its cross-entropy without the [tokens, vocab]
+    # logits, this many rows at a time (LoopLM.forward's loss_rows); 0 from the logits
+    loss_rows: int = 0
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     fsdp_precision: Literal["auto", "bf16", "fp32"] = "auto"
     device: str = "auto"
@@ -78,6 +81,7 @@ class TrainConfig(Config):
             f"a divisor of train.batch_size={self.batch_size}",
         )
         check(self.lr > 0, "train.lr", self.lr, "a number > 0")
+        check(self.loss_rows >= 0, "train.loss_rows", self.loss_rows, "0 (the loss from the logits) or a number of rows >= 1")
         check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         check(0.0 <= self.warmup_fraction < 1.0, "train.warmup_fraction", self.warmup_fraction, "a number in [0, 1)")
         check(

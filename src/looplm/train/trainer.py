@@ -160,7 +160,7 @@ class Trainer:
             )
         self.model = model_factory(run_cfg.model).to(self.device)
         # model.depth drawing a count per step: the default objective runs the drawn count
-        self.loss_fn = sampled_depth_loss(run_cfg.model, tc.seed) if loss_fn is lm_loss else loss_fn
+        self.loss_fn = sampled_depth_loss(run_cfg.model, tc.seed, tc.loss_rows) if loss_fn is lm_loss else loss_fn
         # SGT (model.head_loop): entropy measured in training forwards (hooks placed before wrapping)
         self.growth = sgt_growth(self)
         source = checkpointer.resume_source(self.out_dir, resume)
