@@ -120,7 +120,7 @@ def report(rows: list[str], steps: int, repeats: int) -> str:
              f"{code_version()}, fp32, one thread per process; transparent_hugepage: `{thp_mode()}`. "
              f"Each process: one untimed step, then the median of {steps} (forward, backward, AdamW); "
              f"{repeats} rounds alternating the settings, the median over rounds. Load average at the start "
-             f"{load:.2f} on {os.cpu_count()} CPUs (other processes slow both settings alike).", "",
+             f"{load:.2f} on {os.cpu_count()} CPUs (other processes slow every setting alike).", "",
              "| row | tokens × vocab per step | " + " | ".join(f"step, {name} (s)" for name in SETTINGS)
              + " | speed-ups | huge pages: loss bit for bit | loss_rows: loss difference |",
              "| --- | --- | " + " | ".join("---" for _ in SETTINGS) + " | --- | --- | --- |"]
@@ -130,13 +130,13 @@ def report(rows: list[str], steps: int, repeats: int) -> str:
             for name in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
                 runs[name].append(measure(row, *SETTINGS[name], steps))
         seconds = [statistics.median(x["seconds"] for x in runs[name]) for name in SETTINGS]
-        plain, huge, rows_ = ([x["loss"] for x in runs[name]] for name in SETTINGS)
+        plain, huge, blocked = ([x["loss"] for x in runs[name]] for name in SETTINGS)
         equal = len(set(plain + huge)) == 1
         first = runs["default"][0]
         lines.append(f"| {row} | {first['tokens']} × {first['vocab']} | "
                      + " | ".join(f"{s:.3f}" for s in seconds) + " | "
                      + ", ".join(f"{seconds[0] / s:.2f}×" for s in seconds[1:])
-                     + f" | {'yes' if equal else 'NO'} | {max(abs(a - plain[0]) for a in rows_):.1e} |")
+                     + f" | {'yes' if equal else 'NO'} | {max(abs(a - plain[0]) for a in blocked):.1e} |")
     return "\n".join(lines) + "\n"
 
 

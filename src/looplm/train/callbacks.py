@@ -63,13 +63,12 @@ def sampled_depth_loss(model_cfg: "ModelConfig", seed: int, loss_rows: int = 0) 
     depth, mean = model_cfg.depth, model_cfg.iterations
     if not depth.sampled and not loss_rows:
         return lm_loss
-    options = {"loss_rows": loss_rows} if loss_rows else {}
+    rows = {"loss_rows": loss_rows} if loss_rows else {}
 
     def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
              step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if depth.sampled:
-            options["iterations"] = depth.count(mean, seed, step)
-        out = model(inputs, targets, **options)
+        count = {"iterations": depth.count(mean, seed, step)} if depth.sampled else {}
+        out = model(inputs, targets, **rows, **count)
         return out.loss, out.aux_losses
 
     return loss
