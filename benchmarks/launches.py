@@ -6,7 +6,9 @@ and 30 in one table each, measured side by side in one run.
   LT2 tiny presets the long-context benchmark compares;
 * training: dispatched operators and host syncs of one forward + backward at d = 64 through
   the public model, for ``benchmarks/train_throughput.py``'s variants (SGT grown as that
-  benchmark grows it), with each issue-25 ratio against its target.
+  benchmark grows it), with each issue-25 ratio against its target; counted twice, with
+  PyTorch's operators everywhere and on the CUDA path (looplm's Triton kernels, each one
+  custom operator, run on CPU under ``TRITON_INTERPRET=1`` in a child process).
 
 Views, allocations and metadata-only operators are not counted
 (``looplm.accounting.dispatch``). The counts are the eager path's: a GPU runs the same
@@ -28,6 +30,10 @@ captured step.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +47,7 @@ import train_throughput as throughput  # noqa: E402
 
 from looplm import LoopLM, load_config  # noqa: E402
 from looplm.accounting.dispatch import count_dispatch  # noqa: E402
+from looplm.topology import MeshTopology  # noqa: E402
 
 #: decoding: model -> (preset, issue 30's target in operators per decoded token per block pass)
 DECODE = {
@@ -106,9 +113,15 @@ def cuda_decode_counts(preset: str, dtype: str, compile) -> tuple[float, float]:
     return tuple((m - o) / 16 / passes for m, o in zip(many, one))
 
 
-def train_counts(variant: str, directory: str):
+def train_counts(variant: str, directory: str, kernel: str = "torch"):
+    """Operators of one forward + backward of ``variant`` at d = 64 (gradients already
+    allocated, as in training); ``kernel``: where MeSH's write-reads run (``triton``: as on
+    CUDA, one custom operator per kernel launch)."""
     args = throughput.parse(["--width", "64", "--seq", "32", "--batch", "2", "--no-compile"])
     model = throughput.build(variant, args, str(Path(directory) / variant), False).model
+    for module in model.modules():
+        if isinstance(module, MeshTopology):
+            module.kernel = kernel
     ids = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(0))
 
     def step():
@@ -117,6 +130,23 @@ def train_counts(variant: str, directory: str):
     step()  # gradients exist from here on, as in training
     model.zero_grad(set_to_none=True)
     counts, _ = count_dispatch(step)
+    return counts
+
+
+TRAIN_VARIANTS = ("dense", "base", "mesh", "spiral-full", "spiral", "sgt")
+
+
+def all_train_counts() -> dict[str, tuple[int, int, Optional[int]]]:
+    """variant -> (operators, host syncs, operators on the CUDA path): the last with looplm's
+    Triton kernels (None without triton). Run where the interpreter is on (the caller's
+    child process), since Triton picks it before compiling anything."""
+    fused = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        counts = {}
+        for v in TRAIN_VARIANTS:
+            plain = train_counts(v, tmp)
+            cuda = train_counts(v, tmp, "triton").ops if fused else None
+            counts[v] = (plain.ops, plain.syncs, cuda)
     return counts
 
 
@@ -131,16 +161,24 @@ def report() -> str:
     for name, (preset, target) in DECODE.items():
         ops, syncs, kernels = decode_counts(preset)
         lines.append(f"| {name} | `{preset}` | {ops:.1f} | {kernels:.1f} | ≤ {target} | {syncs:g} |")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run([sys.executable, __file__, "--train-counts"], env=env, capture_output=True, text=True,
+                           check=True)
+    counts = json.loads(child.stdout.strip().splitlines()[-1])
+    cuda = all(c[2] is not None for c in counts.values())
     lines += ["", "## Training (issue 25): one forward + backward at d = 64", "",
-              "| variant | operators | host syncs |", "| --- | --- | --- |"]
-    with tempfile.TemporaryDirectory() as tmp:
-        counts = {v: train_counts(v, tmp) for v in ("dense", "base", "mesh", "spiral-full", "spiral", "sgt")}
-    for variant, c in counts.items():
-        lines.append(f"| {variant} | {c.ops} | {c.syncs} |")
-    lines += ["", "| ratio | measured | target |", "| --- | --- | --- |"]
+              "Operators: PyTorch's everywhere. CUDA path: as a GPU runs the step, looplm's Triton kernels "
+              "(MeSH's write-read: `looplm.ops.write_read_triton`) one custom operator per launch, counted "
+              "on CPU under `TRITON_INTERPRET=1`" + ("" if cuda else " (not counted: triton is not installed)")
+              + "; the targets are on it.", "",
+              "| variant | operators | CUDA path | host syncs |", "| --- | --- | --- | --- |"]
+    for variant, (ops, syncs, fused) in counts.items():
+        lines.append(f"| {variant} | {ops} | {'—' if fused is None else fused} | {syncs} |")
+    lines += ["", "| ratio | operators | CUDA path | target |", "| --- | --- | --- | --- |"]
     for variant, reference, target in TRAIN_RATIOS:
-        ratio = counts[variant].ops / counts[reference].ops
-        lines.append(f"| {variant} / {reference} | {ratio:.3f} | ≤ {target:.2f} |")
+        plain = counts[variant][0] / counts[reference][0]
+        fused = f"{counts[variant][2] / counts[reference][2]:.3f}" if cuda else "—"
+        lines.append(f"| {variant} / {reference} | {plain:.3f} | {fused} | ≤ {target:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,11 +209,15 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["cuda-graph"],
                         help="on CUDA: decode through the captured step (cuda-graph: the eager step recorded as "
                              "CUDA graphs)")
+    parser.add_argument("--train-counts", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> str:
     args = parse(argv)
+    if args.train_counts:  # the child process of report()
+        print(json.dumps(all_train_counts()))
+        return ""
     text = report() if args.device == "cpu" else cuda_report(args.dtype, args.compile)
     print(text, end="")
     if args.out:

@@ -29,13 +29,13 @@ from torch import nn
 
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 from looplm.config_base import ConfigError, check
-from looplm.ops.backend import log_backend
 from looplm.mixers.base import MixerContext
 from looplm.mixers.config import MixerConfig
 from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
-from looplm.ops.sparse.dsa import KERNELS, decode_step, dsa_attention, use_selected_kernel
+from looplm.ops.backend import KERNELS, log_backend, use_triton
+from looplm.ops.sparse.dsa import decode_step, dsa_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,7 @@ class DeepSeekSparseAttention(nn.Module):
     ) -> tuple[torch.Tensor, DSAState]:
         """x: [B, T, d] -> ([B, T, d], state after these T positions)."""
         B, T, _ = x.shape
-        log_backend("dsa", "triton" if T > 1 and use_selected_kernel(x, self.kernel) else "torch")
+        log_backend("dsa", "triton" if T > 1 and use_triton(x, self.kernel) else "torch")
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         static = isinstance(state, StaticDSAState)
         if static:  # the rows a query may read: the whole buffer for a decoding step

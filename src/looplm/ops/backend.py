@@ -1,8 +1,9 @@
-"""Which implementation a linear mixer runs: flash-linear-attention's Triton kernels on
-CUDA when the package is installed, else looplm's PyTorch ops. Chosen by the input's
+"""Which implementation an op runs. A linear mixer: flash-linear-attention's Triton kernels
+on CUDA when the package is installed, else looplm's PyTorch ops, chosen by the input's
 device and fla's presence (no environment variables) and, where fla refuses a gated
 backward, by a check of fla's kernels on the device (:mod:`looplm.ops.fla_hopper`); logged
-once per mixer."""
+once per mixer. looplm's own Triton kernels (DSA's selected-key attention, MeSH's
+write-read): by a ``kernel`` setting (:data:`KERNELS`), on CUDA by default."""
 
 from __future__ import annotations
 
@@ -16,6 +17,24 @@ import torch
 from looplm.ops.fla_hopper import GatedOp, verified_backward
 
 logger = logging.getLogger("looplm")
+
+
+#: where looplm's own Triton kernels run: "auto" (CUDA when triton is installed, the PyTorch
+#: reference elsewhere), "torch" (the reference everywhere, e.g. to rule a kernel out),
+#: "triton" (the kernel everywhere; CPU tensors only under TRITON_INTERPRET=1, for tests)
+KERNELS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor, kernel: str) -> bool:
+    """Whether an op with a looplm Triton kernel runs it on ``x`` under setting ``kernel``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
+    return kernel == "triton" or (kernel == "auto" and x.is_cuda and triton_installed())
 
 
 _FLA: list[bool] = []  # the answer, once looked up (a plain global Dynamo reads as a constant)

@@ -13,6 +13,7 @@ import math
 from typing import ClassVar, Optional
 
 from looplm.config_base import KindConfig, check
+from looplm.ops.backend import KERNELS
 from looplm.topology.additive import AdditiveTopology
 from looplm.topology.base import Topology
 from looplm.topology.concat_adapter import ConcatAdapterTopology
@@ -194,10 +195,14 @@ class DynamicCombinationTopologyConfig(TopologyConfig):
 @dataclasses.dataclass(frozen=True)
 class MeshTopologyConfig(TopologyConfig):
     """MeSH's memory buffer with per-iteration read/write routers (MeSH §3.2, Alg. 2);
-    ``buffer_slots`` is B, null for T + 3 (Appendix E.2)."""
+    ``buffer_slots`` is B, null for T + 3 (Appendix E.2). ``kernel``: where a write-read runs
+    (:data:`looplm.ops.backend.KERNELS`): "auto" as one Triton kernel on CUDA and PyTorch
+    operators elsewhere, "torch" PyTorch everywhere, "triton" the kernel everywhere (CPU only
+    under ``TRITON_INTERPRET=1``); the same numbers to float rounding."""
 
     kind: str = "mesh"
     buffer_slots: Optional[int] = None
+    kernel: str = "auto"
     can_freeze_positions = False
     iteration_free = False
 
@@ -209,13 +214,14 @@ class MeshTopologyConfig(TopologyConfig):
             self.buffer_slots,
             "an integer >= 2 (slot 0 holds the embeddings), or null for T + 3",
         )
+        check(self.kernel in KERNELS, "model.topology.kernel", self.kernel, "one of " + ", ".join(KERNELS))
 
     def slots(self, iterations: int) -> int:
         """B: ``buffer_slots``, or T + 3 (MeSH Appendix E.2)."""
         return self.buffer_slots or iterations + 3
 
     def build(self, d_model: int, iterations: int) -> Topology:
-        return MeshTopology(d_model, iterations, self.slots(iterations))
+        return MeshTopology(d_model, iterations, self.slots(iterations), self.kernel)
 
     def summary(self, iterations: int) -> str:
         return f"{self.kind} (B={self.slots(iterations)})"

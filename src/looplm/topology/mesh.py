@@ -22,7 +22,8 @@ reads h = (A·w_read)ᵀ V: two batched matmuls over t + 3 rows instead of a [S,
 buffer rebuilt, multiplied and contracted each time. One :class:`torch.autograd.Function`
 runs a write-read with one fused router matmul (d -> 2S: write and read logits together)
 and a hand-written backward, so a training step launches a fixed handful of kernels per
-iteration (DESIGN.md invariant 6). Saved for the backward: each write-read's t + 3 values,
+iteration (DESIGN.md invariant 6); on CUDA (``model.topology.kernel``) the whole write-read
+is one Triton kernel forward and one backward (:mod:`looplm.ops.write_read_triton`). Saved for the backward: each write-read's t + 3 values,
 Σ_t (t + 3)·d per position over the loop (the buffer form saved S·d per write-read).
 """
 
@@ -36,6 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from looplm.accounting.cost import Call, Cost, module_cost
 from looplm.ops.autocast import no_autocast
+from looplm.ops.backend import use_triton
 from looplm.topology.base import LoopState, Topology
 
 
@@ -51,58 +53,95 @@ class _WriteRead(torch.autograd.Function):
     ([B, T, J+1, ·]) and the router probabilities [B, T, 2, S] (write, read; no gradient:
     they are the record). Autocast is off inside: the router and the read run in the
     state's dtype (fp32 under mixed precision), one cast of the weights at most.
+    ``fused``: run as one Triton kernel forward and one backward
+    (:mod:`looplm.ops.write_read_triton`) instead of the PyTorch operators below.
     """
 
     @staticmethod
-    def forward(ctx, state, update, values, weights, write_weight, write_bias, read_weight, read_bias):
-        B, T, d = state.shape
-        N, J, S = B * T, values.shape[-2], write_weight.shape[0]
-        with no_autocast(state.device):
-            router_weight = torch.cat([write_weight, read_weight]).to(state.dtype)  # [2S, d]
-            router_bias = torch.cat([write_bias, read_bias]).to(state.dtype)
-            s = state.reshape(N, d)
-            logits = torch.addmm(router_bias, s, router_weight.t())  # Eq. (3), both routers: [N, 2S]
-            probs = torch.softmax(logits.view(B, T, 2, S), dim=-1)
-            write, read = probs.unbind(dim=-2)  # [B, T, S] each
-            weights = torch.cat([weights.to(probs.dtype), write.unsqueeze(-2)], dim=-2)  # [B, T, J+1, S]
-            ctx.writes_state = update is None
-            update = state if update is None else update
-            values = torch.cat([values, update.unsqueeze(-2).to(values.dtype)], dim=-2)  # [B, T, J+1, d]
-            coef = torch.bmm(weights.view(N, J + 1, S), read.reshape(N, S, 1))  # Eq. (7) α: [N, J+1, 1]
-            h = torch.bmm(coef.transpose(1, 2).to(values.dtype), values.view(N, J + 1, d))  # [N, 1, d]
-        ctx.save_for_backward(s, router_weight, probs, weights, values, coef)
+    def forward(ctx, state, update, values, weights, write_weight, write_bias, read_weight, read_bias, fused):
+        ctx.writes_state, ctx.fused = update is None, fused
+        if fused:  # one Triton kernel (looplm.ops.write_read_triton)
+            from looplm.ops.write_read_triton import write_read
+
+            h, values, weights, probs, coef = write_read(state, update, values, weights, write_weight, write_bias,
+                                                         read_weight, read_bias)
+            ctx.update_dtype = state.dtype if update is None else update.dtype
+            ctx.save_for_backward(state, write_weight, read_weight, probs, weights, values, coef)
+        else:
+            h, values, weights, probs, saved = _reference_forward(state, update, values, weights, write_weight,
+                                                                  write_bias, read_weight, read_bias)
+            ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(probs)
         ctx.set_materialize_grads(False)
-        return h.view(B, T, d), values, weights, probs
+        return h, values, weights, probs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_h, grad_values, grad_weights, _grad_probs):
-        s, router_weight, probs, weights, values, coef = ctx.saved_tensors
-        B, T, J1, d = values.shape
-        N, S = B * T, probs.shape[-1]
-        with no_autocast(s.device):
-            g_h = (torch.zeros_like(s) if grad_h is None else grad_h).reshape(N, 1, d)  # None: h unused
-            g_coef = torch.bmm(values.view(N, J1, d), g_h.transpose(1, 2)).to(coef.dtype)  # [N, J+1, 1]
-            g_values = _outer(grad_values, coef.to(values.dtype), g_h, (N, J1, d))  # [N, J+1, d]
-            read = probs.view(N, 2, S)[:, 1:]  # [N, 1, S]
-            g_read = torch.bmm(weights.view(N, J1, S).transpose(1, 2), g_coef)  # [N, S, 1]
-            g_weights = _outer(grad_weights, g_coef, read, (N, J1, S))  # [N, J+1, S]
-            g_probs = torch.stack([g_weights[:, -1], g_read.view(N, S)], dim=1)  # [N, 2, S]
-            g_logits = torch._softmax_backward_data(g_probs, probs.view(N, 2, S), -1, probs.dtype).view(N, 2 * S)
-            g_update = g_values[:, -1]
-            if ctx.writes_state:  # the state was also the update: one gradient for both
-                g_state = torch.addmm(g_update.to(g_logits.dtype), g_logits, router_weight).view(B, T, d)
-                g_update = None
-            else:
-                g_state = torch.mm(g_logits, router_weight).view(B, T, d)
-            g_router_weight = torch.mm(g_logits.t(), s)  # [2S, d]
-            g_router_bias = g_logits.sum(dim=0)
-        g_update = None if g_update is None else g_update.view(B, T, d)
-        g_prev_values = g_values[:, :-1].view(B, T, J1 - 1, d)
-        g_prev_weights = g_weights[:, :-1].view(B, T, J1 - 1, S) if ctx.needs_input_grad[3] else None
-        return (g_state, g_update, g_prev_values, g_prev_weights,
-                g_router_weight[:S], g_router_bias[:S], g_router_weight[S:], g_router_bias[S:])
+        if ctx.fused:
+            state, write_weight, read_weight, probs, weights, values, coef = ctx.saved_tensors
+            g_state, g_update, g_values, g_weights, g_logits = torch.ops.looplm.mesh_write_read_backward(
+                grad_h, grad_values, grad_weights, state, write_weight, read_weight, probs, weights, values, coef,
+                ctx.update_dtype, ctx.writes_state)
+            with no_autocast(state.device):
+                g_router_weight = torch.mm(g_logits.t(), state.reshape(-1, state.shape[-1]))  # [2S, d]
+                g_router_bias = g_logits.sum(dim=0)
+            g_update = None if ctx.writes_state else g_update
+        else:
+            g_state, g_update, g_values, g_weights, g_router_weight, g_router_bias = _reference_backward(
+                ctx, grad_h, grad_values, grad_weights)
+        S = g_router_bias.shape[0] // 2
+        return (g_state, g_update, g_values, g_weights if ctx.needs_input_grad[3] else None,
+                g_router_weight[:S], g_router_bias[:S], g_router_weight[S:], g_router_bias[S:], None)
+
+
+def _reference_forward(state, update, values, weights, write_weight, write_bias, read_weight, read_bias):
+    """:class:`_WriteRead`'s forward in PyTorch operators: (h, values, weights, probs, what
+    the backward reads)."""
+    B, T, d = state.shape
+    N, J, S = B * T, values.shape[-2], write_weight.shape[0]
+    with no_autocast(state.device):
+        router_weight = torch.cat([write_weight, read_weight]).to(state.dtype)  # [2S, d]
+        router_bias = torch.cat([write_bias, read_bias]).to(state.dtype)
+        s = state.reshape(N, d)
+        logits = torch.addmm(router_bias, s, router_weight.t())  # Eq. (3), both routers: [N, 2S]
+        probs = torch.softmax(logits.view(B, T, 2, S), dim=-1)
+        write, read = probs.unbind(dim=-2)  # [B, T, S] each
+        weights = torch.cat([weights.to(probs.dtype), write.unsqueeze(-2)], dim=-2)  # [B, T, J+1, S]
+        update = state if update is None else update
+        values = torch.cat([values, update.unsqueeze(-2).to(values.dtype)], dim=-2)  # [B, T, J+1, d]
+        coef = torch.bmm(weights.view(N, J + 1, S), read.reshape(N, S, 1))  # Eq. (7) α: [N, J+1, 1]
+        h = torch.bmm(coef.transpose(1, 2).to(values.dtype), values.view(N, J + 1, d))  # [N, 1, d]
+    return h.view(B, T, d), values, weights, probs, (s, router_weight, probs, weights, values, coef)
+
+
+def _reference_backward(ctx, grad_h, grad_values, grad_weights):
+    """:class:`_WriteRead`'s backward in PyTorch operators: the gradients of the state, the
+    update (None when the state was written), the earlier values and weights, and the fused
+    router's weight [2S, d] and bias [2S]."""
+    s, router_weight, probs, weights, values, coef = ctx.saved_tensors
+    B, T, J1, d = values.shape
+    N, S = B * T, probs.shape[-1]
+    with no_autocast(s.device):
+        g_h = (torch.zeros_like(s) if grad_h is None else grad_h).reshape(N, 1, d)  # None: h unused
+        g_coef = torch.bmm(values.view(N, J1, d), g_h.transpose(1, 2)).to(coef.dtype)  # [N, J+1, 1]
+        g_values = _outer(grad_values, coef.to(values.dtype), g_h, (N, J1, d))  # [N, J+1, d]
+        read = probs.view(N, 2, S)[:, 1:]  # [N, 1, S]
+        g_read = torch.bmm(weights.view(N, J1, S).transpose(1, 2), g_coef)  # [N, S, 1]
+        g_weights = _outer(grad_weights, g_coef, read, (N, J1, S))  # [N, J+1, S]
+        g_probs = torch.stack([g_weights[:, -1], g_read.view(N, S)], dim=1)  # [N, 2, S]
+        g_logits = torch._softmax_backward_data(g_probs, probs.view(N, 2, S), -1, probs.dtype).view(N, 2 * S)
+        g_update = g_values[:, -1]
+        if ctx.writes_state:  # the state was also the update: one gradient for both
+            g_state = torch.addmm(g_update.to(g_logits.dtype), g_logits, router_weight).view(B, T, d)
+            g_update = None
+        else:
+            g_state = torch.mm(g_logits, router_weight).view(B, T, d)
+        g_router_weight = torch.mm(g_logits.t(), s)  # [2S, d]
+        g_router_bias = g_logits.sum(dim=0)
+    g_update = None if g_update is None else g_update.view(B, T, d)
+    return (g_state, g_update, g_values[:, :-1].view(B, T, J1 - 1, d), g_weights[:, :-1].view(B, T, J1 - 1, S),
+            g_router_weight, g_router_bias)
 
 
 def _outer(incoming: Optional[torch.Tensor], column: torch.Tensor, row: torch.Tensor, shape) -> torch.Tensor:
@@ -114,10 +153,11 @@ def _outer(incoming: Optional[torch.Tensor], column: torch.Tensor, row: torch.Te
 
 
 class MeshTopology(Topology):
-    def __init__(self, dim: int, iterations: int, slots: int):
+    def __init__(self, dim: int, iterations: int, slots: int, kernel: str = "auto"):
         super().__init__()
         self.trained_iterations = iterations
         self.slots = slots
+        self.kernel = kernel  # where the write-read runs (looplm.ops.backend.KERNELS)
         # index i holds the routers of iteration t = i - 1 (i = 0 is the transitional t = -1)
         self.write = nn.ModuleList(nn.Linear(dim, slots) for _ in range(iterations + 1))
         self.read = nn.ModuleList(nn.Linear(dim, slots) for _ in range(iterations + 1))
@@ -127,13 +167,14 @@ class MeshTopology(Topology):
         self.register_buffer("slot0", slot0, persistent=False)
 
     def extra_repr(self) -> str:
-        return f"slots={self.slots}"
+        return f"slots={self.slots}, kernel={self.kernel}"
 
     def _write_read(self, state: LoopState, update: Optional[torch.Tensor], index: int) -> LoopState:
         carrier = state.carrier
         h, values, weights, probs = _WriteRead.apply(
             state.h, update, carrier["values"], carrier["weights"],
             self.write[index].weight, self.write[index].bias, self.read[index].weight, self.read[index].bias,
+            use_triton(state.h, self.kernel),
         )
         write, read = probs.unbind(dim=-2)
         state.record.setdefault("write", []).append(write)

@@ -41,14 +41,13 @@ the index scores [B, block, S] and the picks [B, block, k] are allocated besides
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from looplm.ops.backend import use_triton
 from looplm.ops.sparse.common import (
     gathered_attention,
     grouped_attention,
@@ -59,24 +58,6 @@ from looplm.ops.sparse.common import (
 
 #: queries scored at once against the keys up to the last of them; bounds the live memory at block × S per head
 QUERY_BLOCK = 256
-#: how the main attention over the selected keys runs: "auto" (the Triton kernel on CUDA when
-#: triton is installed, the PyTorch reference elsewhere), "torch" (always the reference),
-#: "triton" (always the kernel; CPU tensors need TRITON_INTERPRET=1)
-KERNELS = ("auto", "torch", "triton")
-
-
-@functools.lru_cache(maxsize=None)
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_selected_kernel(x: torch.Tensor, kernel: str) -> bool:
-    """Whether the selected-key attention runs :mod:`~looplm.ops.sparse.selected_triton`."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
-    return kernel == "triton" or (kernel == "auto" and x.is_cuda and triton_installed())
-
-
 def index_scores(
     q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor, scale: Optional[float] = None
 ) -> torch.Tensor:
@@ -173,7 +154,7 @@ def dsa_attention(
       keys for the dense warm-up loss, Eq. (2), the attention target recomputed without grad);
     * the later queries go block by block: score the keys up to the block's last query,
       select, attend (:func:`decode_step` for one decoding query). ``kernel``
-      (:data:`KERNELS`): where the selected-key attention of these blocks runs; the Triton
+      (:data:`~looplm.ops.backend.KERNELS`): where the selected-key attention of these blocks runs; the Triton
       kernel reads the selected rows in place (no [B, H_kv, T, k, D] gathers, no dense
       [B, H, T, S] probabilities for the indexer loss, see
       :mod:`~looplm.ops.sparse.selected_triton`).
@@ -192,7 +173,7 @@ def dsa_attention(
         outputs.append(dense_attention(q[:, :, :, :dense], k[:, :, :end], v[:, :, :end],
                                        None if valid is None else valid[:, :end], scale))
     keep = torch.is_grad_enabled() and T > block
-    fast = use_selected_kernel(q, kernel)
+    fast = use_triton(q, kernel)
     total, rows = 0.0, 0
     starts = [*range(0, dense, block)] if index_loss else []
     for start in starts + [*range(dense, T, block)]:
