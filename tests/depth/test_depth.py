@@ -15,7 +15,7 @@ from looplm import LoopLM
 from looplm.accounting import count_flops
 from looplm.config_base import ConfigError
 from looplm.depth import DepthConfig, LogNormalPoissonDepthConfig
-from looplm.train.callbacks import lm_loss, sampled_depth_loss
+from looplm.train.callbacks import lm_loss, default_objective
 from tests.conftest import random_ids, tiny_config
 
 HUGINN = dict(layout="1+2R4+1", norm="rmsnorm", mlp="swiglu", bias=False)
@@ -148,11 +148,11 @@ def test_the_default_objective_runs_the_count_drawn_for_the_step():
             seen.append(iterations)
             return type("Out", (), {"loss": torch.zeros(()), "aux_losses": {}})()
 
-    loss = sampled_depth_loss(cfg, seed=3)
+    loss = default_objective(cfg, seed=3)
     for step in range(5):
         loss(Recorder(), None, None, step)
     assert seen == [cfg.depth.count(cfg.iterations, 3, s) for s in range(5)]
-    assert sampled_depth_loss(huginn(2), seed=3) is lm_loss  # a fixed count: the plain objective
+    assert default_objective(huginn(2), seed=3) is lm_loss  # a fixed count: the plain objective
 
 
 # ------------------------------------------------------------------ refusals

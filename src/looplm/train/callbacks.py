@@ -52,7 +52,7 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     return out.loss, out.aux_losses
 
 
-def sampled_depth_loss(model_cfg: "ModelConfig", seed: int, loss_rows: int = 0) -> LossFn:
+def default_objective(model_cfg: "ModelConfig", seed: int, loss_rows: int = 0) -> LossFn:
     """The default objective of a run of ``model_cfg``: :func:`lm_loss`, or, when
     ``model.depth`` draws a count per step (Huginn's log-normal Poisson), the model's own
     loss at the count drawn for (``train.seed``, step), passed as ``iterations=``
