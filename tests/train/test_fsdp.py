@@ -1,5 +1,6 @@
 """FSDP2 on CPU (gloo, 2 ranks): the same losses as one process, exact sharded resume,
-resume across world sizes, activation checkpointing, the consolidated weights.
+resume across world sizes, activation checkpointing, the consolidated weights, the loss
+without its logits.
 
 One launch of two ranks trains every FSDP run the assertions need (spawning is the
 expensive part); the one-process references run before it, in the test process."""
@@ -38,6 +39,9 @@ RUNS = {
     # experts as their own units: per-iteration sets in the shared core, shared ones in the prelude and coda
     "moe": dict(model={"mlp": "swiglu", "moe": {"experts": 4, "top_k": 2, "per_iteration": True,
                                                 "z_loss_weight": 0.001}}, max_steps=3),
+    # the loss without its logits (train.loss_rows): the tied head's weight, unsharded with the
+    # root unit, read a block of rows at a time (blocks of 24 do not divide a rank's 64 rows)
+    "loss-rows": dict(model={"tie_embeddings": True}, loss_rows=24, max_steps=3),
 }
 #: the one-process reference of a run whose loss is not a mean over sequences: the MoE
 #: balance loss is a product of batch means (Switch Eq. 4), computed per micro-batch as on
