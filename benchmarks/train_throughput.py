@@ -5,7 +5,9 @@ Every variant is a real :class:`looplm.train.Trainer` (the built-in corpus, byte
 tokenizer) timed through its public step, :meth:`Trainer.train_step` (forward, backward,
 clipping, AdamW), with ``train.compile`` off and on. Variants, all of unrolled depth 8:
 
-- ``dense``: 8 blocks; ``base`` and ``mesh``: 2+2R2+2 with that topology;
+- ``dense``: 8 blocks; ``base`` and ``mesh``: 2+2R2+2 with that topology (``mesh`` with its
+  write-read as one Triton kernel on CUDA; ``mesh-torch`` the same model on PyTorch's
+  operators, ``model.topology.kernel: torch``, to show what the kernel saves);
 - ``spiral``: SpiralFormer-B's schedule 2+1x{1/8,1/4,1/2,1}+2 (MeSH, aggregate down-scaling,
   router up-scaling) against ``spiral-full``, the same loop at full resolution (2+1R4+2);
 - ``sgt``: SGT head looping grown as growth leaves it once frozen (the 3 deepest layers,
@@ -56,6 +58,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dense": {"layout": "8"},
     "base": {"layout": LOOP, "topology": {"kind": "base"}},
     "mesh": {"layout": LOOP, "topology": {"kind": "mesh"}},
+    "mesh-torch": {"layout": LOOP, "topology": {"kind": "mesh", "kernel": "torch"}},
     "spiral": {"layout": "2+1x{1/8,1/4,1/2,1}+2", "topology": {"kind": "mesh"},
                "resolution": {"down": "aggregate", "up": "router"}},
     "spiral-full": {"layout": "2+1R4+2", "topology": {"kind": "mesh"}},
