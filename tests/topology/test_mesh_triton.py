@@ -63,7 +63,7 @@ def _loop(topo, emb, pre, K, params, only=None):
 
 @runs_kernels
 @pytest.mark.parametrize("B,T,d,K,slots", [(2, 5, 8, 2, 5), (1, 7, 20, 4, 3), (3, 3, 64, 1, 7), (2, 33, 48, 3, 2),
-                                           (1, 2, 130, 2, 6)])
+                                           (1, 2, 130, 2, 6), (1, 1, 16, 2, 4), (2, 3, 8, 6, 9)])
 def test_write_reads_equal_the_reference_against_float64(B, T, d, K, slots):
     """Every state, router weight and gradient (inputs and all router parameters) within
     float32 rounding of a float64 run: within 4 × the PyTorch operators' own error or 1e-5
@@ -101,6 +101,21 @@ def test_gradient_of_an_intermediate_state_alone(only):
             assert a is None or not a.abs().sum()
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@runs_kernels
+def test_autocast_leaves_the_write_read_in_the_state_dtype():
+    """Under bf16 autocast the kernel reads and writes the fp32 state as it is: the states
+    equal the fp32 run's exactly (the router weights' gradients are taken outside autocast)."""
+    _, fused = _twins(8, 2, 4, seed=3)
+    emb, pre = torch.randn(2, 3, 8, device=DEVICE), torch.randn(2, 3, 8, device=DEVICE)
+    core = lambda h, t: torch.sin(h + t)  # noqa: E731
+    want, _ = _run_topology(fused, emb, pre, core, 2)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got, _ = _run_topology(fused, emb, pre, core, 2)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)
 
 
 def _on_kernel(cfg: ModelConfig, kernel: str) -> ModelConfig:
