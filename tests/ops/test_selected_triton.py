@@ -7,9 +7,6 @@ compiles anything, so it cannot be switched on inside this process)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,20 +16,14 @@ pytest.importorskip("triton")
 from looplm import LoopLM  # noqa: E402
 from looplm.ops.sparse import dsa_attention, gathered_attention, grouped_attention, topk_indices, topk_mask  # noqa: E402
 from tests.conftest import random_ids, tiny_config  # noqa: E402
+from tests.triton_kernels import DEVICE, reruns_interpreted, run_interpreted, runs_kernels  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-runs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="needs CUDA or TRITON_INTERPRET=1")
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 
-@pytest.mark.skipif(INTERPRETED or DEVICE == "cuda", reason="already running the kernels")
+@reruns_interpreted
 def test_kernels_equal_the_reference_under_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert run.stdout.splitlines()[-1].split(" in ")[0].endswith("passed, 2 skipped"), run.stdout  # this test and the bfloat16 one skip
+    run_interpreted(__file__, skipped=2)  # this test and the bfloat16 one
 
 
 def _inputs(B, Hkv, G, T, S, D, DV, width, dtype, seed, fillers=True):

@@ -189,14 +189,14 @@ def test_state_dict_keeps_the_router_names_and_loads_old_checkpoints():
     torch.testing.assert_close(fresh(ids).logits, model(ids).logits)
 
 
-def _step_counts(topology: str):
+def _step_counts(topology: dict, device: str = "cpu"):
     """Operators of one forward + backward through the public model at d = 64, layout 2+2R2+2
     (benchmarks/train_throughput.py's ``base`` and ``mesh`` variants)."""
     torch.manual_seed(0)
     cfg = ModelConfig.from_dict({"vocab_size": 256, "d_model": 64, "n_heads": 4, "layout": "2+2R2+2",
-                                 "max_seq_len": 64, "topology": {"kind": topology}})
-    model = LoopLM(cfg)
-    ids = random_ids(2, 32, vocab=256)
+                                 "max_seq_len": 64, "topology": topology})
+    model = LoopLM(cfg).to(device)
+    ids = random_ids(2, 32, vocab=256).to(device)
     counts, _ = count_dispatch(lambda: model(ids, ids).loss.backward())
     return counts
 
@@ -208,7 +208,7 @@ def test_training_step_costs_few_operators_more_than_the_base_loop():
     coefficients and the read (two bmm forward, four backward), two appends, a stack of
     the router gradients, and the state's gradient summed over router and core. Asserted
     as operators over base, which other changes to the loop do not move."""
-    base, mesh = _step_counts("base"), _step_counts("mesh")
+    base, mesh = _step_counts({"kind": "base"}), _step_counts({"kind": "mesh"})
     extra = mesh.by_op.copy()
     extra.subtract(base.by_op)
     detail = {k: v for k, v in extra.items() if v}

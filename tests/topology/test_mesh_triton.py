@@ -9,9 +9,6 @@ before triton compiles anything)."""
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,27 +16,19 @@ import torch
 pytest.importorskip("triton")
 
 from looplm import LoopLM  # noqa: E402
-from looplm.accounting.dispatch import count_dispatch  # noqa: E402
 from looplm.config_base import ConfigError  # noqa: E402
 from looplm.model_config import ModelConfig  # noqa: E402
 from looplm.topology import MeshTopology  # noqa: E402
 from tests.conftest import random_ids, tiny_config  # noqa: E402
 from tests.invariants import assert_decodes_like_full_forward, prefill_then_tokens  # noqa: E402
-from tests.topology.test_mesh import MESH_CONFIGS, _randomise_routers, _run_topology  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-runs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="needs CUDA or TRITON_INTERPRET=1")
+from tests.topology.test_mesh import MESH_CONFIGS, _randomise_routers, _run_topology, _step_counts  # noqa: E402
+from tests.triton_kernels import DEVICE, reruns_interpreted, run_interpreted, runs_kernels  # noqa: E402
 
 
-@pytest.mark.skipif(INTERPRETED or DEVICE == "cuda", reason="already running the kernels")
+
+@reruns_interpreted
 def test_kernels_equal_the_reference_under_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    summary = run.stdout.splitlines()[-1].split(" in ")[0]
-    assert "failed" not in summary and summary.endswith("passed, 2 skipped"), run.stdout  # this test and bf16
+    run_interpreted(__file__, skipped=2)  # this test and the bfloat16 one
 
 
 def _twins(d: int, K: int, slots: int, seed: int) -> tuple[MeshTopology, MeshTopology]:
@@ -178,23 +167,11 @@ def test_traces_as_one_graph():
         torch.testing.assert_close(a, b)
 
 
-def _step_counts(topology: dict):
-    """Operators of one forward + backward through the public model at d = 64, layout 2+2R2+2
-    (benchmarks/train_throughput.py's ``base`` and ``mesh`` variants)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig.from_dict({"vocab_size": 256, "d_model": 64, "n_heads": 4, "layout": "2+2R2+2",
-                                 "max_seq_len": 64, "topology": topology})
-    model = LoopLM(cfg).to(DEVICE)
-    ids = random_ids(2, 32, vocab=256).to(DEVICE)
-    counts, _ = count_dispatch(lambda: model(ids, ids).loss.backward())
-    return counts
-
-
 @runs_kernels
 def test_training_step_launches_at_most_five_percent_more_than_the_base_loop():
     """Issue 25's target (MeSH ≤ 1.05 × base): per write-read one kernel forward, and one
     kernel, the routers' weight-gradient ``mm`` and bias-gradient ``sum`` backward."""
-    base, mesh = _step_counts({"kind": "base"}), _step_counts({"kind": "mesh", "kernel": "triton"})
+    base, mesh = _step_counts({"kind": "base"}, DEVICE), _step_counts({"kind": "mesh", "kernel": "triton"}, DEVICE)
     extra = mesh.by_op.copy()
     extra.subtract(base.by_op)
     assert mesh.syncs == 0, mesh.by_op

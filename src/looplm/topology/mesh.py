@@ -23,8 +23,9 @@ buffer rebuilt, multiplied and contracted each time. One :class:`torch.autograd.
 runs a write-read with one fused router matmul (d -> 2S: write and read logits together)
 and a hand-written backward, so a training step launches a fixed handful of kernels per
 iteration (DESIGN.md invariant 6); on CUDA (``model.topology.kernel``) the whole write-read
-is one Triton kernel forward and one backward (:mod:`looplm.ops.write_read_triton`). Saved for the backward: each write-read's t + 3 values,
-Σ_t (t + 3)·d per position over the loop (the buffer form saved S·d per write-read).
+is one Triton kernel forward and one backward (:mod:`looplm.ops.write_read_triton`). Saved
+for the backward: each write-read's t + 3 values, Σ_t (t + 3)·d per position over the loop
+(the buffer form saved S·d per write-read).
 """
 
 from __future__ import annotations
