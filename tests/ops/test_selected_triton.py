@@ -7,7 +7,6 @@ compiles anything, so it cannot be switched on inside this process)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

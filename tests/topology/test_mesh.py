@@ -220,10 +220,14 @@ def test_write_reads_trace_as_one_graph():
     """Dynamo traces start and every step without a graph break (train.compile), and the
     compiled forward and backward equal eager."""
     torch.manual_seed(0)
-    K = 2
-    topo = MeshTopology(8, K, 5)
+    topo = MeshTopology(8, 2, 5)
     _randomise_routers(topo, seed=4)
-    emb, pre = torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True)
+    assert_compiles_like_eager(topo, torch.randn(2, 3, 8), torch.randn(2, 3, 8), 2)
+
+
+def assert_compiles_like_eager(topo: MeshTopology, emb: torch.Tensor, pre: torch.Tensor, K: int) -> None:
+    """K write-reads compiled whole (``fullgraph``, aot_eager) give eager's states and gradients."""
+    emb, pre = emb.requires_grad_(), pre.requires_grad_()
 
     def loop(emb, pre):
         states, _ = _run_topology(topo, emb, pre, lambda h, t: torch.tanh(h * (t + 2)), K)

@@ -21,7 +21,9 @@ from looplm.model_config import ModelConfig  # noqa: E402
 from looplm.topology import MeshTopology  # noqa: E402
 from tests.conftest import random_ids, tiny_config  # noqa: E402
 from tests.invariants import assert_decodes_like_full_forward, prefill_then_tokens  # noqa: E402
-from tests.topology.test_mesh import MESH_CONFIGS, _randomise_routers, _run_topology, _step_counts  # noqa: E402
+from tests.topology.test_mesh import (  # noqa: E402
+    MESH_CONFIGS, _randomise_routers, _run_topology, _step_counts, assert_compiles_like_eager,
+)
 from tests.triton_kernels import DEVICE, reruns_interpreted, run_interpreted, runs_kernels  # noqa: E402
 
 
@@ -152,19 +154,7 @@ def test_traces_as_one_graph():
     """The kernel is a custom operator Dynamo keeps whole (no graph break); compiled forward
     and backward equal eager."""
     _, fused = _twins(8, 2, 5, seed=4)
-    emb = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
-    pre = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
-
-    def loop(emb, pre):
-        states, _ = _run_topology(fused, emb, pre, lambda h, t: torch.tanh(h * (t + 2)), 2)
-        return sum(s.square().sum() for s in states)
-
-    compiled = torch.compile(loop, backend="aot_eager", fullgraph=True)
-    want, got = loop(emb, pre), compiled(emb, pre)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(torch.autograd.grad(got, [emb, pre, *fused.parameters()]),
-                    torch.autograd.grad(want, [emb, pre, *fused.parameters()])):
-        torch.testing.assert_close(a, b)
+    assert_compiles_like_eager(fused, torch.randn(2, 3, 8, device=DEVICE), torch.randn(2, 3, 8, device=DEVICE), 2)
 
 
 @runs_kernels
