@@ -35,11 +35,14 @@ import sys
 import time
 from pathlib import Path
 
+from looplm.study.studies import STDLIB_LOSS_ROWS  # noqa: E402  (the rows the stdlib studies use)
+
 ENV = "THP_MEM_ALLOC_ENABLE"
 #: row -> (study, size, run): that study row's model and batch, at its size's shared settings
 ROWS = {
     "depth-stdlib-fixed-T3": ("depth", "stdlib", "fixed-T3"),
     "depth-stdlib-mor-expert": ("depth", "stdlib", "mor-expert"),
+    "mesh-stdlib-mesh": ("mesh", "stdlib", "mesh"),
     "depth-pydoc-fixed-T3": ("depth", "default", "fixed-T3"),
 }
 
@@ -87,7 +90,8 @@ def child(row: str, steps: int, loss_rows: int) -> dict:
 
 
 #: setting -> (huge pages, loss_rows)
-SETTINGS = {"default": (False, 0), f"`{ENV}=1`": (True, 0), "and `train.loss_rows=256`": (True, 256)}
+SETTINGS = {"default": (False, 0), f"`{ENV}=1`": (True, 0),
+            f"and `train.loss_rows={STDLIB_LOSS_ROWS}`": (True, STDLIB_LOSS_ROWS)}
 
 
 def measure(row: str, huge: bool, loss_rows: int, steps: int) -> dict:

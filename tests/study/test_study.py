@@ -773,6 +773,22 @@ def test_test_time_curve_is_none_for_a_model_that_runs_only_its_trained_count(tm
                                                        "notes": []}
 
 
+def test_stdlib_sizes_compute_the_loss_without_logits_except_those_already_trained(tmp_path) -> None:
+    """Studies started after ``train.loss_rows`` existed train with it (and say so); depth and
+    sharing keep the logits their recorded runs trained with (so they are read back, not
+    retrained), as does distillation, whose KD loss reads the logits."""
+    from looplm.study.studies import LOSS_ROWS_NOTE, STDLIB_LOSS_ROWS
+
+    sizes = {name: "stdlib" for name in ("mesh", "spiralformer", "sgt", "lt2", "depth", "sharing")}
+    for name, size_name in {**sizes, "distill": "default"}.items():
+        study = get_study(name)
+        size = study.size(size_name)
+        rows = {cfg.train.loss_rows for cfg in study.configs(size_name, tmp_path, 0, []).values()}
+        with_logits = name in ("depth", "sharing", "distill")
+        assert rows == ({0} if with_logits else {STDLIB_LOSS_ROWS}), name
+        assert (LOSS_ROWS_NOTE in size.notes) != with_logits, name
+
+
 def test_stdlib_sweeps_warm_up_as_the_full_runs_do(tmp_path) -> None:
     """A sweep run reaches its peak rate at the step the full run does (a warmup compressed
     with the sweep's budget mis-ranked rates for the depth study's deeper loop); the sharing size

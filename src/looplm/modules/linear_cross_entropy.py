@@ -49,13 +49,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, x.shape[0], rows):
                 block = slice(start, start + rows)
                 logits = (xs[block] @ w.t()).float()  # [n, V]
-                lse = torch.logsumexp(logits, dim=-1)
                 target_logit = logits.gather(1, picks[block, None]).squeeze(1)
+                peak = logits.amax(dim=-1, keepdim=True)
+                grad = logits.sub_(peak).exp_()  # the softmax's numerators, in place: one exp per logit
+                norm = grad.sum(dim=-1)
+                lse = peak.squeeze(1) + norm.log()  # logsumexp
                 total += torch.where(counted[block], lse - target_logit, 0.0).sum()
                 if wants_x or wants_w:  # d loss / d logits = (softmax - one-hot) / counted, on counted rows
-                    grad = logits.sub_(lse[:, None]).exp_()
-                    grad.scatter_add_(1, picks[block, None], -torch.ones_like(target_logit[:, None]))
-                    grad.mul_((counted[block].to(torch.float32) * scale)[:, None])
+                    share = counted[block].to(torch.float32) * scale
+                    grad.mul_((share / norm)[:, None])
+                    grad.scatter_add_(1, picks[block, None], -share[:, None])
                     grad = grad.to(dtype)
                     if wants_x and grad_x.dtype == dtype:
                         torch.mm(grad, w, out=grad_x[block])

@@ -85,7 +85,14 @@ STDLIB_SWEEP = dataclasses.replace(STDLIB_SWEEP_COMPRESSED,
 STDLIB_TOKENS_PER_S = 4300
 
 
-def _cpu_stdlib(d_model: int = 128, heads: int = 4) -> tuple[str, ...]:
+#: The stdlib sizes' loss without its logits (``train.loss_rows``, blocks of 128 rows): the
+#: same value to float rounding; the 8192-entry head and its cross-entropy are ≈ 30 % of a
+#: CPU step, ≈ 20 % less of them this way (benchmarks/cpu_step.py). The depth and sharing
+#: studies trained before it existed and keep the logits (their recorded runs are read back).
+STDLIB_LOSS_ROWS = 128
+
+
+def _cpu_stdlib(d_model: int = 128, heads: int = 4, loss_rows: int = STDLIB_LOSS_ROWS) -> tuple[str, ...]:
     """A single-epoch CPU budget on the standard-library corpus (issue 28): every token new."""
     steps = STDLIB_STEPS
     return (f"model.d_model={d_model}", f"model.n_heads={heads}", "model.vocab_size=8192",
@@ -93,7 +100,8 @@ def _cpu_stdlib(d_model: int = 128, heads: int = 4) -> tuple[str, ...]:
             "data.val_batches=16", f"train.batch_size={STDLIB_BATCH}", "train.lr=2e-3",
             f"train.warmup_fraction={STDLIB_WARMUP_FRACTION}",
             f"train.max_steps={steps}", f"train.eval_every={steps // 8}", f"train.save_every={steps // 4}",
-            "train.keep_last=1", "train.log_every=50", "train.sample_tokens=0", "train.device=cpu")
+            "train.keep_last=1", "train.log_every=50", "train.sample_tokens=0", "train.device=cpu",
+            *((f"train.loss_rows={loss_rows}",) if loss_rows else ()))
 
 
 def _stdlib_wall_time(runs: int) -> str:
@@ -119,6 +127,14 @@ STDLIB_NOTES = (
 )
 
 
+#: What a stdlib size with ``train.loss_rows`` says of it.
+LOSS_ROWS_NOTE = (
+    f"The loss is computed without its logits (`train.loss_rows={STDLIB_LOSS_ROWS}`, blocks of rows): the same "
+    "value to float rounding, a faster CPU step; the depth and sharing stdlib studies, trained before it existed, "
+    "materialise the logits."
+)
+
+
 #: What a size swept before the sweep kept the full warmup says of it.
 COMPRESSED_SWEEP_NOTE = (
     "The sweep ran with its schedule compressed to its 133 steps (7 warmup steps), as first defined; the stdlib "
@@ -128,12 +144,13 @@ COMPRESSED_SWEEP_NOTE = (
 )
 
 
-def _stdlib_size(runs: dict[str, RunSpec], sweep: Sweep = STDLIB_SWEEP) -> Size:
+def _stdlib_size(runs: dict[str, RunSpec], sweep: Sweep = STDLIB_SWEEP, loss_rows: int = STDLIB_LOSS_ROWS) -> Size:
     """The unrepeated-corpus size: the sweep picks each run's rate, 3 paired seeds, up to 5
     while a comparison is under two standard deviations."""
-    notes = STDLIB_NOTES + ((COMPRESSED_SWEEP_NOTE,) if sweep is STDLIB_SWEEP_COMPRESSED else ())
-    return Size(runs, _cpu_stdlib(), seeds=3, max_seeds=5, sweep=sweep, wall_time=_stdlib_wall_time(len(runs)),
-                notes=notes)
+    notes = (STDLIB_NOTES + ((COMPRESSED_SWEEP_NOTE,) if sweep is STDLIB_SWEEP_COMPRESSED else ())
+             + ((LOSS_ROWS_NOTE,) if loss_rows else ()))
+    return Size(runs, _cpu_stdlib(loss_rows=loss_rows), seeds=3, max_seeds=5, sweep=sweep,
+                wall_time=_stdlib_wall_time(len(runs)), notes=notes)
 
 
 def _runs(preset: str, variants: dict[str, Sequence[str]]) -> dict[str, RunSpec]:
@@ -389,7 +406,8 @@ LT2 = Study(
         # default size's (a synthetic task has no corpus to repeat, and at d = 64 no variant
         # passes its first stage even at 4000 steps: docs/results/lt2/investigation.md)
         "stdlib": Size(_lt2_runs("tiny-lt2-transformer", 5, 2, [5, 8], 176, _cpu_stdlib(), None),
-                       seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(7), notes=STDLIB_NOTES),
+                       seeds=3, max_seeds=5, sweep=STDLIB_SWEEP, wall_time=_stdlib_wall_time(7),
+                       notes=STDLIB_NOTES + (LOSS_ROWS_NOTE,)),
         "paper": Size(_lt2_runs("lt2-0.6b-transformer", 25, 4, [8, 16, 32, 64, 128, 256], 4888, (),
                                 ("model.d_model=256", "model.n_heads=4", "train.max_steps=100000")), seeds=3,
                       wall_time="0.6B, T = 4, 100B tokens per LM run (set data.source / data.tokenizer): ≈ 1.4e21 "
@@ -551,7 +569,7 @@ DEPTH = Study(
         "default": Size(_depth_runs("default"), ("model.d_model=96", "model.n_heads=4", *_cpu_lm(600)), seeds=3,
                         wall_time="≈ 75 min on one thread (24 runs of 600 steps; MoR rows not yet timed, Huginn's "
                                   "≈ 0.2 s per step for the fixed loops and ≈ 0.35 s for the drawn counts)"),
-        "stdlib": _stdlib_size(_depth_runs("default")),
+        "stdlib": _stdlib_size(_depth_runs("default"), loss_rows=0),  # trained before train.loss_rows
         "paper": Size(DEPTH_HUGINN["paper"], seeds=1,
                       wall_time="Huginn-0125: 800B tokens on 4096 AMD MI250X GPUs; set data.source / "
                                 "data.tokenizer and train.max_steps"),
@@ -822,7 +840,7 @@ SHARING = Study(
                                   "slower: not timed)"),
         # the dense FFN 512 wide, experts 256
         "stdlib": _stdlib_size(_runs("tiny-base", _sharing_variants(SHARING_LOOP, (4, 16), 512)),
-                               STDLIB_SWEEP_COMPRESSED),
+                               STDLIB_SWEEP_COMPRESSED, loss_rows=0),  # trained before train.loss_rows
     },
     metrics=(VAL_LOSS, Metric("forward_flops_per_token", "fwd FLOPs/token", 3, sci=True)),
     measure=measures.lm,
@@ -977,7 +995,7 @@ def _distill_sizes() -> dict[str, Size]:
         # the stdlib sizes' budget (400 steps of 16 × 256 tokens) for the teacher; the student a quarter
         "default": Size(distillation.runs("tiny-lt2-transformer", teacher_model, STDLIB_STEPS, 20, 80, lr=2e-3,
                                           stage1_lr=3e-3, stage2_lr=1e-3),
-                        (*_cpu_stdlib(), "train.eval_every=50"), seeds=3,
+                        (*_cpu_stdlib(loss_rows=0), "train.eval_every=50"), seeds=3,  # KD reads the logits
                         wall_time="≈ 2.7 h on one thread (3 seeds × 1080 steps: teacher and scratch-teacher-budget "
                                   "400 each, scratch 100, stage 1 20, two stage-2 runs of 80; per step measured "
                                   "over 5-15 steps of each row on the shared 2-core machine: teacher 2.7 s, hybrid "
