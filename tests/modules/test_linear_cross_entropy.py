@@ -120,14 +120,34 @@ def test_a_model_refuses_loss_rows_without_targets_or_below_zero():
     ("base", None), ("concat_adapter", {"depth": {"kind": "lognormal_poisson", "sigma": 0.5, "backprop_window": 1}})])
 def test_training_with_loss_rows_follows_the_default_run(tmp_path, topology, model):
     """train.loss_rows: the same losses step by step as the logits' cross-entropy (to float
-    rounding), with a depth sampled per step (Huginn's) too."""
-    Trainer(run_config(tmp_path / "whole", topology=topology, model=model, max_steps=4), progress=False).fit()
-    Trainer(run_config(tmp_path / "rows", topology=topology, model=model, max_steps=4, loss_rows=24),
-            progress=False).fit()
-    ref = [e["loss"] for e in read_metrics(tmp_path / "whole" / "metrics.jsonl") if e["event"] == "train"]
-    got = [e["loss"] for e in read_metrics(tmp_path / "rows" / "metrics.jsonl") if e["event"] == "train"]
-    assert len(got) == len(ref) == 4
-    assert got == pytest.approx(ref, rel=1e-4)
+    rounding), with a depth sampled per step (Huginn's) too; the validation loss as well
+    (computed without the logits too)."""
+    kw = dict(topology=topology, model=model, max_steps=4, eval_every=2)
+    Trainer(run_config(tmp_path / "whole", **kw), progress=False).fit()
+    Trainer(run_config(tmp_path / "rows", **kw, loss_rows=24), progress=False).fit()
+    for event, key, count in (("train", "loss", 4), ("eval", "val_loss", 2)):
+        ref = [e[key] for e in read_metrics(tmp_path / "whole" / "metrics.jsonl") if e["event"] == event]
+        got = [e[key] for e in read_metrics(tmp_path / "rows" / "metrics.jsonl") if e["event"] == event]
+        assert len(got) == len(ref) == count
+        assert got == pytest.approx(ref, rel=1e-4)
+
+
+def test_validation_with_loss_rows_writes_no_logits(tmp_path, monkeypatch):
+    """The validation pass with train.loss_rows runs the blocked loss (no [tokens, vocab] tensor)."""
+    from looplm.train.validation import ValidationLoss
+
+    trainer = Trainer(run_config(tmp_path, max_steps=2, loss_rows=16), progress=False)
+    seen = []
+    original = LoopLM.forward
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append((kwargs.get("loss_rows"), out.logits))
+        return out
+
+    monkeypatch.setattr(LoopLM, "forward", spy)
+    assert ValidationLoss.mean_loss(trainer) > 0
+    assert seen and all(rows == 16 and logits is None for rows, logits in seen)
 
 
 def test_train_loss_rows_below_zero_is_refused(tmp_path):

@@ -42,8 +42,9 @@ class TrainConfig(Config):
     # replays each micro-step's forward and backward as CUDA graphs (static shapes)
     compile: Union[bool, Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]] = False
     activation_checkpointing: Literal["none", "block", "iteration"] = "none"
-    # > 0: the default objective computes its cross-entropy without the [tokens, vocab]
-    # logits, this many rows at a time (LoopLM.forward's loss_rows); 0 from the logits
+    # > 0: the default objective and the validation loss compute the cross-entropy without
+    # the [tokens, vocab] logits, this many rows at a time (LoopLM.forward's loss_rows); 0
+    # from the logits
     loss_rows: int = 0
     parallel: Literal["auto", "ddp", "fsdp"] = "auto"
     fsdp_precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -15,7 +15,8 @@ from looplm.train.metrics import perplexity
 
 class ValidationLoss(Callback):
     """Batches have the micro-batch size (``batch_size / grad_accum``), the size known to
-    fit in memory; a run without a validation split logs nothing."""
+    fit in memory; with ``train.loss_rows`` the loss is computed as in training, without
+    the logits; a run without a validation split logs nothing."""
 
     @torch.no_grad()
     def on_eval(self, trainer: TrainerView, step: int) -> None:
@@ -35,10 +36,12 @@ class ValidationLoss(Callback):
             return None
         model = trainer.model
         model.eval()
+        rows = trainer.cfg.train.loss_rows
+        options = {"loss_rows": rows} if rows else {}  # the loss as training computes it: no logits
         total = torch.zeros((), device=trainer.device)
         for inputs, targets in trainer.val_batches:
             with trainer.autocast():
-                total += model(inputs.to(trainer.device), targets.to(trainer.device)).lm_loss.float()
+                total += model(inputs.to(trainer.device), targets.to(trainer.device), **options).lm_loss.float()
         model.train()
         mean = total / len(trainer.val_batches)  # equal-size batches without padding: the token mean
         return trainer.ranks.mean_(mean).item()
