@@ -218,6 +218,8 @@ def write_read_backward(grad_h: Optional[torch.Tensor], grad_values: Optional[to
     S = probs.shape[-1]
     grads = [None if g is None else g.contiguous() for g in (grad_h, grad_values, grad_weights)]
     g_state = state.new_empty(B, T, d)
+    # no update when the state was written (its gradient is the state's): an empty tensor here,
+    # and the kernel, which never stores it then, gets a valid pointer rather than a null one
     g_update = state.new_empty(0) if writes_state else state.new_empty(B, T, d, dtype=update_dtype)
     g_values = values.new_empty(B, T, J1 - 1, d)
     g_weights = weights.new_empty(B, T, J1 - 1, S)
@@ -225,7 +227,7 @@ def write_read_backward(grad_h: Optional[torch.Tensor], grad_values: Optional[to
     BN, BD, BS = _blocks(d, S)
     _backward_kernel[(triton.cdiv(B * T, BN),)](
         *(g_state if g is None else g for g in grads), write_weight.contiguous(), read_weight.contiguous(),
-        probs, weights, values, coef, g_state, g_update, g_values, g_weights, g_logits,
+        probs, weights, values, coef, g_state, g_state if writes_state else g_update, g_values, g_weights, g_logits,
         B * T, J1 - 1, d, S,
         HAS_GH=grads[0] is not None, HAS_GV=grads[1] is not None, HAS_GW=grads[2] is not None,
         WRITES_STATE=writes_state, BN=BN, BD=BD, BS=BS,
