@@ -12,6 +12,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -74,6 +76,26 @@ def test_write_reads_equal_the_reference_against_float64(B, T, d, K, slots):
         scale = truth.abs().max().item()
         err_ref, err = (theirs - truth).abs().max().item(), (ours - truth).abs().max().item()
         assert err <= max(4 * err_ref, 1e-5 * max(scale, 1.0)), (err, err_ref, scale)
+
+
+@runs_kernels
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(B=st.integers(1, 3), T=st.integers(1, 9), d=st.integers(2, 70), K=st.integers(1, 5), slots=st.integers(2, 9),
+       seed=st.integers(0, 2**16))
+def test_any_shape_equals_the_reference_forward_and_backward(B, T, d, K, slots, seed):
+    """Any batch, length, width, loop count and slot count (block sizes dividing nothing):
+    states, router weights and every gradient within float32 rounding of the PyTorch operators."""
+    reference, fused = _twins(d, K, slots, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    emb, pre = torch.randn(B, T, d, generator=g).to(DEVICE), torch.randn(B, T, d, generator=g).to(DEVICE)
+    runs = []
+    for topo in (reference, fused):
+        e, p = emb.clone().requires_grad_(), pre.clone().requires_grad_()
+        states, record, grads = _loop(topo, e, p, K, list(topo.parameters()))
+        runs.append([*states, *record["write"], *record["read"], *grads])
+    for want, got in zip(*runs, strict=True):
+        scale = max(want.abs().max().item(), 1.0)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
 @runs_kernels
