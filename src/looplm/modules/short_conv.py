@@ -24,20 +24,23 @@ def causal_conv1d(
 
     x: [B, T, C]; weight: [C, 1, K] (``nn.Conv1d(C, C, K, groups=C)``'s); bias: [C] or None;
     state: [B, C, K-1], the previous inputs (None: zeros); activation: None or ``silu``.
-    Returns (y [B, T, C], the new state [B, C, K-1]). One ``cat``, one convolution and the
-    activation whatever T (a decoding step included), so several streams concatenated on C
-    convolve in one call.
+    Returns (y [B, T, C], the new state [B, C, K-1]). One ``cat`` (a ``pad`` without state),
+    one convolution and the activation whatever T (a decoding step included), so several
+    streams concatenated on C convolve in one call. The convolution reads x in its own
+    [B, T, C] layout, as a [B, C, 1, T] image in channels-last strides, and writes y in it:
+    no transposed copy forward or backward (on a CPU the [B, C, T] form's backward was 3-4×
+    slower, reordering both gradients).
     """
-    B, T, C = x.shape
+    T, C = x.shape[1], x.shape[2]
     K = weight.shape[-1]
-    xt = x.transpose(1, 2)  # [B, C, T]
     if state is None:
-        state = xt.new_zeros(B, C, K - 1)
-    full = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [B, C, K-1+T]
-    y = F.conv1d(full, weight, bias, groups=C)  # [B, C, T]
+        full = F.pad(x, (0, 0, K - 1, 0))  # [B, K-1+T, C]: zeros before the first input
+    else:
+        full = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)
+    y = F.conv2d(full.transpose(1, 2).unsqueeze(2), weight.unsqueeze(2), bias, groups=C)  # [B, C, 1, T]
     if activation == "silu":
         y = F.silu(y)
-    return y.transpose(1, 2), full[..., full.shape[-1] - (K - 1) :]
+    return y.squeeze(2).transpose(1, 2), full[:, T:].transpose(1, 2)
 
 
 class ShortConvolution(nn.Conv1d):
