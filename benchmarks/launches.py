@@ -30,7 +30,6 @@ captured step.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -47,6 +46,7 @@ import train_throughput as throughput  # noqa: E402
 
 from looplm import LoopLM, load_config  # noqa: E402
 from looplm.accounting.dispatch import count_dispatch  # noqa: E402
+from looplm.ops.backend import triton_installed  # noqa: E402
 from looplm.topology import MeshTopology  # noqa: E402
 
 #: decoding: model -> (preset, issue 30's target in operators per decoded token per block pass)
@@ -140,7 +140,7 @@ def all_train_counts() -> dict[str, tuple[int, int, Optional[int]]]:
     """variant -> (operators, host syncs, operators on the CUDA path): the last with looplm's
     Triton kernels (None without triton). Run where the interpreter is on (the caller's
     child process), since Triton picks it before compiling anything."""
-    fused = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+    fused = triton_installed() and os.environ.get("TRITON_INTERPRET") == "1"
     with tempfile.TemporaryDirectory() as tmp:
         counts = {}
         for v in TRAIN_VARIANTS:

@@ -33,8 +33,8 @@ from looplm.init import init_weights, output_projection_std
 from looplm.mixers import MixerContext
 from looplm.model_config import ModelConfig
 from looplm.modules.block import Block, build_block
-from looplm.modules.norm import build_norm
 from looplm.modules.linear_cross_entropy import linear_cross_entropy
+from looplm.modules.norm import build_norm
 from looplm.modules.region import static_block_pass, takes_region
 from looplm.modules.rotary import Rotary
 from looplm.modules.step import StepEmbedding

@@ -188,7 +188,7 @@ def write_read(state: torch.Tensor, update: Optional[torch.Tensor], values: torc
     u = state if update is None else update
     params = [p.contiguous() for p in (write_weight, write_bias, read_weight, read_bias)]
     _forward_kernel[(triton.cdiv(B * T, BN),)](
-        state, u, values, weights, params[0], params[1], params[2], params[3], h, values_out, weights_out, probs, coef,
+        state, u, values, weights, *params, h, values_out, weights_out, probs, coef,
         B * T, T, J, d, S,
         state.stride(0), state.stride(1), u.stride(0), u.stride(1), values.stride(0), values.stride(1),
         values.stride(2), weights.stride(0), weights.stride(1), weights.stride(2), weights.stride(3),

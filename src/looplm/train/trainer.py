@@ -87,7 +87,7 @@ from looplm.provenance import code_version, cpu_name
 from looplm.tasks.config import is_task_source
 from looplm.train import checkpointer
 from looplm.train.activation_checkpointing import apply_activation_checkpointing
-from looplm.train.callbacks import Callback, LossFn, lm_loss, default_objective
+from looplm.train.callbacks import Callback, LossFn, default_objective, lm_loss
 from looplm.train.checkpoint import config_differences, with_defaults
 from looplm.train.distributed import Ranks
 from looplm.train.growth import sgt_growth
@@ -159,7 +159,7 @@ class Trainer:
                 "data.seq_len", run_cfg.data.seq_len, f"at most model.max_seq_len={run_cfg.model.max_seq_len}"
             )
         self.model = model_factory(run_cfg.model).to(self.device)
-        # model.depth drawing a count per step: the default objective runs the drawn count
+        # the default objective: at the count model.depth draws per step, with train.loss_rows
         self.loss_fn = default_objective(run_cfg.model, tc.seed, tc.loss_rows) if loss_fn is lm_loss else loss_fn
         # SGT (model.head_loop): entropy measured in training forwards (hooks placed before wrapping)
         self.growth = sgt_growth(self)
