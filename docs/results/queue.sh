@@ -13,6 +13,8 @@
 # also needs its measures, study.json; a sweep run does not); commit them with the tables.
 # The distillation study is staged only once it has finished (its directory no longer marked
 # INCOMPLETE): its rows start from the seed's teacher's checkpoint, which a record does not carry.
+# The ladder's bias sweep reads its default-bias rows through links into the ladder table's
+# directory (link_targets, below): `stage` adds their records where they are, under docs/results/ladder.
 set -u
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
@@ -34,12 +36,23 @@ depth_half() {  # depth_half NAME VARIANTS
     study "${DEPTH[@]}" || rmdir "$STATE/depth-table"  # failed: the next restart tries again
   fi
 }
+# The bias sweep's rows at each rung's default bias are the ladder table's runs of those rungs
+# (the same configs), committed as links docs/results/ladder-bias-sweep/RUNG -> ../ladder/RUNG:
+# trained once, read by both tables. A link's target must exist for a study to train through it.
+link_targets() {  # link_targets DIR: create the folders DIR's links point to
+  local link
+  for link in "$1"/*; do
+    if [ -L "$link" ]; then mkdir -p "$(dirname "$link")/$(readlink "$link")"; fi
+  done
+}
+
 case "${1:-}" in
   a)
     depth_half fixed-mor fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
     study lt2 --size stdlib --out docs/results/lt2-stdlib
-    study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     study ladder --seeds 5 --out docs/results/ladder
+    link_targets docs/results/ladder-bias-sweep
+    study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     ;;
   b)
     depth_half huginn huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2
