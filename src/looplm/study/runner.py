@@ -217,26 +217,38 @@ def sweep_measure(study: Study, run: Run) -> Measures:
 def measure_run(study: Study, run: Run) -> Measures:
     """The study's measures of a run, read from its ``study.json`` when the same measure code
     took them at the same final step (:mod:`looplm.study.fingerprint`), else measured and
-    stored there."""
+    stored there.
+
+    A run two studies share (one run directory, reached by a link from the other study's)
+    keeps each study's measures: the first study's at the top level of ``study.json``, every
+    other's under ``others`` by study name, so neither re-measures over the other."""
     path = run.run_dir / MEASURES_FILE
     key = {"study": study.name, "measure": getattr(study.measure, "__qualname__", ""),
            "code": measure_fingerprint(study.measure), "steps": run.summary.get("steps")}
-    stored = json.loads(path.read_text(encoding="utf-8")) if run.reused and path.is_file() else None
-    if stored is not None and {k: stored.get(k) for k in key} == key:
+    # a run trained just now: nothing stored of an earlier run in its directory counts
+    held = json.loads(path.read_text(encoding="utf-8")) if run.reused and path.is_file() else {}
+    mine = held.get("study", study.name) == study.name  # the top-level entry is this study's
+    stored = held if mine else held.get("others", {}).get(study.name)
+    if stored and {k: stored.get(k) for k in key} == key:
         return stored["measures"]
     try:
         measures = study.measure(run)
     except CheckpointError as e:
         if has_checkpoints(run.run_dir):
             raise
-        taken = "no measures" if stored is None else f"measures taken by other code ({stored.get('code')})"
+        taken = "no measures" if not stored else f"measures taken by other code ({stored.get('code')})"
         raise CheckpointError(
             f"{run.run_dir} holds a finished run's records without its checkpoints (as committed under "
             f"docs/results) and {taken}: measuring it again needs the model. Tabulate it with the looplm "
             f"version that measured it, or delete {run.run_dir} to train it again") from e
     measures.setdefault("series", {})
     measures.setdefault("notes", [])
-    write_text(path, json.dumps({**key, "measures": measures}, indent=1) + "\n", atomic=True)
+    entry = {**key, "measures": measures}
+    if mine:
+        held = {**entry, **({"others": held["others"]} if held.get("others") else {})}
+    else:
+        held = {**held, "others": {**held.get("others", {}), study.name: entry}}
+    write_text(path, json.dumps(held, indent=1) + "\n", atomic=True)
     return measures
 
 
