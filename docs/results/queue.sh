@@ -13,8 +13,8 @@
 # also needs its measures, study.json; a sweep run does not); commit them with the tables.
 # The distillation study is staged only once it has finished (its directory no longer marked
 # INCOMPLETE): its rows start from the seed's teacher's checkpoint, which a record does not carry.
-# The ladder's bias sweep reads its default-bias rows through links into the ladder table's
-# directory (link_targets, below): `stage` adds their records where they are, under docs/results/ladder.
+# Runs two tables share are read through links (link_targets, below): `stage` adds their
+# records where they are, in the directory of the table that trained them.
 set -u
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
@@ -36,14 +36,20 @@ depth_half() {  # depth_half NAME VARIANTS
     study "${DEPTH[@]}" || rmdir "$STATE/depth-table"  # failed: the next restart tries again
   fi
 }
-# The bias sweep's rows at each rung's default bias are the ladder table's runs of those rungs
-# (the same configs), committed as links docs/results/ladder-bias-sweep/RUNG -> ../ladder/RUNG:
-# trained once, read by both tables. A link's target must exist for a study to train through it.
-link_targets() {  # link_targets DIR: create the folders DIR's links point to
-  local link
-  for link in "$1"/*; do
-    if [ -L "$link" ]; then mkdir -p "$(dirname "$link")/$(readlink "$link")"; fi
-  done
+# A run two tables share is trained once, in the first table's directory, and committed as a
+# link from the other's: the ladder bias sweep's rows at each rung's default bias are the
+# ladder table's runs of those rungs (ladder-bias-sweep/RUNG -> ../ladder/RUNG), SpiralFormer's
+# T = 2 loop is MeSH's mesh row, its sweep runs included (spiralformer-stdlib/looped-T2 ->
+# ../mesh-stdlib/mesh; lr-sweep/lr-RATE/looped-T2 -> …/mesh-stdlib/lr-sweep/lr-RATE/mesh): the
+# same configs (tests/study/test_queue.py), each table with its own measures (study.json).
+# A study trains through a link only once its target exists: the table it points into runs
+# first in the same lane, and link_targets creates the targets inside the folders it made.
+link_targets() {  # link_targets DIR: the folders DIR's links point to, where their parent exists
+  local link target
+  while IFS= read -r link; do
+    target="$(dirname "$link")/$(readlink "$link")"
+    if [ -d "$(dirname "$target")" ]; then mkdir -p "$target"; fi
+  done < <(find "$1" -type l 2>/dev/null)
 }
 
 case "${1:-}" in
@@ -57,6 +63,7 @@ case "${1:-}" in
   b)
     depth_half huginn huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2
     study mesh --size stdlib --out docs/results/mesh-stdlib
+    link_targets docs/results/spiralformer-stdlib
     study spiralformer --size stdlib --out docs/results/spiralformer-stdlib
     study sgt --size stdlib --out docs/results/sgt-stdlib
     study distill --out docs/results/distill

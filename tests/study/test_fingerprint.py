@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -141,3 +142,43 @@ def test_a_study_keys_its_measures_by_the_source_it_started_with(tmp_path):
     runner.run_study(study, tmp_path / "out", size="quick")
     assert inspect.getsource(measure).endswith("# v2\n") and code_fingerprint(measure) != loaded
     assert json.loads((tmp_path / "out" / "a" / "seed-0" / runner.MEASURES_FILE).read_text())["code"] == loaded
+
+
+def test_a_run_two_studies_share_keeps_each_studys_measures(tmp_path):
+    """A second study reaching the first one's run through a link measures it once, beside
+    the first study's measures, and neither measures again when it reads the run back; a
+    run trained afresh in that directory drops both."""
+    import dataclasses
+
+    from looplm.study import measures as study_measures
+    from looplm.study import runner
+    from tests.study.test_study import TINY
+
+    calls = []
+
+    def counting(tag):
+        def measure(run):
+            calls.append(tag)
+            return {**study_measures.lm(run), "notes": [tag]}
+        return measure
+
+    first = dataclasses.replace(TINY, measure=counting("first"))
+    second = dataclasses.replace(TINY, name="other", measure=counting("second"))
+    runner.run_study(first, tmp_path / "first", size="quick", seeds=1)
+    (tmp_path / "second").mkdir()
+    for row in ("a", "b"):
+        (tmp_path / "second" / row).symlink_to(tmp_path / "first" / row)
+    assert runner.run_study(second, tmp_path / "second", size="quick", seeds=1).runs["a"][0].reused
+    assert calls == ["first", "first", "second", "second"]
+    stored = json.loads((tmp_path / "first" / "a" / "seed-0" / runner.MEASURES_FILE).read_text())
+    assert stored["study"] == "tiny" and stored["measures"]["notes"] == ["first"]
+    assert stored["others"]["other"]["measures"]["notes"] == ["second"]
+    assert stored["others"]["other"]["code"] == runner.measure_fingerprint(second.measure)
+    runner.run_study(first, tmp_path / "first", size="quick", seeds=1)
+    runner.run_study(second, tmp_path / "second", size="quick", seeds=1)
+    assert len(calls) == 4  # both read back from the one file
+    shutil.rmtree(tmp_path / "first" / "a" / "seed-0" / "checkpoints")
+    (tmp_path / "first" / "a" / "seed-0" / "summary.json").unlink()  # train a again there
+    runner.run_study(second, tmp_path / "second", size="quick", seeds=1)
+    stored = json.loads((tmp_path / "first" / "a" / "seed-0" / runner.MEASURES_FILE).read_text())
+    assert stored["study"] == "other" and "others" not in stored  # the first study's measures were of the old run

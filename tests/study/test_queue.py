@@ -15,28 +15,37 @@ import pytest
 
 from looplm.cli import build_parser
 from looplm.study import get_study
-from looplm.study.studies import ACT_RUNGS
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = REPO / "docs" / "results" / "queue.sh"
-LINKS = REPO / "docs" / "results" / "ladder-bias-sweep"  # the bias sweep's rows that are the ladder table's runs
+RESULTS = REPO / "docs" / "results"
 
 
 def lane_commands(lane: str, tmp_path: Path, state: str = "state") -> list[list[str]]:
     """The ``looplm`` argument lists lane ``lane`` runs (its markers in ``tmp_path / state``),
-    recorded by a stand-in ``looplm``; the script runs from a copy of the repository's
-    docs/results links in ``tmp_path / "repo"``, so what it creates there stays out of the checkout."""
+    recorded by a stand-in ``looplm`` that makes each study's ``--out`` folder. The script runs
+    from a copy in ``tmp_path / "repo"`` holding docs/results' committed links, so what it
+    creates stays out of the checkout."""
     bin_dir, log, repo = tmp_path / "bin", tmp_path / f"calls-{lane}-{state}", tmp_path / "repo"
     bin_dir.mkdir(exist_ok=True)
     if not repo.exists():
-        shutil.copytree(LINKS, repo / LINKS.relative_to(REPO), symlinks=True)
+        for link in committed_links():
+            (repo / link.parent.relative_to(REPO)).mkdir(parents=True, exist_ok=True)
+            (repo / link.relative_to(REPO)).symlink_to(os.readlink(link))
         shutil.copy(QUEUE, repo / QUEUE.relative_to(REPO))
     fake = bin_dir / "looplm"
-    fake.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" >> {log}\nprintf "\\n" >> {log}\n')
+    fake.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" >> {log}\nprintf "\\n" >> {log}\n'
+                    'args=("$@"); for i in "${!args[@]}"; do\n'
+                    '  if [ "${args[$i]}" = --out ]; then mkdir -p "${args[$((i + 1))]}"; fi\ndone\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "QUEUE_STATE": str(tmp_path / state)}
     subprocess.run(["bash", str(repo / QUEUE.relative_to(REPO)), lane], check=True, env=env, timeout=60)
     return [line.rstrip("\0").split("\0") for line in log.read_text().splitlines() if line]
+
+
+def committed_links() -> list[Path]:
+    """The links under docs/results: runs one table reads from another's directory."""
+    return sorted(p for p in RESULTS.rglob("*") if p.is_symlink())
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -76,22 +85,50 @@ def test_the_lane_that_finishes_its_depth_half_second_writes_the_table(tmp_path,
     assert _table_calls(lane_commands(first, tmp_path)) == 0
 
 
+def _lanes(tmp_path: Path) -> dict[str, list[tuple[str, str, str]]]:
+    """Each lane's studies in its order: (out directory, study, size); a depth half is left out."""
+    parser = build_parser()
+    lanes = {}
+    for lane in "ba":
+        args = [parser.parse_args(argv) for argv in lane_commands(lane, tmp_path)]
+        lanes[lane] = [(a.out, a.name, a.size or "default") for a in args if not a.variants]
+    return lanes
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_the_bias_sweeps_default_bias_rows_are_the_ladder_tables_runs(tmp_path) -> None:
-    """Each ACT rung's default-bias row of the bias sweep is a committed link to the ladder
-    table's runs of that rung, whose configs it shares seed by seed (trained once, read by
-    both); lane a trains the ladder table first and makes the links' targets before the sweep."""
-    sweep, ladder = get_study("ladder", "bias-sweep"), get_study("ladder", "default")
-    links = {p.name: p for p in LINKS.iterdir() if p.is_symlink()}
-    assert sorted(links) == sorted(ACT_RUNGS)
-    for rung, link in links.items():
-        assert os.readlink(link) == f"../ladder/{rung}"
-        for seed in range(sweep.size("bias-sweep").seeds):
-            mine = sweep.configs("bias-sweep", LINKS, seed)[rung].to_dict()
-            theirs = ladder.configs("default", LINKS.parent / "ladder", seed)[rung].to_dict()
-            mine["train"].pop("out_dir"), theirs["train"].pop("out_dir")
-            assert mine == theirs, (rung, seed)
-    ladder_outs = [argv[argv.index("--out") + 1] for argv in lane_commands("a", tmp_path) if argv[1] == "ladder"]
-    assert ladder_outs == ["docs/results/ladder", "docs/results/ladder-bias-sweep"]
-    for rung in links:
-        assert (tmp_path / "repo" / "docs" / "results" / "ladder" / rung).is_dir()  # the links resolve
+def test_every_committed_link_is_a_run_of_the_same_config_trained_first(tmp_path) -> None:
+    """A link docs/results/TABLE/[lr-sweep/lr-RATE/]ROW -> OTHER/[lr-sweep/lr-RATE/]ROW2 says
+    ROW's runs are OTHER's ROW2 runs: at every seed the table may train (in a sweep: at that
+    rate, a rate the sweep may try, with its budget) the configs are equal but for where they
+    live; OTHER runs before TABLE in the same lane, which makes a row link's target first."""
+    lanes = _lanes(tmp_path)
+    links = committed_links()
+    assert {link.relative_to(RESULTS).parts[0] for link in links} == {"ladder-bias-sweep", "spiralformer-stdlib"}
+    for link in links:
+        target = Path(os.path.normpath(link.parent / os.readlink(link)))
+        mine, theirs = link.relative_to(REPO), target.relative_to(REPO)
+        table, other = str(Path(*mine.parts[:3])), str(Path(*theirs.parts[:3]))
+        assert mine.parts[3:-1] == theirs.parts[3:-1], link  # a row for a row, a sweep rate's run for that rate's
+        (lane,) = [lane for lane, studies in lanes.items() if table in [out for out, _, _ in studies]]
+        outs = [out for out, _, _ in lanes[lane]]
+        assert other in outs and outs.index(other) < outs.index(table), link
+        (name, size), (other_name, other_size) = ({out: (n, z) for out, n, z in lanes[lane]}[d] for d in (table, other))
+        study, other_study = get_study(name, size), get_study(other_name, other_size)
+        spec = study.size(size)
+        if mine.parts[3] == "lr-sweep":
+            rate = float(mine.parts[4].removeprefix("lr-"))
+            lrs = set(spec.sweep.lrs)
+            for _ in range(spec.sweep.extend):
+                lrs |= {min(lrs) / 2, max(lrs) * 2}
+            assert rate in lrs, link
+            pairs = [(study.configs(size, Path(table), 0, [*spec.sweep.overrides, f"train.lr={rate!r}"]),
+                      other_study.configs(other_size, Path(other), 0,
+                                          [*other_study.size(other_size).sweep.overrides, f"train.lr={rate!r}"]))]
+        else:
+            assert (tmp_path / "repo" / theirs).is_dir(), link  # the lane made the target before the table ran
+            pairs = [(study.configs(size, Path(table), seed), other_study.configs(other_size, Path(other), seed))
+                     for seed in range(spec.max_seeds or spec.seeds)]
+        for configs, other_configs in pairs:
+            a, b = configs[mine.parts[-1]].to_dict(), other_configs[theirs.parts[-1]].to_dict()
+            a["train"].pop("out_dir"), b["train"].pop("out_dir")
+            assert a == b, link
