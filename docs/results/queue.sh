@@ -22,20 +22,24 @@ export OMP_NUM_THREADS=1
 # (benchmarks/cpu_step.py)
 export THP_MEM_ALLOC_ENABLE=1
 study() { looplm study "$@" --threads 1 --no-progress; }
-STATE=${QUEUE_STATE:-runs/queue}  # where each lane says its half of the depth study is done
+STATE=${QUEUE_STATE:-runs/queue}  # where each lane says its half of a split table is done
 mkdir -p "$STATE"
 
-DEPTH=(depth --size stdlib --out docs/results/depth-stdlib)
-# One lane's half of the depth table's rows; the lane that finishes its half second reads
-# every row back and writes the table (mkdir: one lane only, if both finish at once), and
-# neither waits for the other.
-depth_half() {  # depth_half NAME VARIANTS
-  study "${DEPTH[@]}" --variants "$2" || return 0
-  touch "$STATE/depth-$1.done"
-  if [ -e "$STATE/depth-fixed-mor.done" ] && [ -e "$STATE/depth-huginn.done" ] && mkdir "$STATE/depth-table" 2>/dev/null; then
-    study "${DEPTH[@]}" || rmdir "$STATE/depth-table"  # failed: the next restart tries again
+# The longest tables are split between the lanes, a half of the rows each (every comparison
+# within one half: the seed extension of a half needs only its own rows). The lane that
+# finishes its half second reads every row back and writes the table (mkdir: one lane only,
+# if both finish at once); neither waits for the other.
+half() {  # half TABLE THIS OTHER VARIANTS STUDY_ARGS...: this lane's half THIS of TABLE
+  local table=$1 this=$2 other=$3 variants=$4
+  shift 4
+  study "$@" --variants "$variants" || return 0
+  touch "$STATE/$table-$this.done"
+  if [ -e "$STATE/$table-$other.done" ] && mkdir "$STATE/$table-table" 2>/dev/null; then
+    study "$@" || rmdir "$STATE/$table-table"  # failed: the next restart tries again
   fi
 }
+DEPTH=(depth --size stdlib --out docs/results/depth-stdlib)
+LT2=(lt2 --size stdlib --out docs/results/lt2-stdlib)
 # A run two tables share is trained once, in the first table's directory, and committed as a
 # link from the other's: the ladder bias sweep's rows at each rung's default bias are the
 # ladder table's runs of those rungs (ladder-bias-sweep/RUNG -> ../ladder/RUNG), SpiralFormer's
@@ -54,14 +58,17 @@ link_targets() {  # link_targets DIR: the folders DIR's links point to, where th
 
 case "${1:-}" in
   a)
-    depth_half fixed-mor fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token
-    study lt2 --size stdlib --out docs/results/lt2-stdlib
+    half depth fixed-mor huginn fixed-T3,fixed-T2,mor-expert,mor-expert-topk,mor-expert-shared,mor-token "${DEPTH[@]}"
+    half lt2 attention-gdn hybrid attention,attention-looped,attention-looped-gated,gdn,gdn-looped "${LT2[@]}"
     study ladder --seeds 5 --out docs/results/ladder
     link_targets docs/results/ladder-bias-sweep
     study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
     ;;
   b)
-    depth_half huginn huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2
+    half depth huginn fixed-mor huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2 "${DEPTH[@]}"
+    # the Full+GDN pair: ≈ a third of LT2's steps, so that lane a, with both ladder tables
+    # after LT2, does not finish hours after lane b
+    half lt2 hybrid attention-gdn full+gdn,full+gdn-looped "${LT2[@]}"
     study mesh --size stdlib --out docs/results/mesh-stdlib
     link_targets docs/results/spiralformer-stdlib
     study spiralformer --size stdlib --out docs/results/spiralformer-stdlib

@@ -1,7 +1,8 @@
 """docs/results/queue.sh, the committed lanes of the studies still to run: every command it
 would run is a valid `looplm study` call of an existing study, size and variants, training
-into docs/results; and the depth table is written once, by whichever lane finishes its half
-second, neither lane waiting for the other."""
+into docs/results; a table split between the lanes (depth, LT2) is written once, by whichever
+lane finishes its half second, neither lane waiting for the other; and the runs two tables
+share are the same configs, trained first."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import pytest
 
 from looplm.cli import build_parser
 from looplm.study import get_study
+from looplm.study.definition import variant_of
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = REPO / "docs" / "results" / "queue.sh"
 RESULTS = REPO / "docs" / "results"
+#: the tables whose rows the lanes split, a half each: out directory -> (study, size)
+SPLIT = {"docs/results/depth-stdlib": ("depth", "stdlib"), "docs/results/lt2-stdlib": ("lt2", "stdlib")}
 
 
 def lane_commands(lane: str, tmp_path: Path, state: str = "state") -> list[list[str]]:
@@ -59,34 +63,40 @@ def test_every_queued_study_is_a_valid_call_into_docs_results(tmp_path) -> None:
         size = args.size or "default"
         spec = get_study(args.name, size).size(size)
         if args.variants:
-            assert set(args.variants.split(",")) <= set(spec.runs), argv
+            assert set(args.variants.split(",")) <= {variant_of(run) for run in spec.runs}, argv
         assert Path(args.out).parts[:2] == ("docs", "results"), argv
         outs.append((args.out, args.variants))
     assert len(outs) == len(set(outs))  # no study trained twice into one directory
-    depth = [v for out, v in outs if out == "docs/results/depth-stdlib"]
-    halves = [set(v.split(",")) for v in depth if v]
-    assert None in depth and halves[0].isdisjoint(halves[1])
-    assert halves[0] | halves[1] == set(get_study("depth", "stdlib").size("stdlib").runs)  # the halves are the table
+    for out, (name, size) in SPLIT.items():
+        calls = [v for o, v in outs if o == out]
+        halves = [set(v.split(",")) for v in calls if v]
+        assert None in calls and len(halves) == 2 and halves[0].isdisjoint(halves[1]), out
+        study = get_study(name, size)
+        rows = set(study.variants(size))
+        assert halves[0] | halves[1] == rows  # the halves are the table
+        for pair in study.comparisons:  # a half's seed extension needs only its own rows
+            assert not set(pair) <= rows or any(set(pair) <= half for half in halves), (out, pair)
 
 
-def _table_calls(commands: list[list[str]]) -> int:
-    return sum(1 for argv in commands if argv[:2] == ["study", "depth"] and "--variants" not in argv)
+def _table_calls(commands: list[list[str]], name: str) -> int:
+    return sum(1 for argv in commands if argv[:2] == ["study", name] and "--variants" not in argv)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("first", ["a", "b"])
-def test_the_lane_that_finishes_its_depth_half_second_writes_the_table(tmp_path, first) -> None:
+def test_the_lane_that_finishes_its_half_second_writes_the_table(tmp_path, first) -> None:
     second = "b" if first == "a" else "a"
     early, late = lane_commands(first, tmp_path), lane_commands(second, tmp_path)
-    assert _table_calls(early) == 0 and _table_calls(late) == 1
-    halves = [argv for argv in late if argv[:2] == ["study", "depth"]]
-    assert "--variants" in halves[0] and "--variants" not in halves[1]  # its own half first, then the table
-    # a lane run again (a restart) after the table was written does not write it twice
-    assert _table_calls(lane_commands(first, tmp_path)) == 0
+    again = lane_commands(first, tmp_path)  # a restart after the tables were written
+    for name, _ in SPLIT.values():
+        assert _table_calls(early, name) == 0 and _table_calls(late, name) == 1, name
+        halves = [argv for argv in late if argv[:2] == ["study", name]]
+        assert "--variants" in halves[0] and "--variants" not in halves[1]  # its own half first, then the table
+        assert _table_calls(again, name) == 0  # not written twice
 
 
 def _lanes(tmp_path: Path) -> dict[str, list[tuple[str, str, str]]]:
-    """Each lane's studies in its order: (out directory, study, size); a depth half is left out."""
+    """Each lane's studies in its order: (out directory, study, size); a split table's half is left out."""
     parser = build_parser()
     lanes = {}
     for lane in "ba":
