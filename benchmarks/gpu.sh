@@ -117,7 +117,8 @@ fi
 # 1. GPU tests: CUDA cases only (the CPU ones run in CI), a deadline per test where
 # pytest-timeout is installed, several processes where pytest-xdist is.
 TEST_ARGS=(-v -p no:cacheprovider -k "not cpu")
-TEST_FILES=(tests/gpu tests/ops/test_selected_triton.py tests/topology/test_mesh_triton.py)
+TEST_FILES=(tests/gpu tests/ops/test_selected_triton.py tests/topology/test_mesh_triton.py
+            tests/resolution/test_resolution_triton.py)
 if ((!DRY)); then
   "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_ARGS+=(--timeout 60)
   # pyproject's addopts ask for pytest-xdist (one worker per core, a file per worker): here 8

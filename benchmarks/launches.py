@@ -47,6 +47,7 @@ import train_throughput as throughput  # noqa: E402
 from looplm import LoopLM, load_config  # noqa: E402
 from looplm.accounting.dispatch import count_dispatch  # noqa: E402
 from looplm.ops.backend import triton_installed  # noqa: E402
+from looplm.resolution import MultiResolution  # noqa: E402
 from looplm.topology import MeshTopology  # noqa: E402
 
 #: decoding: model -> (preset, issue 30's target in operators per decoded token per block pass)
@@ -115,12 +116,13 @@ def cuda_decode_counts(preset: str, dtype: str, compile) -> tuple[float, float]:
 
 def train_counts(variant: str, directory: str, kernel: str = "torch"):
     """Operators of one forward + backward of ``variant`` at d = 64 (gradients already
-    allocated, as in training); ``kernel``: where MeSH's write-reads run (``triton``: as on
-    CUDA, one custom operator per kernel launch)."""
+    allocated, as in training); ``kernel``: where MeSH's write-reads and SpiralFormer's
+    learned down- and up-scaling run (``triton``: as on CUDA, one custom operator per kernel
+    launch)."""
     args = throughput.parse(["--width", "64", "--seq", "32", "--batch", "2", "--no-compile"])
     model = throughput.build(variant, args, str(Path(directory) / variant), False).model
     for module in model.modules():
-        if isinstance(module, MeshTopology):
+        if isinstance(module, (MeshTopology, MultiResolution)):
             module.kernel = kernel
     ids = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(0))
 
@@ -168,7 +170,8 @@ def report() -> str:
     cuda = all(c[2] is not None for c in counts.values())
     lines += ["", "## Training (issue 25): one forward + backward at d = 64", "",
               "Operators: PyTorch's everywhere. CUDA path: as a GPU runs the step, looplm's Triton kernels "
-              "(MeSH's write-read: `looplm.ops.write_read_triton`) one custom operator per launch, counted "
+              "(MeSH's write-read: `looplm.ops.write_read_triton`; SpiralFormer's self-aggregation and router: "
+              "`looplm.ops.resolution_triton`) one custom operator per launch, counted "
               "on CPU under `TRITON_INTERPRET=1`" + ("" if cuda else " (not counted: triton is not installed)")
               + "; the targets are on it.", "",
               "| variant | operators | CUDA path | host syncs |", "| --- | --- | --- | --- |"]

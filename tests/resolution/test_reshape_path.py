@@ -194,14 +194,14 @@ def _benchmark_variants():
     return train_throughput.VARIANTS
 
 
-def _step_count(fields):
-    """Operators and host syncs of one forward + backward at d = 64, T = 128 (as issue 25
-    counts them: gradients not yet allocated, as after zero_grad(set_to_none=True))."""
+def _step_count(fields, device: str = "cpu", length: int = 128):
+    """Operators and host syncs of one forward + backward at d = 64, T = ``length`` (as issue
+    25 counts them: gradients not yet allocated, as after zero_grad(set_to_none=True))."""
     torch.manual_seed(0)
     cfg = ModelConfig.from_dict({"d_model": 64, "n_heads": 4, "max_seq_len": 128, "vocab_size": 257, **fields},
                                 prefix="model")
-    model = LoopLM(cfg)
-    x, y = random_ids(2, 128, vocab=257), random_ids(2, 128, vocab=257, seed=1)
+    model = LoopLM(cfg).to(device)
+    x, y = (random_ids(2, length, vocab=257, seed=seed).to(device) for seed in (0, 1))
     counts, _ = count_dispatch(lambda: model(x, y).loss.backward())
     return counts
 

@@ -17,6 +17,7 @@ import pytest
 from looplm.cli import build_parser
 from looplm.study import get_study
 from looplm.study.definition import variant_of
+from looplm.study.sweep import reachable_rates, sweep_configs
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE = REPO / "docs" / "results" / "queue.sh"
@@ -127,13 +128,9 @@ def test_every_committed_link_is_a_run_of_the_same_config_trained_first(tmp_path
         spec = study.size(size)
         if mine.parts[3] == "lr-sweep":
             rate = float(mine.parts[4].removeprefix("lr-"))
-            lrs = set(spec.sweep.lrs)
-            for _ in range(spec.sweep.extend):
-                lrs |= {min(lrs) / 2, max(lrs) * 2}
-            assert rate in lrs, link
-            pairs = [(study.configs(size, Path(table), 0, [*spec.sweep.overrides, f"train.lr={rate!r}"]),
-                      other_study.configs(other_size, Path(other), 0,
-                                          [*other_study.size(other_size).sweep.overrides, f"train.lr={rate!r}"]))]
+            assert rate in reachable_rates(spec.sweep), link
+            pairs = [(sweep_configs(study, size, Path(table), [], rate),
+                      sweep_configs(other_study, other_size, Path(other), [], rate))]
         else:
             assert (tmp_path / "repo" / theirs).is_dir(), link  # the lane made the target before the table ran
             pairs = [(study.configs(size, Path(table), seed), other_study.configs(other_size, Path(other), seed))

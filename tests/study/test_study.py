@@ -695,7 +695,7 @@ def test_a_sweep_tries_past_its_edge_while_the_best_rate_sits_on_it(tmp_path) ->
 
     from looplm.study.definition import Sweep
     from looplm.study.studies import VAL_LOSS
-    from looplm.study.sweep import run_lr_sweep
+    from looplm.study.sweep import reachable_rates, run_lr_sweep, sweep_configs
 
     size = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
                                                           "c": RunSpec("tiny-base", ("model.layout=1",))},
@@ -723,6 +723,10 @@ def test_a_sweep_tries_past_its_edge_while_the_best_rate_sits_on_it(tmp_path) ->
     table = (tmp_path / "lr-sweep.md").read_text()
     assert "| lr 0.0005 | lr 0.001 | lr 0.002 |" in table and "| b | – | – |" in table
     assert {(r["run"], float(r["lr"])) for r in csv.DictReader(open(tmp_path / "lr-sweep.csv"))} == set(trained)
+    # what the queue's link test reads: the rates a sweep may reach, and its configs at one
+    assert {lr for _, lr in trained} | {3.2e-2} == reachable_rates(size.sweep)
+    configs = sweep_configs(study, "quick", tmp_path, [], 5e-4)
+    assert configs["a"].train.lr == 5e-4 and configs["a"].train.out_dir == str(tmp_path / "lr-sweep" / "lr-0.0005" / "a" / "seed-0")
     with pytest.raises(ConfigError, match="sweep.extend"):
         Sweep((1e-3, 2e-3), extend=-1)
 

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from looplm.config_base import Config, check
+from looplm.ops.backend import KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,14 +18,19 @@ class ResolutionConfig(Config):
     (Eq. 16). up: S↑, ``router`` (output-dependent allocation, Eq. 21, default) or
     ``uniform`` (Eq. 20). offsets: ω_t per iteration, null for ⌊g_t/2⌋. shifts: s_t per
     iteration, null for g_t − 1 (single-token overlap); s_t ≥ g_t is the parallel regime.
+    kernel: where ``aggregate`` and ``router`` run (:data:`~looplm.ops.backend.KERNELS`):
+    ``auto`` as one Triton kernel forward and one backward each on CUDA
+    (:mod:`looplm.ops.resolution_triton`), PyTorch's operators elsewhere; ``torch`` everywhere.
     """
 
     down: Literal["aggregate", "mean"] = "aggregate"
     up: Literal["router", "uniform"] = "router"
     offsets: Optional[tuple[int, ...]] = None
     shifts: Optional[tuple[int, ...]] = None
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        check(self.kernel in KERNELS, "model.resolution.kernel", self.kernel, "one of " + ", ".join(KERNELS))
         for name in ("offsets", "shifts"):
             value = getattr(self, name)
             if isinstance(value, list):

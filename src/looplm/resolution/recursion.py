@@ -45,11 +45,12 @@ from torch import nn
 from looplm.accounting.cost import Call, Step
 from looplm.layout import Layout
 from looplm.mixers.base import MixerContext
+from looplm.ops.backend import use_triton
 from looplm.resolution.config import ResolutionConfig
-from looplm.resolution.downscale import build_down, chunk_grid
+from looplm.resolution.downscale import SelfAggregation, build_down, chunk_grid
 from looplm.resolution.schedule import IterationResolution, iteration_resolutions
 from looplm.resolution.state import ChunkState, StaticChunkState
-from looplm.resolution.upscale import build_up
+from looplm.resolution.upscale import AllocationRouter, build_up
 
 if TYPE_CHECKING:
     from looplm.cache import LoopCache
@@ -93,7 +94,9 @@ class StaticCompressed:
 class MultiResolution(nn.Module):
     """Per-iteration S↓ (mean / self-aggregation) and S↑ (uniform / router) operators and the
     schedule (g_t, ω_t, s_t). Iterations at full resolution without shift are the identity
-    and own no modules. ``down[str(t)]`` holds A^(t), ``up[str(t)]`` holds B^(t)."""
+    and own no modules. ``down[str(t)]`` holds A^(t), ``up[str(t)]`` holds B^(t). On CUDA
+    (``model.resolution.kernel``) the learned ones, self-aggregation and the allocation router
+    with the shift, run as Triton kernels (:mod:`looplm.ops.resolution_triton`)."""
 
     def __init__(self, cfg: ResolutionConfig, resolutions: Sequence[float], d_model: int):
         """cfg: ``model.resolution``; resolutions: r_t per iteration (the layout's);
@@ -103,6 +106,16 @@ class MultiResolution(nn.Module):
         active = [t for t, it in enumerate(self.schedule) if not it.identity]
         self.down_ops = nn.ModuleDict({str(t): build_down(cfg.down, d_model, self.schedule[t].chunk) for t in active})
         self.up_ops = nn.ModuleDict({str(t): build_up(cfg.up, d_model, self.schedule[t].chunk) for t in active})
+        self.kernel = cfg.kernel
+
+    def _fused(self, op: nn.Module, x: torch.Tensor, chunk: int) -> bool:
+        """Whether S↓/S↑ module ``op`` runs as its Triton kernel on ``x`` [..., d]: a learned
+        one, on CUDA under ``kernel: auto``, with a [g, d] tile that fits a program."""
+        if not isinstance(op, (SelfAggregation, AllocationRouter)) or not use_triton(x, self.kernel):
+            return False
+        from looplm.ops.resolution_triton import fits
+
+        return fits(chunk, x.shape[-1])
 
     def extra_repr(self) -> str:
         return "schedule=[" + ", ".join(f"(g={i.chunk}, ω={i.offset}, s={i.shift})" for i in self.schedule) + "]"
@@ -146,9 +159,12 @@ class MultiResolution(nn.Module):
             tokens = h
         tokens_start = it.chunk_start(done)  # position of tokens[:, 0]
         lead = tokens_start - (done * g - it.offset)  # empty slots before position 0 (chunk 0 with ω > 0)
-        if n:
+        down = self.down_ops[str(t)]
+        if n and self._fused(down, tokens, g):  # one kernel reading the chunks in place
+            z = down.fused(tokens, lead, n, g)  # Eq. (17-18): [B, n, d]
+        elif n:
             x = chunk_grid(tokens, lead, n, g)  # [B, n, g, d]: chunk done + k in row k
-            z = self.down_ops[str(t)](x, lead)  # Eq. (16) or (17-18): [B, n, d]
+            z = down(x, lead)  # Eq. (16) or (17-18): [B, n, d]
         else:  # no chunk completes: the core does not run
             z = h[:, :0]
         zctx = dataclasses.replace(
@@ -247,11 +263,15 @@ class MultiResolution(nn.Module):
             j0 = first // g  # the first chunk read; the last is π(P + T − 1 − s) < N (Prop. 1)
             read = latents[:, j0:] if j0 else latents  # [B, m, d]: in decoding only the latest chunks
             m = read.shape[1]
-            grid = self.up_ops[str(t)](read).reshape(B, m * g, d)  # Eq. (19-21): slot j0·g + k at row k
             skip = first - j0 * g  # slots before ``first``: read by no new position (or empty, k < ω)
-            rows = grid[:, skip:] if skip else grid
-            right = T - front - (m * g - skip)  # <= 0: crop the slots after the last new position
-            u = F.pad(rows, (0, 0, front, right)) if front or right else rows  # Eq. (22)
+            up = self.up_ops[str(t)]
+            if self._fused(up, read, g):  # one kernel writing the shifted rows
+                u = up.fused(read, front, skip, T)  # Eq. (19, 21-22)
+            else:
+                grid = up(read).reshape(B, m * g, d)  # Eq. (19-21): slot j0·g + k at row k
+                rows = grid[:, skip:] if skip else grid
+                right = T - front - (m * g - skip)  # <= 0: crop the slots after the last new position
+                u = F.pad(rows, (0, 0, front, right)) if front or right else rows  # Eq. (22)
         if cache is not None:
             N, end = latents.shape[1], P + T
             keep = it.chunk_start(N) - step.tokens_start  # the current chunk's buffered positions

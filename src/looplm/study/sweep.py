@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from looplm.artifacts import write_text
-from looplm.study.definition import Study
+from looplm.study.definition import Study, Sweep
 from looplm.study.results import csv_text
 
 if TYPE_CHECKING:
@@ -51,8 +51,7 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
     values: dict[str, dict[float, Optional[float]]] = {name: {} for name in runs}
 
     def configs_at(lr: float) -> dict[str, "RunConfig"]:
-        return study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0,
-                             [*overrides, *sweep.overrides, f"train.lr={lr!r}"])
+        return sweep_configs(study, size, out_dir, overrides, lr)
 
     def sweep_run(name: str, lr: float, configs: dict[str, "RunConfig"]) -> None:
         logger.info("study %s (%s): lr sweep %g: %s", study.name, size, lr, name)
@@ -78,6 +77,22 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
             sweep_run(name, lr, configs_at(lr))
     _write_tables(out_dir, study, values, chosen, sweep.overrides)
     return chosen
+
+
+def sweep_configs(study: Study, size: str, out_dir: Path, overrides: Sequence[str], lr: float
+                  ) -> dict[str, "RunConfig"]:
+    """Every run's config in ``size``'s sweep at rate ``lr``: seed 0, the sweep's budget,
+    trained in ``out_dir``/lr-sweep/lr-RATE."""
+    budget = study.size(size).sweep.overrides
+    return study.configs(size, out_dir / SWEEP_DIR / f"lr-{lr:g}", 0, [*overrides, *budget, f"train.lr={lr!r}"])
+
+
+def reachable_rates(sweep: Sweep) -> set[float]:
+    """Every rate ``sweep`` may train a run at: its own, and those its edge extension reaches
+    (halving the lowest or doubling the highest, ``sweep.extend`` times at most)."""
+    low, high = min(sweep.lrs), max(sweep.lrs)
+    return set(sweep.lrs) | {low / 2**k for k in range(1, sweep.extend + 1)} | {
+        high * 2**k for k in range(1, sweep.extend + 1)}
 
 
 def _write_tables(out_dir: Path, study: Study, values: dict[str, dict[float, Optional[float]]],
