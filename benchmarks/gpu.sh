@@ -13,8 +13,8 @@
 #      per block pass, profiled (the CPU-counted decode targets of issue 30 beside them);
 #   4b. benchmarks/ladder_speed.py: the paper-size ladder's training step per rung, compiled
 #      with reduce-overhead (CUDA graphs);
-#   5. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling all eight
-#      variants does not fit the deadline), with a profile of dense and gdn.
+#   5. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling every
+#      variant does not fit the deadline), with a profile of dense and gdn.
 #
 # Each part writes benchmarks/results/*-cuda.md (long_context and generate rewrite theirs
 # after every cell, so a part stopped at its deadline keeps what it measured), and this

@@ -9,7 +9,9 @@ clipping, AdamW), with ``train.compile`` off and on. Variants, all of unrolled d
   write-read as one Triton kernel on CUDA; ``mesh-torch`` the same model on PyTorch's
   operators, ``model.topology.kernel: torch``, to show what the kernel saves);
 - ``spiral``: SpiralFormer-B's schedule 2+1x{1/8,1/4,1/2,1}+2 (MeSH, aggregate down-scaling,
-  router up-scaling) against ``spiral-full``, the same loop at full resolution (2+1R4+2);
+  router up-scaling, each one Triton kernel on CUDA) against ``spiral-full``, the same loop at
+  full resolution (2+1R4+2); ``spiral-torch`` with its down- and up-scaling on PyTorch's
+  operators (``model.resolution.kernel: torch``), to show what those kernels save;
 - ``sgt``: SGT head looping grown as growth leaves it once frozen (the 3 deepest layers,
   half the heads at depth 3, the entropy meter detached) and ``block-loop`` (those layers'
   whole blocks re-applied 3 times), both against ``dense`` (vanilla);
@@ -61,6 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mesh-torch": {"layout": LOOP, "topology": {"kind": "mesh", "kernel": "torch"}},
     "spiral": {"layout": "2+1x{1/8,1/4,1/2,1}+2", "topology": {"kind": "mesh"},
                "resolution": {"down": "aggregate", "up": "router"}},
+    "spiral-torch": {"layout": "2+1x{1/8,1/4,1/2,1}+2", "topology": {"kind": "mesh"},
+                     "resolution": {"down": "aggregate", "up": "router", "kernel": "torch"}},
     "spiral-full": {"layout": "2+1R4+2", "topology": {"kind": "mesh"}},
     "block-loop": {"layout": "8", "head_loop": {"kind": "block", "max_depth": 3}},
     "sgt": {"layout": "8", "head_loop": {"kind": "heads", "max_depth": 3}},
