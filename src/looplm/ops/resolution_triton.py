@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 #: the largest [chunk, d] tile (padded to powers of two) one program holds
 MAX_TILE = 32768
@@ -253,3 +254,50 @@ def _(grad_u, latents, weight, beta, gain, front, skip):
     B, m, d = latents.shape
     g = weight.shape[0]
     return latents.new_empty(B, m, d), beta.new_empty(B * m, g * d + g)
+
+
+def _parameter_grads(shares: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's weight and bias gradients from the per-chunk shares the backward
+    kernels write ([chunks, weight.numel() + bias.numel()]: weights, then biases): one ``sum``."""
+    total, size = shares.sum(dim=0), weight.numel()
+    return total[:size].view_as(weight).to(weight.dtype), total[size:].view_as(bias).to(bias.dtype)
+
+
+class FusedAggregate(torch.autograd.Function):
+    """Self-aggregation (Eq. 17-18) through :func:`aggregate` and :func:`aggregate_backward`:
+    tokens [B, L, d], the scorer's weight [1, d] and bias [1], ``lead``, n chunks of g."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, bias, lead, chunks, chunk):
+        z, alpha = aggregate(tokens, weight, bias, lead, chunks, chunk)
+        ctx.lead = lead
+        ctx.save_for_backward(tokens, weight, bias, alpha)
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_z):
+        tokens, weight, bias, alpha = ctx.saved_tensors
+        g_tokens, shares = aggregate_backward(grad_z, tokens, weight, alpha, ctx.lead)
+        return g_tokens, *_parameter_grads(shares, weight, bias), None, None, None
+
+
+class FusedAllocate(torch.autograd.Function):
+    """Allocation-router up-scaling placed by the shift (Eq. 19, 21-22) through
+    :func:`allocate` and :func:`allocate_backward`: latents [B, m, d], the router's weight
+    [g, d] and bias [g], the gain λ and the placement (front, skip, length)."""
+
+    @staticmethod
+    def forward(ctx, z, weight, bias, gain, front, skip, length):
+        u, beta = allocate(z, weight, bias, gain, front, skip, length)
+        ctx.placement = gain, front, skip
+        ctx.save_for_backward(z, weight, bias, beta)
+        return u
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_u):
+        z, weight, bias, beta = ctx.saved_tensors
+        g_z, shares = allocate_backward(grad_u, z, weight, beta, *ctx.placement)
+        return g_z, *_parameter_grads(shares, weight, bias), None, None, None, None

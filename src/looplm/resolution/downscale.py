@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from looplm.accounting.cost import Call, Cost, module_cost
 
@@ -63,34 +62,14 @@ class SelfAggregation(nn.Module):
         """:meth:`forward` of the first ``chunks`` chunks of ``tokens`` [B, L, d] (as
         :func:`chunk_grid` lays them out) as one Triton kernel forward and one backward
         (:mod:`looplm.ops.resolution_triton`): the same z [B, n, d] at float32 rounding."""
-        return _FusedAggregate.apply(tokens, self.scorer.weight, self.scorer.bias, lead, chunks, chunk)
+        from looplm.ops.resolution_triton import FusedAggregate
+
+        return FusedAggregate.apply(tokens, self.scorer.weight, self.scorer.bias, lead, chunks, chunk)
 
     def flop_cost(self, call: Call) -> Cost:
         """Eq. (17-18): the scorer A^(t) (d -> 1) on every token, softmax over the chunk (left
         out like activations), then Σ_i α_i h_i: d MACs per token."""
         return module_cost(self.scorer, call) + Cost(mac=call.rows * call.width)
-
-
-class _FusedAggregate(torch.autograd.Function):
-    """Eq. (17-18) through ``looplm::chunk_aggregate``: the scorer's gradients are the sum of
-    each chunk's share the backward kernel writes (one ``sum``)."""
-
-    @staticmethod
-    def forward(ctx, tokens, weight, bias, lead, chunks, chunk):
-        from looplm.ops.resolution_triton import aggregate
-
-        z, alpha = aggregate(tokens, weight, bias, lead, chunks, chunk)
-        ctx.lead = lead
-        ctx.save_for_backward(tokens, weight, alpha)
-        return z
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_z):
-        tokens, weight, alpha = ctx.saved_tensors
-        g_tokens, shares = torch.ops.looplm.chunk_aggregate_backward(grad_z, tokens, weight, alpha, ctx.lead)
-        total, d = shares.sum(dim=0), weight.shape[-1]  # [d weights, 1 bias]
-        return g_tokens, total[:d].view_as(weight).to(weight.dtype), total[d:].to(weight.dtype), None, None, None
 
 
 def build_down(kind: str, dim: int, chunk: int) -> nn.Module:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from looplm.accounting.cost import Call, Cost, module_cost
 
@@ -58,35 +57,14 @@ class AllocationRouter(nn.Module):
         and one backward (:mod:`looplm.ops.resolution_triton`): ũ [B, length, d] with rows
         r < ``front`` zero and row r >= front slot ``skip`` + r − front of the chunk grid, what
         reshaping, cropping and padding :meth:`forward`'s output gives, at float32 rounding."""
-        return _FusedAllocate.apply(z, self.router.weight, self.router.bias, self.gain, front, skip, length)
+        from looplm.ops.resolution_triton import FusedAllocate
+
+        return FusedAllocate.apply(z, self.router.weight, self.router.bias, self.gain, front, skip, length)
 
     def flop_cost(self, call: Call) -> Cost:
         """Eq. (21): the router B^(t) (d -> g) once per chunk latent (``call.rows`` of them), then
         λ·β (g per chunk) and β_ρ·ẑ for every slot (g·d per chunk), Eq. (19)."""
         return module_cost(self.router, call) + Cost(state=call.rows * self.chunk * (1 + call.width))
-
-
-class _FusedAllocate(torch.autograd.Function):
-    """Eq. (19, 21-22) through ``looplm::chunk_allocate``: the router's gradients are the sum
-    of each chunk's share the backward kernel writes (one ``sum``)."""
-
-    @staticmethod
-    def forward(ctx, z, weight, bias, gain, front, skip, length):
-        from looplm.ops.resolution_triton import allocate
-
-        u, beta = allocate(z, weight, bias, gain, front, skip, length)
-        ctx.placement = gain, front, skip
-        ctx.save_for_backward(z, weight, beta)
-        return u
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_u):
-        z, weight, beta = ctx.saved_tensors
-        g_z, shares = torch.ops.looplm.chunk_allocate_backward(grad_u, z, weight, beta, *ctx.placement)
-        total, size = shares.sum(dim=0), weight.numel()  # [g·d weights, g biases]
-        return (g_z, total[:size].view_as(weight).to(weight.dtype), total[size:].to(weight.dtype),
-                None, None, None, None)
 
 
 def build_up(kind: str, dim: int, chunk: int) -> nn.Module:
