@@ -47,6 +47,14 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], seed: int) -> tuple[to
     return torch.autograd.grad((out * weights).sum(), inputs)
 
 
+def assert_same_values_and_gradients(got: torch.Tensor, want: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """``got`` equals ``want`` and so do the gradients of a weighted sum of each with respect
+    to ``inputs``, within float32 rounding (relative to each gradient's largest entry)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_grads(got, inputs, seed=1), _grads(want, inputs, seed=1), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(b.abs().max().item(), 1.0))
+
+
 def _shifted(grid: torch.Tensor, front: int, skip: int, length: int) -> torch.Tensor:
     """What MultiResolution.up makes of S↑'s [B, m·g, d] grid: crop ``skip`` slots, pad
     ``front`` zero rows, crop to ``length`` (Eq. 22)."""
@@ -68,10 +76,7 @@ def test_aggregation_equals_the_reference(B, g, d, data):
     tokens = torch.randn(B, L, d, generator=torch.Generator().manual_seed(L)).to(DEVICE).requires_grad_()
     want = op(chunk_grid(tokens, lead, n, g), lead)
     got = op.fused(tokens, lead, n, g)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    inputs = [tokens, *op.parameters()]
-    for a, b in zip(_grads(got, inputs, seed=1), _grads(want, inputs, seed=1), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(b.abs().max().item(), 1.0))
+    assert_same_values_and_gradients(got, want, [tokens, *op.parameters()])
 
 
 @runs_kernels
@@ -88,10 +93,7 @@ def test_allocation_equals_the_reference(B, g, d, m, data):
     z = torch.randn(B, m, d, generator=torch.Generator().manual_seed(m)).to(DEVICE).requires_grad_()
     want = _shifted(op(z).reshape(B, m * g, d), front, skip, length)
     got = op.fused(z, front, skip, length)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    inputs = [z, *op.parameters()]
-    for a, b in zip(_grads(got, inputs, seed=2), _grads(want, inputs, seed=2), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(b.abs().max().item(), 1.0))
+    assert_same_values_and_gradients(got, want, [z, *op.parameters()])
 
 
 @runs_kernels
