@@ -17,6 +17,9 @@ clipping, AdamW), with ``train.compile`` off and on. Variants, all of unrolled d
   whole blocks re-applied 3 times), both against ``dense`` (vanilla);
 - ``gdn``: ``dense`` with gated DeltaNet in place of softmax attention.
 
+A variant that fails to build or to train (its kernels on a new device, say) is reported
+under **Failed** and the others are timed; the script then exits with status 1.
+
 Timing: after ``--warmup`` steps per variant (the compiled ones compile there), ``--repeats``
 rounds each time ``--steps`` steps of every variant in turn (interleaved, so a change in the
 machine's load hits all alike); a variant's step time is the median over rounds. FLOPs per
@@ -160,17 +163,26 @@ def measure(args) -> dict[str, Any]:
     if args.compile:  # one code object per LoopLM method serves every variant: allow their guards
         torch._dynamo.config.recompile_limit = 64
         torch._dynamo.config.accumulated_recompile_limit = 4096
-    jobs, trainers, first = [], {}, {}
+    jobs, trainers, first, failed = [], {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for compiled in settings:
             for name in args.variants:
                 key = (name, compiled)
-                trainers[key] = build(name, args, str(Path(tmp) / f"{name}-{int(compiled)}"), compiled)
-                start = time.perf_counter()
-                for _ in range(max(1, args.warmup)):
-                    trainers[key].train_step()
-                    first.setdefault(key, time.perf_counter() - start)
+                try:  # a variant whose kernels fail on this device is reported; the others are timed
+                    trainers[key] = build(name, args, str(Path(tmp) / f"{name}-{int(compiled)}"), compiled)
+                    start = time.perf_counter()
+                    for _ in range(max(1, args.warmup)):
+                        trainers[key].train_step()
+                        first.setdefault(key, time.perf_counter() - start)
+                except Exception as err:  # noqa: BLE001 - any failure of one variant
+                    failed[key] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                    print(f"[train_throughput] {name} (compile={compiled}) failed: {failed[key]}", file=sys.stderr,
+                          flush=True)
+                    trainers.pop(key, None)
+                    continue
                 jobs.append(key)
+        if not jobs:
+            raise RuntimeError(f"every variant failed: {failed}")
         device = trainers[jobs[0]].device
         peak, peak_source = peak_of(args, device)
         times: dict[tuple[str, bool], list[float]] = {key: [] for key in jobs}
@@ -185,9 +197,9 @@ def measure(args) -> dict[str, Any]:
                     peak, first[(name, compiled)])
                 for name, compiled in jobs]
         profiles = {(name, compiled): profile(trainers[(name, compiled)], args.steps)
-                    for name in args.profile for compiled in settings}
+                    for name in args.profile for compiled in settings if (name, compiled) in trainers}
     return {"rows": rows, "ratios": ratios(rows), "peak": peak, "peak_source": peak_source, "device": device,
-            "profiles": profiles}
+            "profiles": profiles, "failed": failed}
 
 
 def ratios(rows: list[Row]) -> list[dict[str, Any]]:
@@ -303,7 +315,11 @@ def report(args, result: dict[str, Any], argv: list[str], load: tuple[float, flo
     compiled_modes = sorted({r.compiled for r in rows})
     if compiled_modes == [False, True]:
         lines += ["", "Compile speed-up (eager step / compiled step): " + ", ".join(
-            f"{name} {by[(name, False)].seconds / by[(name, True)].seconds:.2f}" for name in args.variants)]
+            f"{name} {by[(name, False)].seconds / by[(name, True)].seconds:.2f}" for name in args.variants
+            if (name, False) in by and (name, True) in by)]
+    if result["failed"]:
+        lines += ["", "**Failed** (not timed): " + "; ".join(
+            f"{name}{' compiled' if compiled else ''}: `{error}`" for (name, compiled), error in result["failed"].items())]
     lines += ["", "## Targets", "", "| target | compile | measured | value | bound | result |",
               "| --- | --- | --- | ---: | --- | --- |"]
     for q in result["ratios"]:
@@ -361,4 +377,4 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed"] else 0)  # the report is written either way

@@ -286,6 +286,33 @@ def test_train_throughput_core_reports_consistent_numbers(tmp_path):
     assert len(verdicts) == 4, text  # base, mesh, SpiralFormer, SGT
     assert "1.000e+11 FLOP/s (given (--peak-flops))" in text
     assert "GDN trains on: looplm's PyTorch chunk op (no CUDA device" in text
+    assert not result["failed"] and "Failed" not in text
+
+
+def test_train_throughput_reports_a_failing_variant_and_times_the_others(tmp_path, monkeypatch):
+    """A variant that fails on the device (its kernels, say) costs the run only its own row:
+    the failure is reported, the rest are timed, and the script's exit status says so."""
+    bench = benchmark("train_throughput")
+    build = bench.build
+
+    def failing(name, *args, **kwargs):
+        if name == "mesh":
+            raise RuntimeError("PTX compilation failed\nsecond line")
+        return build(name, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "build", failing)
+    threads = torch.get_num_threads()
+    argv = ["--width", "32", "--seq", "16", "--batch", "1", "--steps", "1", "--repeats", "1", "--warmup", "1",
+            "--no-compile", "--threads", "1", "--variants", "dense", "mesh", "base", "--out", str(tmp_path / "t.md")]
+    try:
+        result = bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.variant for r in result["rows"]] == ["dense", "base"]
+    assert result["failed"] == {("mesh", False): "RuntimeError: PTX compilation failed"}
+    text = (tmp_path / "t.md").read_text()
+    assert "**Failed** (not timed): mesh: `RuntimeError: PTX compilation failed`" in text
+    assert "| base | no |" in text and "| mesh | no |" not in text
 
 
 def test_launch_counts_table_names_every_target(tmp_path):
