@@ -74,7 +74,7 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict, capability: t
 
 
 def _resolution_calls(dtype: torch.dtype):
-    """SpiralFormer's self-aggregation and router at the GPU benchmark's width, g = 8."""
+    """SpiralFormer's down- and up-scaling, learned and fixed, at the GPU benchmark's width, g = 8."""
     from looplm.ops import resolution_triton as rt
 
     B, T, d, g, n = 2, 64, 1024, 8, 8
@@ -84,10 +84,11 @@ def _resolution_calls(dtype: torch.dtype):
     alpha, beta = torch.rand(B, n, g), torch.rand(B, n, g)
 
     def run():
-        rt.aggregate(tokens, scorer_w, scorer_b, 4, n, g)
-        rt.aggregate_backward(grad_z, tokens, scorer_w, alpha, 4)
-        rt.allocate(grad_z, router_w, router_b, g**0.5, 7, 4, T)
-        rt.allocate_backward(tokens, grad_z, router_w, beta, g**0.5, 7, 4)
+        for scorer, router in (((scorer_w, scorer_b), (router_w, router_b)), ((None, None), (None, None))):
+            rt.aggregate(tokens, *scorer, 4, n, g)  # self-aggregation; the mean
+            rt.aggregate_backward(grad_z, tokens, scorer[0], alpha, 4)
+            rt.allocate(grad_z, *router, g, g**0.5, 7, 4, T)  # the allocation router; uniform
+            rt.allocate_backward(tokens, grad_z, router[0], beta, g**0.5, 7, 4)
 
     kernels = [rt._aggregate_forward_kernel, rt._aggregate_backward_kernel, rt._allocate_forward_kernel,
                rt._allocate_backward_kernel]

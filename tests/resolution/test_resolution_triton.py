@@ -21,7 +21,9 @@ pytest.importorskip("triton")
 from looplm import LoopLM  # noqa: E402
 from looplm.config_base import ConfigError  # noqa: E402
 from looplm.model_config import ModelConfig  # noqa: E402
-from looplm.resolution import AllocationRouter, MultiResolution, SelfAggregation  # noqa: E402
+from looplm.resolution import (  # noqa: E402
+    AllocationRouter, MeanPool, MultiResolution, SelfAggregation, UniformBroadcast,
+)
 from looplm.resolution.downscale import chunk_grid  # noqa: E402
 from tests.conftest import random_ids, tiny_config  # noqa: E402
 from tests.invariants import assert_decodes_like_full_forward, prefill_then_tokens  # noqa: E402
@@ -64,15 +66,15 @@ def _shifted(grid: torch.Tensor, front: int, skip: int, length: int) -> torch.Te
 
 @runs_kernels
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(B=st.integers(1, 3), g=st.integers(2, 9), d=st.integers(1, 70), data=st.data())
-def test_aggregation_equals_the_reference(B, g, d, data):
-    """Any batch, chunk size, width, lead (chunk 0's empty slots) and trailing tokens after
-    the last complete chunk: z and the gradients of the tokens (zero for the trailing ones),
-    the scorer's weight and bias within float32 rounding."""
+@given(B=st.integers(1, 3), g=st.integers(2, 9), d=st.integers(1, 70), learned=st.booleans(), data=st.data())
+def test_down_scaling_equals_the_reference(B, g, d, learned, data):
+    """Self-aggregation and the mean, any batch, chunk size, width, lead (chunk 0's empty
+    slots) and trailing tokens after the last complete chunk: z and the gradients of the
+    tokens (zero for the trailing ones), the scorer's weight and bias within float32 rounding."""
     lead = data.draw(st.integers(0, g - 1), "lead")
     L = data.draw(st.integers(max(1, g - lead), 5 * g), "length")
     n = (L + lead) // g
-    op = _randomised(SelfAggregation(d), seed=d)
+    op = _randomised(SelfAggregation(d) if learned else MeanPool(), seed=d)
     tokens = torch.randn(B, L, d, generator=torch.Generator().manual_seed(L)).to(DEVICE).requires_grad_()
     want = op(chunk_grid(tokens, lead, n, g), lead)
     got = op.fused(tokens, lead, n, g)
@@ -81,15 +83,17 @@ def test_aggregation_equals_the_reference(B, g, d, data):
 
 @runs_kernels
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(B=st.integers(1, 3), g=st.integers(2, 9), d=st.integers(1, 70), m=st.integers(1, 5), data=st.data())
-def test_allocation_equals_the_reference(B, g, d, m, data):
-    """Any batch, chunk size, width and placement (zero rows before the shift, slots read by
-    no new position, slots after the last one): ũ and the gradients of the latents, the
-    router's weights and biases within float32 rounding."""
+@given(B=st.integers(1, 3), g=st.integers(2, 9), d=st.integers(1, 70), m=st.integers(1, 5), learned=st.booleans(),
+       data=st.data())
+def test_up_scaling_equals_the_reference(B, g, d, m, learned, data):
+    """The allocation router and the uniform broadcast, any batch, chunk size, width and
+    placement (zero rows before the shift, slots read by no new position, slots after the
+    last one): ũ and the gradients of the latents, the router's weights and biases within
+    float32 rounding."""
     skip = data.draw(st.integers(0, g - 1), "skip")
     front = data.draw(st.integers(0, 2 * g), "front")
     length = front + data.draw(st.integers(1, m * g - skip), "rows read")
-    op = _randomised(AllocationRouter(d, g), seed=g)
+    op = _randomised(AllocationRouter(d, g) if learned else UniformBroadcast(g), seed=g)
     z = torch.randn(B, m, d, generator=torch.Generator().manual_seed(m)).to(DEVICE).requires_grad_()
     want = _shifted(op(z).reshape(B, m * g, d), front, skip, length)
     got = op.fused(z, front, skip, length)
@@ -180,8 +184,9 @@ def test_autocast_leaves_the_kernels_in_the_state_dtype():
 
 
 #: operators a compressed iteration adds to a full one on the CUDA path, forward + backward:
-#: aggregate and allocate (one kernel each way) and the two weight-gradient sums. The PyTorch
-#: operators add 32 (tests/resolution/test_reshape_path.py).
+#: aggregate and allocate (one kernel each way) and the two weight-gradient sums (4 for the
+#: mean and the uniform broadcast, which have no weights). The PyTorch operators add 32
+#: (tests/resolution/test_reshape_path.py).
 FUSED_OVERHEAD = 6
 
 
@@ -204,6 +209,9 @@ def test_a_compressed_iteration_launches_six_operators_more_than_a_full_one():
     for op in ("chunk_aggregate", "chunk_aggregate_backward", "chunk_allocate", "chunk_allocate_backward"):
         assert spiral.by_op[f"looplm.{op}"] == 3, detail
     assert spiral.ops - full.ops <= 3 * FUSED_OVERHEAD, detail
+    fixed = _step_count({**variants["spiral"], **on_kernels, "resolution": {
+        "down": "mean", "up": "uniform", "kernel": "triton"}}, DEVICE, length=32)
+    assert fixed.ops - full.ops <= 3 * 4, f"mean/uniform {fixed}; full {full}"  # no parameters: no sums
 
 
 @runs_kernels

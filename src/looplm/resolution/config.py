@@ -18,9 +18,9 @@ class ResolutionConfig(Config):
     (Eq. 16). up: S↑, ``router`` (output-dependent allocation, Eq. 21, default) or
     ``uniform`` (Eq. 20). offsets: ω_t per iteration, null for ⌊g_t/2⌋. shifts: s_t per
     iteration, null for g_t − 1 (single-token overlap); s_t ≥ g_t is the parallel regime.
-    kernel: where ``aggregate`` and ``router`` run (:data:`~looplm.ops.backend.KERNELS`):
-    ``auto`` as one Triton kernel forward and one backward each on CUDA
-    (:mod:`looplm.ops.resolution_triton`), PyTorch's operators elsewhere; ``torch`` everywhere.
+    kernel: where S↓ and S↑ run (:data:`~looplm.ops.backend.KERNELS`): ``auto`` as one
+    Triton kernel forward and one backward each on CUDA (:mod:`looplm.ops.resolution_triton`),
+    PyTorch's operators elsewhere; ``torch`` everywhere.
     """
 
     down: Literal["aggregate", "mean"] = "aggregate"

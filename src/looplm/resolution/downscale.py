@@ -35,6 +35,14 @@ class MeanPool(nn.Module):
         g = x.shape[2]
         return x[:, :, 0] if g == 1 else x.sum(dim=2) / g  # Eq. (16)
 
+    def fused(self, tokens: torch.Tensor, lead: int, chunks: int, chunk: int) -> torch.Tensor:
+        """:meth:`forward` of the first ``chunks`` chunks of ``tokens`` [B, L, d] (as
+        :func:`chunk_grid` lays them out, g > 1) as one Triton kernel forward and one backward
+        (:mod:`looplm.ops.resolution_triton`): the same z [B, n, d] at float32 rounding."""
+        from looplm.ops.resolution_triton import FusedAggregate
+
+        return FusedAggregate.apply(tokens, None, None, lead, chunks, chunk)
+
     def flop_cost(self, call: Call) -> Cost:
         return Cost(state=call.rows * call.width)  # Eq. (16): one add (and the 1/g scale) per token and channel
 

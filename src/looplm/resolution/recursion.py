@@ -47,10 +47,10 @@ from looplm.layout import Layout
 from looplm.mixers.base import MixerContext
 from looplm.ops.backend import use_triton
 from looplm.resolution.config import ResolutionConfig
-from looplm.resolution.downscale import SelfAggregation, build_down, chunk_grid
+from looplm.resolution.downscale import build_down, chunk_grid
 from looplm.resolution.schedule import IterationResolution, iteration_resolutions
 from looplm.resolution.state import ChunkState, StaticChunkState
-from looplm.resolution.upscale import AllocationRouter, build_up
+from looplm.resolution.upscale import build_up
 
 if TYPE_CHECKING:
     from looplm.cache import LoopCache
@@ -95,8 +95,8 @@ class MultiResolution(nn.Module):
     """Per-iteration S↓ (mean / self-aggregation) and S↑ (uniform / router) operators and the
     schedule (g_t, ω_t, s_t). Iterations at full resolution without shift are the identity
     and own no modules. ``down[str(t)]`` holds A^(t), ``up[str(t)]`` holds B^(t). On CUDA
-    (``model.resolution.kernel``) the learned ones, self-aggregation and the allocation router
-    with the shift, run as Triton kernels (:mod:`looplm.ops.resolution_triton`)."""
+    (``model.resolution.kernel``) S↓ and S↑ with the shift run as Triton kernels
+    (:mod:`looplm.ops.resolution_triton`)."""
 
     def __init__(self, cfg: ResolutionConfig, resolutions: Sequence[float], d_model: int):
         """cfg: ``model.resolution``; resolutions: r_t per iteration (the layout's);
@@ -108,10 +108,11 @@ class MultiResolution(nn.Module):
         self.up_ops = nn.ModuleDict({str(t): build_up(cfg.up, d_model, self.schedule[t].chunk) for t in active})
         self.kernel = cfg.kernel
 
-    def _fused(self, op: nn.Module, x: torch.Tensor, chunk: int) -> bool:
-        """Whether S↓/S↑ module ``op`` runs as its Triton kernel on ``x`` [..., d]: a learned
-        one, on CUDA under ``kernel: auto``, with a [g, d] tile that fits a program."""
-        if not isinstance(op, (SelfAggregation, AllocationRouter)) or not use_triton(x, self.kernel):
+    def _fused(self, x: torch.Tensor, chunk: int) -> bool:
+        """Whether this iteration's S↓ and S↑ run as Triton kernels on ``x`` [..., d]: chunks of
+        g > 1 (at g = 1 both are views), on CUDA under ``kernel: auto``, with a [g, d] tile
+        that fits a program."""
+        if chunk == 1 or not use_triton(x, self.kernel):
             return False
         from looplm.ops.resolution_triton import fits
 
@@ -160,8 +161,8 @@ class MultiResolution(nn.Module):
         tokens_start = it.chunk_start(done)  # position of tokens[:, 0]
         lead = tokens_start - (done * g - it.offset)  # empty slots before position 0 (chunk 0 with ω > 0)
         down = self.down_ops[str(t)]
-        if n and self._fused(down, tokens, g):  # one kernel reading the chunks in place
-            z = down.fused(tokens, lead, n, g)  # Eq. (17-18): [B, n, d]
+        if n and self._fused(tokens, g):  # one kernel reading the chunks in place
+            z = down.fused(tokens, lead, n, g)  # Eq. (16) or (17-18): [B, n, d]
         elif n:
             x = chunk_grid(tokens, lead, n, g)  # [B, n, g, d]: chunk done + k in row k
             z = down(x, lead)  # Eq. (16) or (17-18): [B, n, d]
@@ -265,8 +266,8 @@ class MultiResolution(nn.Module):
             m = read.shape[1]
             skip = first - j0 * g  # slots before ``first``: read by no new position (or empty, k < ω)
             up = self.up_ops[str(t)]
-            if self._fused(up, read, g):  # one kernel writing the shifted rows
-                u = up.fused(read, front, skip, T)  # Eq. (19, 21-22)
+            if self._fused(read, g):  # one kernel writing the shifted rows
+                u = up.fused(read, front, skip, T)  # Eq. (19-22)
             else:
                 grid = up(read).reshape(B, m * g, d)  # Eq. (19-21): slot j0·g + k at row k
                 rows = grid[:, skip:] if skip else grid

@@ -33,6 +33,13 @@ class UniformBroadcast(nn.Module):
         u = z if self.chunk == 1 else z * (self.gain / self.chunk)  # Eq. (20)
         return u[:, :, None].expand(B, m, self.chunk, d)
 
+    def fused(self, z: torch.Tensor, front: int, skip: int, length: int) -> torch.Tensor:
+        """:meth:`forward` placed by the causal shift (Eq. 22, g > 1) as one Triton kernel
+        forward and one backward, as :meth:`AllocationRouter.fused` places its own."""
+        from looplm.ops.resolution_triton import FusedAllocate
+
+        return FusedAllocate.apply(z, None, None, self.chunk, self.gain, front, skip, length)
+
     def flop_cost(self, call: Call) -> Cost:
         """Eq. (20): (λ/g) ẑ once per chunk latent (none at g = 1), then broadcast to its g slots."""
         return Cost(state=call.rows * call.width if self.chunk > 1 else 0)
@@ -59,7 +66,8 @@ class AllocationRouter(nn.Module):
         reshaping, cropping and padding :meth:`forward`'s output gives, at float32 rounding."""
         from looplm.ops.resolution_triton import FusedAllocate
 
-        return FusedAllocate.apply(z, self.router.weight, self.router.bias, self.gain, front, skip, length)
+        return FusedAllocate.apply(z, self.router.weight, self.router.bias, self.chunk, self.gain, front, skip,
+                                   length)
 
     def flop_cost(self, call: Call) -> Cost:
         """Eq. (21): the router B^(t) (d -> g) once per chunk latent (``call.rows`` of them), then
