@@ -31,6 +31,11 @@ from tests.resolution.test_reshape_path import CASES, IDS, _model, _step_count  
 from tests.triton_kernels import DEVICE, reruns_interpreted, run_interpreted, runs_kernels  # noqa: E402
 
 
+#: hypothesis examples per operator test: fewer on a GPU, where every new chunk size, width
+#: and kind compiles a kernel (benchmarks/gpu.sh gives all GPU tests one minute)
+EXAMPLES = 15 if DEVICE == "cpu" else 6
+
+
 @reruns_interpreted
 def test_kernels_equal_the_reference_under_the_triton_interpreter():
     run_interpreted(__file__, skipped=2)  # this test and the bfloat16 one
@@ -65,7 +70,7 @@ def _shifted(grid: torch.Tensor, front: int, skip: int, length: int) -> torch.Te
 
 
 @runs_kernels
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(B=st.integers(1, 3), g=st.integers(2, 9), d=st.integers(1, 70), learned=st.booleans(), data=st.data())
 def test_down_scaling_equals_the_reference(B, g, d, learned, data):
     """Self-aggregation and the mean, any batch, chunk size, width, lead (chunk 0's empty
@@ -82,7 +87,7 @@ def test_down_scaling_equals_the_reference(B, g, d, learned, data):
 
 
 @runs_kernels
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(B=st.integers(1, 3), g=st.integers(2, 9), d=st.integers(1, 70), m=st.integers(1, 5), learned=st.booleans(),
        data=st.data())
 def test_up_scaling_equals_the_reference(B, g, d, m, learned, data):
