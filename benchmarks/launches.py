@@ -117,7 +117,7 @@ def cuda_decode_counts(preset: str, dtype: str, compile) -> tuple[float, float]:
 def train_counts(variant: str, directory: str, kernel: str = "torch"):
     """Operators of one forward + backward of ``variant`` at d = 64 (gradients already
     allocated, as in training); ``kernel``: where MeSH's write-reads and SpiralFormer's
-    learned down- and up-scaling run (``triton``: as on CUDA, one custom operator per kernel
+    down- and up-scaling run (``triton``: as on CUDA, one custom operator per kernel
     launch)."""
     args = throughput.parse(["--width", "64", "--seq", "32", "--batch", "2", "--no-compile"])
     model = throughput.build(variant, args, str(Path(directory) / variant), False).model
