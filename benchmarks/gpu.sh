@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# One GPU run of looplm's device checks and benchmarks (issue 30), under 8 minutes on one
-# H100 or H200, each part under its own deadline:
+# One GPU run of looplm's device checks and benchmarks (issues 25 and 30), under 8 minutes on
+# one H100 or H200, each part under its own deadline, issue 25's training targets first (the
+# open ones; issue 30's decoding figures are committed and rerun last, as regressions):
 #
 #   1. the GPU tests (tests/gpu, CUDA cases only, -v so that a cut run still names what passed;
 #      in parallel processes when pytest-xdist is there, since Triton compiling dominates);
 #   1b. benchmarks/fla_check.py: fla's gated backward against the PyTorch ops per gated kind
 #      (GDN first), at 128-wide tiles where fla refuses it (issue 25's Hopper path);
-#   2. benchmarks/generate.py: batch 1 and 8 greedy generation, looplm vs transformers' LLaMA;
-#   3. benchmarks/long_context.py: the paper's lt2-0.6b shape at contexts 2048 and 8192,
-#      batch 8, with --compile cuda-graph, decode timed through model.generate;
+#   2. benchmarks/train_throughput.py --device cuda --dtype bf16 at the issue's size (d = 1024,
+#      1024 tokens, batch 8), eager, one target's variants at a time (loop efficiency, then
+#      SpiralFormer, SGT and GDN; the report rewritten after each), profiled;
+#   2b. the same, dense alone at d = 2048, eager and compiled (the compiled-MFU target);
+#   3. benchmarks/ladder_speed.py: the paper-size ladder's training step per rung, compiled
+#      with reduce-overhead (CUDA graphs);
 #   4. benchmarks/launches.py --device cuda: GPU kernels and launch calls per decoded token
 #      per block pass, profiled (the CPU-counted decode targets of issue 30 beside them);
-#   4b. benchmarks/ladder_speed.py: the paper-size ladder's training step per rung, compiled
-#      with reduce-overhead (CUDA graphs);
-#   5. benchmarks/train_throughput.py --device cuda --dtype bf16, eager (compiling every
-#      variant does not fit the deadline), with a profile of dense and gdn.
+#   5. benchmarks/generate.py: batch 1 and 8 greedy generation, looplm vs transformers' LLaMA;
+#   6. benchmarks/long_context.py: the paper's lt2-0.6b shape at contexts 2048 and 8192,
+#      batch 8, with --compile cuda-graph, decode timed through model.generate.
 #
 # Each part writes benchmarks/results/*-cuda.md (long_context and generate rewrite theirs
 # after every cell, so a part stopped at its deadline keeps what it measured), and this
@@ -145,31 +148,35 @@ fi
 # 1b. fla's gated backward checked against the PyTorch ops (GDN first; a row per kind as it ends).
 part "fla check" 20 "$PY" benchmarks/fla_check.py --out "$RESULTS/fla-check-cuda.md"
 
-# 2. Generation against transformers' LLaMA (batch 1 and 8, five systems).
-part "generate" 90 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \
-  --out "$RESULTS/generate-cuda.md"
+# 2. Training throughput, bf16 autocast, at issue 25's size: each target's variants side by side,
+# the report rewritten after each group (a cut keeps the targets it finished); then dense alone
+# at d = 2048, eager and compiled, for the compiled-MFU target.
+TRAIN=(benchmarks/train_throughput.py --device cuda --dtype bf16 --seq 1024 --batch 8 --steps 2 --repeats 3 --warmup 2)
+part "train throughput" 150 "$PY" "${TRAIN[@]}" --width 1024 --no-compile --profile dense mesh spiral sgt gdn \
+  --out "$RESULTS/train-throughput-cuda.md"
+part "train throughput, dense d=2048, compiled" 70 "$PY" "${TRAIN[@]}" --width 2048 --variants dense --compile \
+  --out "$RESULTS/train-throughput-2048-cuda.md"
 
-# 3. Long context at the paper's LT2 0.6B shape (100 block passes per token), the eager step
-# recorded as CUDA graphs, every model alike (the eager run of 2026-11-26 is in
-# long-context-lt2-0.6b-cuda.md; torch.compile of the 100-pass step does not finish inside a
-# part's deadline: long_context.py --compile runs it by hand).
-LONG=(benchmarks/long_context.py --device cuda --contexts 2048 8192 --batch 8 --new 16 --decode-via generate)
-part "long context, lt2-0.6b, CUDA graph" 110 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile cuda-graph \
-  --out "$RESULTS/long-context-lt2-0.6b-cuda-graph-cuda.md"
+# 3. The paper-size ladder's step per rung under train.compile=reduce-overhead (issue 25: a
+# rung's 5000 steps in under 2 minutes); dense and the adaptive UT+ACT first, a row each.
+part "ladder speed" 50 "$PY" benchmarks/ladder_speed.py --device cuda --compile reduce-overhead \
+  --rungs dense ut_act ar_trm --out "$RESULTS/ladder-speed-cuda.md"
 
 # 4. What a decoded token launches on the GPU (profiled kernels and launch calls per block
 # pass; the CPU-counted targets of issue 30 beside them).
-part "launches" 40 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
+part "launches" 30 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
 
-# 4b. The paper-size ladder's step per rung under train.compile=reduce-overhead (issue 25: a
-# rung's 5000 steps in under 2 minutes); dense and the adaptive UT+ACT first, a row each.
-part "ladder speed" 60 "$PY" benchmarks/ladder_speed.py --device cuda --compile reduce-overhead \
-  --rungs dense ut_act ar_trm --out "$RESULTS/ladder-speed-cuda.md"
+# 5. Generation against transformers' LLaMA (batch 1 and 8, five systems; rewritten per cell).
+part "generate" 40 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \
+  --out "$RESULTS/generate-cuda.md"
 
-# 5. Training throughput, bf16 autocast.
-part "train throughput" 90 "$PY" benchmarks/train_throughput.py --device cuda --dtype bf16 --width 512 --seq 1024 \
-  --batch 8 --steps 2 --repeats 3 --warmup 2 --no-compile --profile dense gdn \
-  --out "$RESULTS/train-throughput-cuda.md"
+# 6. Long context at the paper's LT2 0.6B shape (100 block passes per token), the eager step
+# recorded as CUDA graphs, every model alike (the eager run of 2026-11-26 is in
+# long-context-lt2-0.6b-cuda.md; torch.compile of the 100-pass step does not finish inside a
+# part's deadline: long_context.py --compile runs it by hand). Rewritten after every cell.
+LONG=(benchmarks/long_context.py --device cuda --contexts 2048 8192 --batch 8 --new 16 --decode-via generate)
+part "long context, lt2-0.6b, CUDA graph" 50 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile cuda-graph \
+  --out "$RESULTS/long-context-lt2-0.6b-cuda-graph-cuda.md"
 
 if ((DRY)); then
   exit 0

@@ -260,9 +260,12 @@ def test_train_throughput_core_reports_consistent_numbers(tmp_path):
     finally:
         torch.set_num_threads(threads)
     args = bench.parse(argv)
-    rows = {r.variant: r for r in result["rows"]}
-    assert sorted(rows) == sorted(bench.VARIANTS) and not any(r.compiled for r in rows.values())
-    for name, row in rows.items():
+    rows = {(r.group, r.variant): r for r in result["rows"]}
+    assert len(rows) == len(result["rows"]) and not any(r.compiled for r in rows.values())
+    # every variant timed, each beside the others of its target's group, dense in each group it serves
+    assert sorted(rows) == sorted((group, v) for group, members in bench.GROUPS for v in members)
+    assert {v for _, v in rows} == set(bench.VARIANTS)
+    for (_, name), row in rows.items():
         plain = count_flops(bench.run_config(name, args, str(tmp_path), False).model, 32).training_per_token
         if name in ("sgt", "block-loop"):  # grown: the counter charges the extra passes
             assert row.flops_per_token > plain
@@ -270,20 +273,22 @@ def test_train_throughput_core_reports_consistent_numbers(tmp_path):
             assert row.flops_per_token == plain
         assert row.seconds > 0 and row.tokens_per_s == pytest.approx(2 * 32 / row.seconds)
         assert row.mfu == pytest.approx(row.flops_per_token * row.tokens_per_s / 1e11)
-    dense, sgt, spiral, full = rows["dense"], rows["sgt"], rows["spiral"], rows["spiral-full"]
+    spiral, full = rows[("spiral", "spiral")], rows[("spiral", "spiral-full")]
+    sgt, dense_sgt, dense_loop = rows[("sgt", "sgt")], rows[("sgt", "dense")], rows[("loop", "dense")]
     assert spiral.flops_per_token < full.flops_per_token  # the coarse iterations cost less
     ratios = {(q["target"], q["what"].split()[0]): q for q in result["ratios"]}
-    base = ratios[("loop efficiency", "base")]
-    assert base["value"] == pytest.approx(rows["base"].flops_per_s / dense.flops_per_s)
+    base = ratios[("loop efficiency", "base")]  # against the dense timed beside it
+    assert base["value"] == pytest.approx(rows[("loop", "base")].flops_per_s / dense_loop.flops_per_s)
     spiral_q = ratios[("SpiralFormer saving", "wall-clock")]
     saving = (1 - spiral.seconds / full.seconds) / (1 - spiral.flops_per_token / full.flops_per_token)
     assert spiral_q["value"] == pytest.approx(saving)
     sgt_q = ratios[("SGT overhead", "step-time")]
-    overhead = (sgt.seconds / dense.seconds - 1) / (sgt.flops_per_token / dense.flops_per_token - 1)
+    overhead = (sgt.seconds / dense_sgt.seconds - 1) / (sgt.flops_per_token / dense_sgt.flops_per_token - 1)
     assert sgt_q["value"] == pytest.approx(overhead) and sgt_q["passed"] == (overhead <= 2.0)
     text = out.read_text()
     verdicts = [line for line in text.splitlines() if line.endswith(("| PASS |", "| FAIL |"))]
     assert len(verdicts) == 4, text  # base, mesh, SpiralFormer, SGT
+    assert "Not timed" not in text
     assert "1.000e+11 FLOP/s (given (--peak-flops))" in text
     assert "GDN trains on: looplm's PyTorch chunk op (no CUDA device" in text
     assert not result["failed"] and "Failed" not in text
@@ -308,11 +313,60 @@ def test_train_throughput_reports_a_failing_variant_and_times_the_others(tmp_pat
         result = bench.main(argv)
     finally:
         torch.set_num_threads(threads)
-    assert [r.variant for r in result["rows"]] == ["dense", "base"]
+    assert [(r.group, r.variant) for r in result["rows"]] == [("loop", "dense"), ("loop", "base")]
     assert result["failed"] == {("mesh", False): "RuntimeError: PTX compilation failed"}
     text = (tmp_path / "t.md").read_text()
     assert "**Failed** (not timed): mesh: `RuntimeError: PTX compilation failed`" in text
-    assert "| base | no |" in text and "| mesh | no |" not in text
+    assert "| loop | base | no |" in text and "| mesh | no |" not in text
+
+
+def test_train_throughput_writes_each_group_as_it_ends(tmp_path):
+    """A run stopped at its deadline keeps the targets it finished: the report is rewritten
+    after each group (the reference timed again beside each), saying which groups are still
+    to come; a group that would time the reference alone is not run."""
+    bench = benchmark("train_throughput")
+    out = tmp_path / "t.md"
+    seen = []
+    write = bench.Path.write_text
+
+    def record(path, text, *args, **kwargs):  # the report as each group leaves it
+        if path.name == f".{out.name}.tmp":
+            seen.append(text)
+        return write(path, text, *args, **kwargs)
+
+    argv = ["--width", "32", "--seq", "16", "--batch", "1", "--steps", "1", "--repeats", "1", "--warmup", "1",
+            "--no-compile", "--threads", "1", "--variants", "sgt", "dense", "base", "--out", str(out)]
+    assert [g for g, _ in bench.groups_of(bench.parse(argv).variants)] == ["loop", "sgt"]
+    assert bench.groups_of(["dense"]) == [("loop", ["dense"])]  # not again in the SGT and GDN groups
+    threads = torch.get_num_threads()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bench.Path, "write_text", record)
+            result = bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r.group, r.variant) for r in result["rows"]] == [("loop", "dense"), ("loop", "base"),
+                                                            ("sgt", "dense"), ("sgt", "sgt")]
+    assert len(seen) == 3  # after each group, and the whole run's
+    first, last = seen[0], seen[-1]
+    assert "**Not timed** (the run stopped before these groups): sgt (eager)." in first
+    assert "| loop efficiency | eager |" in first and "SGT overhead" not in first
+    assert "Not timed" not in last and "| SGT overhead | eager |" in last and out.read_text() == last
+    assert "| loop | dense | no |" in last and "| sgt | dense | no |" in last
+
+
+def test_train_throughput_reports_the_compiled_dense_mfu():
+    """The compiled-MFU target (issue 25: >= 40 % at d = 2048) is read from the compiled dense row."""
+    bench = benchmark("train_throughput")
+    args = bench.parse(["--width", "2048", "--variants", "dense"])
+    rows = [bench.Row("dense", compiled, "loop", seconds, 8192, 1e9, 1e15, 1.0) for compiled, seconds in
+            ((False, 0.02), (True, 0.016))]
+    result = {"rows": rows, "ratios": bench.ratios(rows), "peak": 1e15, "peak_source": "given", "device": "cuda",
+              "profiles": {}, "failed": {}, "groups": [("loop", False), ("loop", True)],
+              "planned": [("loop", False), ("loop", True)]}
+    text = bench.report(args, result, [], (0.0, 0.0))
+    assert "Compiled dense MFU at d = 2048: 51.2 % (issue 25's target: >= 40 % at d = 2048)." in text
+    assert "Compile speed-up (eager step / compiled step): dense 1.25" in text
 
 
 def test_launch_counts_table_names_every_target(tmp_path):
