@@ -11,6 +11,8 @@
 #      1024 tokens, batch 8), eager, one target's variants at a time (loop efficiency, then
 #      SpiralFormer, SGT and GDN; the report rewritten after each), profiled;
 #   2b. the same, dense alone at d = 2048, eager and compiled (the compiled-MFU target);
+#   2c. benchmarks/kernels.py: MeSH's and SpiralFormer's Triton kernels under a grid of launch
+#      configurations, GB/s beside a device copy;
 #   3. benchmarks/ladder_speed.py: the paper-size ladder's training step per rung, compiled
 #      with reduce-overhead (CUDA graphs);
 #   4. benchmarks/launches.py --device cuda: GPU kernels and launch calls per decoded token
@@ -154,20 +156,24 @@ part "fla check" 20 "$PY" benchmarks/fla_check.py --out "$RESULTS/fla-check-cuda
 TRAIN=(benchmarks/train_throughput.py --device cuda --dtype bf16 --seq 1024 --batch 8 --steps 2 --repeats 3 --warmup 2)
 part "train throughput" 150 "$PY" "${TRAIN[@]}" --width 1024 --no-compile --profile dense mesh spiral sgt gdn \
   --out "$RESULTS/train-throughput-cuda.md"
-part "train throughput, dense d=2048, compiled" 70 "$PY" "${TRAIN[@]}" --width 2048 --variants dense --compile \
+part "train throughput, dense d=2048, compiled" 60 "$PY" "${TRAIN[@]}" --width 2048 --variants dense --compile \
   --out "$RESULTS/train-throughput-2048-cuda.md"
+
+# 2c. MeSH's and SpiralFormer's Triton kernels under other launch configurations, timed side by
+# side against a device copy (what to change if their variants above fall short).
+part "kernels" 30 "$PY" benchmarks/kernels.py --device cuda --out "$RESULTS/kernels-cuda.md"
 
 # 3. The paper-size ladder's step per rung under train.compile=reduce-overhead (issue 25: a
 # rung's 5000 steps in under 2 minutes); dense and the adaptive UT+ACT first, a row each.
-part "ladder speed" 50 "$PY" benchmarks/ladder_speed.py --device cuda --compile reduce-overhead \
+part "ladder speed" 45 "$PY" benchmarks/ladder_speed.py --device cuda --compile reduce-overhead \
   --rungs dense ut_act ar_trm --out "$RESULTS/ladder-speed-cuda.md"
 
 # 4. What a decoded token launches on the GPU (profiled kernels and launch calls per block
 # pass; the CPU-counted targets of issue 30 beside them).
-part "launches" 30 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
+part "launches" 25 "$PY" benchmarks/launches.py --device cuda --dtype bf16 --out "$RESULTS/launches-cuda.md"
 
 # 5. Generation against transformers' LLaMA (batch 1 and 8, five systems; rewritten per cell).
-part "generate" 40 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \
+part "generate" 35 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --repeats 3 --warmup 2 \
   --out "$RESULTS/generate-cuda.md"
 
 # 6. Long context at the paper's LT2 0.6B shape (100 block passes per token), the eager step
@@ -175,7 +181,7 @@ part "generate" 40 "$PY" benchmarks/generate.py --device cuda --new-tokens 64 --
 # long-context-lt2-0.6b-cuda.md; torch.compile of the 100-pass step does not finish inside a
 # part's deadline: long_context.py --compile runs it by hand). Rewritten after every cell.
 LONG=(benchmarks/long_context.py --device cuda --contexts 2048 8192 --batch 8 --new 16 --decode-via generate)
-part "long context, lt2-0.6b, CUDA graph" 50 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile cuda-graph \
+part "long context, lt2-0.6b, CUDA graph" 45 "$PY" "${LONG[@]}" --shape lt2-0.6b --compile cuda-graph \
   --out "$RESULTS/long-context-lt2-0.6b-cuda-graph-cuda.md"
 
 if ((DRY)); then

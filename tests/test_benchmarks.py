@@ -369,6 +369,50 @@ def test_train_throughput_reports_the_compiled_dense_mfu():
     assert "Compile speed-up (eager step / compiled step): dense 1.25" in text
 
 
+def test_kernel_launches_agree_with_the_default_under_the_interpreter(tmp_path):
+    """benchmarks/kernels.py on CPU (TRITON_INTERPRET=1, tiny sizes): every looplm Triton
+    kernel it sweeps runs under each launch it would time on a GPU and gives the default's
+    results (other positions per program: other program boundaries, the same rows)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "kernels.md"
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--device", "cpu", "--small",
+                           "--dtype", "fp32", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sections = out.read_text().split("\n## ")[1:]
+    assert len(sections) == 6, out.read_text()  # MeSH and both SpiralFormer ops, forward and backward
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("| ") and "=" in line]
+        assert len(rows) >= 2 and sum("| yes |" in row for row in rows) == 1, section  # the default and others
+        assert "failed" not in section, section
+        assert all(float(row.rsplit("|", 2)[1]) <= 1e-5 for row in rows), section
+
+
+def test_kernel_sweep_reports_a_launch_that_changes_the_results():
+    """Not vacuous: a launch whose results differ from the default's shows the difference,
+    and one the compiler refuses is a row that says so, not the end of the run."""
+    bench = benchmark("kernels")
+
+    class Module:
+        @staticmethod
+        def _blocks(n):
+            return {"BN": 4}
+
+    def op(x):
+        launch = Module._blocks(x.numel())
+        if launch["BN"] == 3:
+            raise RuntimeError("out of resources\nmore")
+        return x * launch["BN"] / 4
+
+    kernel = bench.Kernel("stand-in", Module, op, (torch.ones(4),), [{"BN": 4}, {"BN": 2}, {"BN": 3}])
+    bench.run_kernel(kernel, lambda fn: 1.0)
+    rows = {row["launch"]["BN"]: row for row in kernel.rows}
+    assert sorted(rows) == [2, 3, 4] and rows[4]["default"] and rows[4]["diff"] == 0  # the default once
+    assert rows[2]["diff"] == 0.5 and rows[2]["gbps"] == pytest.approx(32 / 1e6)
+    assert rows[3]["error"] == "RuntimeError: out of resources"
+
+
 def test_launch_counts_table_names_every_target(tmp_path):
     out = tmp_path / "launches.md"
     run("launches.py", "--out", str(out))

@@ -158,9 +158,12 @@ def _backward_kernel(
     tl.store(GX + n[:, None] * d + dd[None, :], g_x.to(GX.dtype.element_ty), mask=md)
 
 
-def _blocks(d: int, S: int) -> tuple[int, int, int]:
+def _blocks(d: int, S: int) -> dict[str, int]:
+    """The launch of both kernels: BN positions per program (a [BN, d] tile of TILE elements or
+    fewer), channels and slots padded to powers of two, ``num_warps`` (``benchmarks/kernels.py``
+    times other choices)."""
     BD, BS = triton.next_power_of_2(d), triton.next_power_of_2(S)
-    return max(1, min(64, TILE // BD)), BD, BS
+    return dict(BN=max(1, min(64, TILE // BD)), BD=BD, BS=BS, num_warps=4)
 
 
 def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
@@ -184,15 +187,15 @@ def write_read(state: torch.Tensor, update: Optional[torch.Tensor], values: torc
     weights_out = state.new_empty(B, T, J + 1, S)
     probs = state.new_empty(B, T, 2, S)
     coef = state.new_empty(B, T, J + 1)
-    BN, BD, BS = _blocks(d, S)
+    launch = _blocks(d, S)
     u = state if update is None else update
     params = [p.contiguous() for p in (write_weight, write_bias, read_weight, read_bias)]
-    _forward_kernel[(triton.cdiv(B * T, BN),)](
+    _forward_kernel[(triton.cdiv(B * T, launch["BN"]),)](
         state, u, values, weights, *params, h, values_out, weights_out, probs, coef,
         B * T, T, J, d, S,
         state.stride(0), state.stride(1), u.stride(0), u.stride(1), values.stride(0), values.stride(1),
         values.stride(2), weights.stride(0), weights.stride(1), weights.stride(2), weights.stride(3),
-        HAS_UPDATE=update is not None, BN=BN, BD=BD, BS=BS,
+        HAS_UPDATE=update is not None, **launch,
     )
     return h, values_out, weights_out, probs, coef
 
@@ -224,13 +227,13 @@ def write_read_backward(grad_h: Optional[torch.Tensor], grad_values: Optional[to
     g_values = values.new_empty(B, T, J1 - 1, d)
     g_weights = weights.new_empty(B, T, J1 - 1, S)
     g_logits = state.new_empty(B * T, 2 * S)
-    BN, BD, BS = _blocks(d, S)
-    _backward_kernel[(triton.cdiv(B * T, BN),)](
+    launch = _blocks(d, S)
+    _backward_kernel[(triton.cdiv(B * T, launch["BN"]),)](
         *(g_state if g is None else g for g in grads), write_weight.contiguous(), read_weight.contiguous(),
         probs, weights, values, coef, g_state, g_state if writes_state else g_update, g_values, g_weights, g_logits,
         B * T, J1 - 1, d, S,
         HAS_GH=grads[0] is not None, HAS_GV=grads[1] is not None, HAS_GW=grads[2] is not None,
-        WRITES_STATE=writes_state, BN=BN, BD=BD, BS=BS,
+        WRITES_STATE=writes_state, **launch,
     )
     return g_state, g_update, g_values, g_weights, g_logits
 
