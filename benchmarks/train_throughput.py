@@ -184,6 +184,31 @@ def groups_of(variants) -> list[tuple[str, list[str]]]:
     return out
 
 
+def warmed(name: str, compiled: bool, args, out_dir: str) -> tuple[Trainer, float]:
+    """The variant's trainer after ``--warmup`` steps (compiling, when compiled), and the
+    seconds of its first step."""
+    trainer = build(name, args, out_dir, compiled)
+    start = time.perf_counter()
+    trainer.train_step()
+    first = time.perf_counter() - start
+    for _ in range(args.warmup - 1):
+        trainer.train_step()
+    return trainer, first
+
+
+def time_rounds(trainers: dict[tuple[str, bool], Trainer], args) -> dict[tuple[str, bool], float]:
+    """Median seconds per step of each trainer over ``--repeats`` rounds of ``--steps`` steps,
+    the trainers in turn within a round (a change in the machine's load hits all alike)."""
+    times: dict[tuple[str, bool], list[float]] = {key: [] for key in trainers}
+    for _ in range(args.repeats):
+        for key, trainer in trainers.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                trainer.train_step()  # reads the loss back: synchronises the device
+            times[key].append((time.perf_counter() - start) / args.steps)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def measure(args, on_group: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Build, warm up and time every variant, group by group (:data:`GROUPS`); returns rows,
     ratios, profiles and the peak used. ``on_group`` gets the result so far after each group."""
@@ -193,58 +218,45 @@ def measure(args, on_group: Optional[Callable[[dict[str, Any]], None]] = None) -
         torch._dynamo.config.accumulated_recompile_limit = 4096
     groups = groups_of(args.variants)
     result: dict[str, Any] = {"rows": [], "ratios": [], "peak": None, "peak_source": None, "device": None,
-                              "profiles": {}, "failed": {}, "groups": [], "planned": [
-                                  (group, compiled) for compiled in settings for group, _ in groups]}
-    trainers, first, failed = {}, {}, result["failed"]
+                              "profiles": {}, "failed": {}, "groups": [],
+                              "planned": [(group, compiled) for compiled in settings for group, _ in groups]}
+    trainers: dict[tuple[str, bool], Trainer] = {}
+    first: dict[tuple[str, bool], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
+
+        def ready(name: str, compiled: bool) -> bool:  # built and warmed once, shared by its groups
+            key = (name, compiled)
+            if key not in trainers and key not in result["failed"]:
+                try:  # a variant whose kernels fail on this device is reported; the others are timed
+                    trainers[key], first[key] = warmed(name, compiled, args, str(Path(tmp) / f"{name}-{int(compiled)}"))
+                except Exception as err:  # noqa: BLE001 - any failure of one variant
+                    result["failed"][key] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                    print(f"[train_throughput] {name} (compile={compiled}) failed: {result['failed'][key]}",
+                          file=sys.stderr, flush=True)
+            return key in trainers
+
         for compiled in settings:
             for group, members in groups:
-                jobs = []
-                for name in members:
-                    key = (name, compiled)
-                    if key in failed:
-                        continue
-                    if key not in trainers:
-                        try:  # a variant whose kernels fail on this device is reported; the others are timed
-                            trainers[key] = build(name, args, str(Path(tmp) / f"{name}-{int(compiled)}"), compiled)
-                            start = time.perf_counter()
-                            for _ in range(max(1, args.warmup)):
-                                trainers[key].train_step()
-                                first.setdefault(key, time.perf_counter() - start)
-                        except Exception as err:  # noqa: BLE001 - any failure of one variant
-                            failed[key] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-                            print(f"[train_throughput] {name} (compile={compiled}) failed: {failed[key]}",
-                                  file=sys.stderr, flush=True)
-                            trainers.pop(key, None)
-                            continue
-                    jobs.append(key)
-                if jobs and result["peak"] is None:
-                    result["device"] = trainers[jobs[0]].device
+                jobs = {(name, compiled): trainers[(name, compiled)] for name in members if ready(name, compiled)}
+                if jobs and result["device"] is None:
+                    result["device"] = next(iter(jobs.values())).device
                     result["peak"], result["peak_source"] = peak_of(args, result["device"])
-                times: dict[tuple[str, bool], list[float]] = {key: [] for key in jobs}
-                for _ in range(args.repeats):
-                    for key in jobs:
-                        start = time.perf_counter()
-                        for _ in range(args.steps):
-                            trainers[key].train_step()  # reads the loss back: synchronises the device
-                        times[key].append((time.perf_counter() - start) / args.steps)
-                result["rows"] += [
-                    Row(name, compiled, group, statistics.median(times[(name, compiled)]), args.batch * args.seq,
-                        count_flops(trainers[(name, compiled)].model, args.seq).training_per_token,
-                        result["peak"], first[(name, compiled)])
-                    for name, compiled in jobs]
-                for key in jobs:
+                seconds = time_rounds(jobs, args)
+                result["rows"] += [Row(name, c, group, seconds[(name, c)], args.batch * args.seq,
+                                       count_flops(trainer.model, args.seq).training_per_token, result["peak"],
+                                       first[(name, c)]) for (name, c), trainer in jobs.items()]
+                for key, trainer in jobs.items():
                     if key[0] in args.profile and key not in result["profiles"]:
-                        result["profiles"][key] = profile(trainers[key], args.steps)
+                        result["profiles"][key] = profile(trainer, args.steps)
                 result["ratios"] = ratios(result["rows"])
                 result["groups"].append((group, compiled))
                 print(f"[train_throughput] {group} group ({'compiled' if compiled else 'eager'}) timed: "
-                      + ", ".join(f"{name} {1e3 * statistics.median(times[(name, c)]):.1f} ms" for name, c in jobs),
+                      + ", ".join(f"{name} {1e3 * t:.1f} ms" for (name, _), t in seconds.items()),
                       file=sys.stderr, flush=True)
                 if on_group is not None:
                     on_group(result)
     if not result["rows"]:
-        raise RuntimeError(f"every variant failed: {failed}")
+        raise RuntimeError(f"every variant failed: {result['failed']}")
     return result
 
 
