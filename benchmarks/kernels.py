@@ -35,6 +35,8 @@ from unittest import mock
 
 import torch
 
+from looplm.artifacts import write_text
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -62,14 +64,17 @@ def tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def sampler(device: str, dtype: torch.dtype, seed: int) -> Callable[..., torch.Tensor]:
+    """randn(*shape, scale=1.0): seeded normal samples in ``dtype`` on ``device``."""
+    generator = torch.Generator(device).manual_seed(seed)
+    return lambda *shape, scale=1.0: (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
+
+
 def _mesh(small: bool, device: str, dtype: torch.dtype) -> list[Kernel]:
     from looplm.ops import write_read_triton as wr
 
     B, T, d, J, S = (2, 4, 48, 2, 5) if small else (8, 1024, 1024, 2, 5)
-    g = torch.Generator(device).manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+    randn = sampler(device, dtype, seed=0)
 
     state, update, values = randn(B, T, d), randn(B, T, d), randn(B, T, J, d)
     weights = torch.softmax(randn(B, T, J, S).float(), -1).to(dtype)
@@ -89,10 +94,7 @@ def _resolution(small: bool, device: str, dtype: torch.dtype) -> list[Kernel]:
 
     B, T, d, chunk = (2, 16, 48, 4) if small else (8, 1024, 1024, 8)
     lead, n = chunk - 1, T // chunk  # chunk 0 holds chunk - 1 empty slots (the causal grid)
-    g = torch.Generator(device).manual_seed(1)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+    randn = sampler(device, dtype, seed=1)
 
     tokens, latents = randn(B, T, d), randn(B, n, d)
     scorer, router = (randn(1, d, scale=d**-0.5), randn(1)), (randn(chunk, d, scale=d**-0.5), randn(chunk))
@@ -213,11 +215,8 @@ def main(argv: Optional[list[str]] = None) -> list[Kernel]:
         done.append(kernel)
         text = report(args, done, copy_gbps, argv)
         if args.out:  # after each kernel: a run cut at its deadline keeps what it timed
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            write_text(Path(args.out), text, atomic=True)
         print(f"[kernels] {kernel.name}: {len(kernel.rows)} launches", file=sys.stderr, flush=True)
     print(text)
     return kernels

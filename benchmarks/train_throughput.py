@@ -60,6 +60,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from looplm.accounting import count_flops, device_peak_flops, mfu
+from looplm.artifacts import write_text
 from looplm.config import RunConfig
 from looplm.train import Trainer
 
@@ -366,25 +367,28 @@ def report(args, result: dict[str, Any], argv: list[str], load: tuple[float, flo
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
-    def reference(name: str, row: Row) -> Optional[Row]:  # the row timed beside ``row`` (else any)
-        same = [r for r in rows if r.variant == name and r.compiled == row.compiled]
-        return next((r for r in same if r.group == row.group), same[0] if same else None)
+    def timed(name: str, compiled: bool, group: str) -> Optional[Row]:  # timed in ``group``, else in any
+        same = [r for r in rows if r.variant == name and r.compiled == compiled]
+        return next((r for r in same if r.group == group), same[0] if same else None)
 
     for r in rows:
-        dense = reference("dense", r)
+        dense = timed("dense", r.compiled, r.group)
         vs = r.flops_per_s / dense.flops_per_s if dense else float("nan")
         lines.append(f"| {r.group} | {r.variant} | {'yes' if r.compiled else 'no'} | {1e3 * r.seconds:.1f} "
                      f"| {r.tokens_per_s:,.0f} | {r.flops_per_token:.4e} | {r.flops_per_s / 1e9:.2f} | {vs:.2f} | "
                      f"{'-' if r.mfu is None else f'{100 * r.mfu:.1f} %'} | {r.first_step_s:.1f} |")
-    gdn = [(r, reference("dense", r)) for r in rows if r.variant == "gdn"]
+    gdn = [(r, timed("dense", r.compiled, r.group)) for r in rows if r.variant == "gdn"]
     if any(dense for _, dense in gdn):
         lines += ["", "GDN vs attention (tokens/s ratio, no target): " + ", ".join(
             f"{'compiled' if r.compiled else 'eager'} {r.tokens_per_s / dense.tokens_per_s:.2f}"
             for r, dense in gdn if dense)]
     if gdn:
         lines += ["", f"GDN trains on: {gdn_backend(torch.device(result['device']))}."]
-    speedups = [(r, reference(r.variant, dataclasses.replace(r, compiled=False)))
-                for r in rows if r.compiled and r.variant in args.variants]
+    first_compiled: dict[str, Row] = {}  # each variant once (dense is timed in several groups)
+    for r in rows:
+        if r.compiled:
+            first_compiled.setdefault(r.variant, r)
+    speedups = [(r, timed(r.variant, False, r.group)) for r in first_compiled.values()]
     if any(eager for _, eager in speedups):
         lines += ["", "Compile speed-up (eager step / compiled step): " + ", ".join(
             f"{r.variant} {eager.seconds / r.seconds:.2f}" for r, eager in speedups if eager)]
@@ -440,18 +444,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse(argv)
     load_start = os.getloadavg()[0]
 
-    def write(result: dict[str, Any]) -> str:  # after each group: a run cut at a deadline keeps what it timed
+    text = ""
+
+    def write(result: dict[str, Any]) -> None:  # after each group: a run cut at a deadline keeps what it timed
+        nonlocal text
         text = report(args, result, argv, (load_start, os.getloadavg()[0]))
         if args.out:
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, out)
-        return text
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            write_text(Path(args.out), text, atomic=True)
 
-    result = measure(args, on_group=write)
-    print(write(result))
+    result = measure(args, on_group=write)  # the last group's report is the whole run's
+    print(text)
     return result
 
 
