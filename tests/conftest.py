@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -11,6 +12,12 @@ from looplm.ladder import RUNGS, rung_model
 from looplm.model_config import TOPOLOGIES, ModelConfig, TopologyConfig
 
 TOPOLOGY_KINDS = [k for k in TOPOLOGIES if k != "additive"]
+
+# The processes tests start (benchmarks, the CLI, torchrun ranks, the Triton interpreter's
+# reruns) single-threaded as well, unless the caller says otherwise: beside the other test
+# worker on 2 cores, a child's spinning OpenMP threads made tests/test_benchmarks.py's launch
+# count 99 s instead of 68.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -33,7 +33,7 @@ from tests.triton_kernels import DEVICE, reruns_interpreted, run_interpreted, ru
 
 #: hypothesis examples per operator test: fewer on a GPU, where every new chunk size, width
 #: and kind compiles a kernel (benchmarks/gpu.sh gives all GPU tests one minute)
-EXAMPLES = 15 if DEVICE == "cpu" else 6
+EXAMPLES = 10 if DEVICE == "cpu" else 6
 
 
 @reruns_interpreted

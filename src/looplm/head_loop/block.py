@@ -204,13 +204,13 @@ class BlockLoopBlock(GrownBlock):
     def _extra_pass(self, x, ctx, mixer, state, weights):
         return self._layer(x, ctx, state, mixer)
 
-
-#: ``model.head_loop.kind`` -> the grown block it builds
-
     def flop_cost(self, call: Call) -> Cost:
         """Block Loop: 1 + K_l applications of the whole block (K_l from ``self.head_loop``)."""
         attention, ffn = self.sublayer_costs(call)
         return (attention + ffn).scale(1 + self.extra_passes(max(call.iteration, 0)))
+
+
+#: ``model.head_loop.kind`` -> the grown block it builds
 GROWN_BLOCKS = {"heads": HeadLoopBlock, "block": BlockLoopBlock}
 
 
