@@ -470,6 +470,31 @@ def test_variants_trains_and_tabulates_only_those(tmp_path) -> None:
     assert err.value.field == "variants" and "a, b" in str(err.value)
 
 
+def test_a_part_leaves_the_final_tables_of_the_whole_study_as_they_are(tmp_path, caplog) -> None:
+    """A lane restarted after the whole table was written runs its part again (every run read
+    back): the whole study's results and sweep tables stay as they are, and stay final."""
+    import dataclasses
+    import logging
+
+    from looplm.study.definition import Sweep
+    from looplm.study.results import INCOMPLETE
+    from looplm.study.studies import VAL_LOSS
+
+    quick = dataclasses.replace(TINY.sizes["quick"], seeds=1, sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
+    study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,))
+    run_study(study, tmp_path, size="quick", variants=["b"])
+    assert (tmp_path / INCOMPLETE).is_file()  # a part before the whole: its own half tables
+    run_study(study, tmp_path, size="quick")
+    tables = ("results.md", "results.csv", "runs.csv", "paired.csv", "series.csv", "lr-sweep.md", "lr-sweep.csv")
+    whole = {name: (tmp_path / name).read_text() for name in tables}
+    assert "| a |" in whole["results.md"] and "| a |" in whole["lr-sweep.md"]
+    with caplog.at_level(logging.INFO, logger="looplm"):
+        run_study(study, tmp_path, size="quick", variants=["b"])
+    assert {name: (tmp_path / name).read_text() for name in tables} == whole
+    assert not (tmp_path / INCOMPLETE).exists()
+    assert "tables in" in caplog.text and "are final: this part (--variants b) left them as they are" in caplog.text
+
+
 def test_deviations_say_when_overrides_changed_the_size(tmp_path) -> None:
     import dataclasses
 

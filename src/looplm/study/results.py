@@ -301,6 +301,12 @@ def paired_table(result: StudyResult) -> str:
 #: read no table that has it (a lane training half of a study writes half a table).
 INCOMPLETE = "INCOMPLETE"
 
+
+def tables_final(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds the final tables of a whole study: its results.md, and no
+    :data:`INCOMPLETE` marker."""
+    return (out_dir / "results.md").is_file() and not (out_dir / INCOMPLETE).exists()
+
 PAIRED_FIELDS = ("study", "size", "variant", "reference", "metric", "seeds", "differences", "mean", "wins", "n",
                  "undecided")
 

@@ -59,6 +59,7 @@ from looplm.study.results import (
     run_rows,
     series_rows,
     summary_rows,
+    tables_final,
 )
 from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse, validation
 from looplm.study.studies import get_study, ladder_study
@@ -139,14 +140,18 @@ def run_study(
     if command is None:
         command = equivalent_command(study.name, size, out_dir, None if extend else seeds, overrides, threads, variants)
     start = time.perf_counter()
+    # a part of a study (--variants) never writes over the final tables of the whole study: a
+    # lane restarted after the other lane wrote the whole table would leave half of it
+    keep_tables = variants is not None and tables_final(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text(out_dir / INCOMPLETE, f"{command}\nstarted {time.strftime('%Y-%m-%d %H:%M:%S')}: the tables here are "
-               "not final until a run of the whole study (no --variants) finishes\n", atomic=True)
+    if not keep_tables:
+        write_text(out_dir / INCOMPLETE, f"{command}\nstarted {time.strftime('%Y-%m-%d %H:%M:%S')}: the tables here "
+                   "are not final until a run of the whole study (no --variants) finishes\n", atomic=True)
     if spec.sweep is not None:
         chosen = run_lr_sweep(study, size, out_dir, overrides, list(configs[seeds[0]]),
                               lambda name, seed, cfg: prepare_and_train(study, name, seed, cfg, finished_run(cfg),
                                                                         progress),
-                              lambda run: sweep_measure(study, run))
+                              lambda run: sweep_measure(study, run), write_tables=not keep_tables)
         configs = {seed: configs_at(seed) for seed in seeds}
     finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
     runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
@@ -175,11 +180,17 @@ def run_study(
             seeds.append(seed)
             configs[seed] = {run: cfg for run, cfg in configs_at(seed).items() if variant_of(run) in keep}
             finished.update({(run, seed): finished_run(cfg) for run, cfg in configs[seed].items()})
-        written = write_results(result, figures=i == len(seeds))  # an interrupted study leaves whole seeds' tables
+        if not keep_tables:  # an interrupted study leaves whole seeds' tables
+            written = write_results(result, figures=i == len(seeds))
     if variants is None:  # the whole study: its tables are final
         (out_dir / INCOMPLETE).unlink(missing_ok=True)
-    logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
-                ", ".join(str(p) for p in written))
+    if keep_tables:
+        logger.info("study %s (%s) done in %.0f s; the whole study's tables in %s are final: this part (--variants "
+                    "%s) left them as they are", study.name, size, time.perf_counter() - start, out_dir,
+                    ",".join(variants))
+    else:
+        logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
+                    ", ".join(str(p) for p in written))
     return result
 
 

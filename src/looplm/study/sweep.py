@@ -40,10 +40,11 @@ def with_lr(cfg: "RunConfig", lr: float) -> "RunConfig":
 
 
 def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str], runs: Sequence[str],
-                 train: Callable[[str, int, "RunConfig"], "Run"], measure: Callable[["Run"], dict]
-                 ) -> dict[str, float]:
+                 train: Callable[[str, int, "RunConfig"], "Run"], measure: Callable[["Run"], dict],
+                 write_tables: bool = True) -> dict[str, float]:
     """The chosen rate of each of ``runs`` (run name -> lr), after training and measuring the
-    sweep with ``train(name, seed, cfg)`` and ``measure(run)``; writes the sweep's tables."""
+    sweep with ``train(name, seed, cfg)`` and ``measure(run)``; writes the sweep's tables
+    (``write_tables``)."""
     sweep = study.size(size).sweep
     metric = study.primary
     if sweep is None or metric is None:
@@ -75,7 +76,8 @@ def run_lr_sweep(study: Study, size: str, out_dir: Path, overrides: Sequence[str
                 break
             lr = best / 2 if best == tried[0] else best * 2
             sweep_run(name, lr, configs_at(lr))
-    _write_tables(out_dir, study, values, chosen, sweep.overrides)
+    if write_tables:
+        _write_tables(out_dir, study, values, chosen, sweep.overrides)
     return chosen
 
 
