@@ -309,6 +309,7 @@ def test_spiral_compiled_generate_equals_eager_with_one_graph_per_phase(name, pr
     assert counters["stats"]["unique_graphs"] == len(phases), dict(counters["stats"])
     chunks = [it.chunk for it in model.resolution.schedule if not it.identity]
     assert len(phases) <= math.lcm(*chunks) + len(chunks)
+    assert name != "coprime-chunks" or len(phases) > 8  # past Dynamo's default recompile limit
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 

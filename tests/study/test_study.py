@@ -118,8 +118,11 @@ def test_sharing_study_compares_the_tied_core_with_two_lora_ranks() -> None:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
+    """Every study at its quick size over two seeds, but distillation: tests/study/
+    test_distill_study.py trains and checks its own."""
     out = tmp_path_factory.mktemp("studies")
-    return {name: run_study(name, out / name, size="quick", seeds=2, threads=1) for name in study_names()}
+    return {name: run_study(name, out / name, size="quick", seeds=2, threads=1)
+            for name in study_names() if name != "distill"}
 
 
 @pytest.mark.parametrize("name", ["mesh", "spiralformer", "sgt", "lt2", "ladder", "sharing", "depth"])
