@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from looplm.study.studies import STDLIB_LOSS_ROWS  # noqa: E402  (the rows the stdlib studies use)
+from looplm.study.studies.common import STDLIB_LOSS_ROWS  # noqa: E402  (the rows the stdlib studies use)
 
 ENV = "THP_MEM_ALLOC_ENABLE"
 #: row -> (study, size, run): that study row's model and batch, at its size's shared settings

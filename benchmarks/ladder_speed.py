@@ -25,7 +25,7 @@ from looplm.ladder import RUNGS
 from looplm.ladder.runner import ladder_configs
 from looplm.train import Trainer
 
-#: the study's paper size (looplm.study.studies._LADDER_PAPER) without evaluation or checkpoints
+#: the study's paper size (looplm.study.studies.ladder._LADDER_PAPER) without evaluation or checkpoints
 PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length=10", "data.task.min_length=10",
          "data.seq_len=33", "train.batch_size=64", "train.lr=3e-4", "train.eval_every=0", "train.save_every=0",
          "train.sample_tokens=0")

@@ -18,7 +18,7 @@ from looplm.provenance import code_version
 from looplm.study import RunSpec, Size, Study, get_study, run_study, study_names
 from looplm.study import measures as study_measures
 from looplm.study import runs as runs_module
-from looplm.study.studies import QUICK
+from looplm.study.studies.common import QUICK
 from looplm.train import Trainer, train_losses
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -44,7 +44,7 @@ def test_every_study_resolves_to_valid_configs(name, size, tmp_path) -> None:
     if size == "paper":
         assert study.size(size).wall_time
     if size == "stdlib":  # single epoch on the unrepeated corpus, each run's rate from a sweep
-        from looplm.study.studies import STDLIB_BATCH, STDLIB_SEQ, STDLIB_STEPS
+        from looplm.study.studies.common import STDLIB_BATCH, STDLIB_SEQ, STDLIB_STEPS
 
         spec = study.size(size)
         assert spec.sweep is not None and spec.max_seeds == 5 and spec.seeds == 3
@@ -207,7 +207,7 @@ def test_ladder_bias_sweep_trains_every_act_rung_at_three_starting_biases(tmp_pa
     default size's run; its quick form trains in seconds and reads out deeper the lower the
     bias; the bias is the sweep's, not an override's."""
     from looplm.ladder import RUNGS
-    from looplm.study.studies import ACT_RUNGS
+    from looplm.study.studies.ladder import ACT_RUNGS
 
     study = get_study("ladder", "bias-sweep")
     default = study.configs("default", tmp_path / "default", seed=1)
@@ -481,7 +481,7 @@ def test_a_part_leaves_the_final_tables_of_the_whole_study_as_they_are(tmp_path,
 
     from looplm.study.definition import Sweep
     from looplm.study.results import INCOMPLETE
-    from looplm.study.studies import VAL_LOSS
+    from looplm.study.studies.common import VAL_LOSS
 
     quick = dataclasses.replace(TINY.sizes["quick"], seeds=1, sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)))
     study = dataclasses.replace(TINY, sizes={"quick": quick}, metrics=(VAL_LOSS,))
@@ -569,7 +569,7 @@ def test_a_sweep_picks_each_runs_learning_rate_and_seeds_extend_while_undecided(
 
     from looplm.study import runner
     from looplm.study.definition import Metric, Sweep
-    from looplm.study.studies import VAL_LOSS
+    from looplm.study.studies.common import VAL_LOSS
 
     quick = dataclasses.replace(TINY.sizes["quick"], seeds=2, max_seeds=3,
                                 sweep=Sweep((1e-3, 3e-2), ("train.max_steps=2",)), notes=("a size note",))
@@ -611,7 +611,7 @@ def test_a_sweep_reads_the_final_validation_loss_without_the_studys_measure(tmp_
     import dataclasses
 
     from looplm.study.definition import Metric, Sweep
-    from looplm.study.studies import VAL_LOSS
+    from looplm.study.studies.common import VAL_LOSS
 
     measured = []
 
@@ -640,7 +640,7 @@ def test_an_added_seed_trains_only_the_undecided_rows_and_the_reference(tmp_path
     import dataclasses
 
     from looplm.study import runner
-    from looplm.study.studies import VAL_LOSS
+    from looplm.study.studies.common import VAL_LOSS
 
     three = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
                                                           "c": RunSpec("tiny-base", ("model.layout=1R3",))},
@@ -686,7 +686,7 @@ def test_comparisons_pair_each_row_with_its_own_baseline_and_decide_the_extensio
 
     from looplm.study import runner
     from looplm.study.results import Paired, paired
-    from looplm.study.studies import VAL_LOSS
+    from looplm.study.studies.common import VAL_LOSS
 
     size = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
                                                           "c": RunSpec("tiny-base", ("model.layout=1R3",))})
@@ -722,7 +722,7 @@ def test_a_sweep_tries_past_its_edge_while_the_best_rate_sits_on_it(tmp_path) ->
     import dataclasses
 
     from looplm.study.definition import Sweep
-    from looplm.study.studies import VAL_LOSS
+    from looplm.study.studies.common import VAL_LOSS
     from looplm.study.sweep import reachable_rates, run_lr_sweep, sweep_configs
 
     size = dataclasses.replace(TINY.sizes["quick"], runs={**TINY.sizes["quick"].runs,
@@ -809,7 +809,7 @@ def test_stdlib_sizes_compute_the_loss_without_logits_except_those_already_train
     """Studies started after ``train.loss_rows`` existed train with it (and say so); depth and
     sharing keep the logits their recorded runs trained with (so they are read back, not
     retrained), as does distillation, whose KD loss reads the logits."""
-    from looplm.study.studies import LOSS_ROWS_NOTE, STDLIB_LOSS_ROWS
+    from looplm.study.studies.common import LOSS_ROWS_NOTE, STDLIB_LOSS_ROWS
 
     sizes = {name: "stdlib" for name in ("mesh", "spiralformer", "sgt", "lt2", "depth", "sharing")}
     for name, size_name in {**sizes, "distill": "default"}.items():
@@ -825,7 +825,7 @@ def test_stdlib_sweeps_warm_up_as_the_full_runs_do(tmp_path) -> None:
     """A sweep run reaches its peak rate at the step the full run does (a warmup compressed
     with the sweep's budget mis-ranked rates for the depth study's deeper loop); the sharing size
     keeps the compressed sweep it ran, and says so."""
-    from looplm.study.studies import COMPRESSED_SWEEP_NOTE
+    from looplm.study.studies.common import COMPRESSED_SWEEP_NOTE
     from looplm.train.schedule import lr_at
 
     for name in ("mesh", "spiralformer", "sgt", "lt2", "depth", "sharing"):
