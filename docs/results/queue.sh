@@ -63,6 +63,8 @@ case "${1:-}" in
     study ladder --seeds 5 --out docs/results/ladder
     link_targets docs/results/ladder-bias-sweep
     study ladder --size bias-sweep --out docs/results/ladder-bias-sweep
+    # moved from lane b (≈ 5 h): lane b's four studies after LT2 ran ≈ 20 h against lane a's ≈ 13
+    study sgt --size stdlib --out docs/results/sgt-stdlib
     ;;
   b)
     half depth huginn fixed-mor huginn-fixed-T3,huginn-fixed-T4-k2,huginn-r4-k2 "${DEPTH[@]}"
@@ -72,7 +74,6 @@ case "${1:-}" in
     study mesh --size stdlib --out docs/results/mesh-stdlib
     link_targets docs/results/spiralformer-stdlib
     study spiralformer --size stdlib --out docs/results/spiralformer-stdlib
-    study sgt --size stdlib --out docs/results/sgt-stdlib
     study distill --out docs/results/distill
     ;;
   stage)
