@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from looplm import LoopLM
-from looplm.head_loop import attention as head_attention
 from looplm.head_loop.block import HeadLoopBlock
 from looplm.model_config import ModelConfig
-from looplm.modules.rotary import _rotated, apply_rotary_heads_last
+from looplm.modules.rotary import apply_rotary_heads_last
 from tests.head_loop.test_arrange import GROWN
 from tests.head_loop.test_arrange import VARIANTS as ARRANGE_VARIANTS
 
@@ -124,43 +123,6 @@ def test_head_passes_equal_autograds_chain_under_bf16_autocast(variant):
     for name in want:
         assert got[name].dtype == want[name].dtype, name
         torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=2e-3, msg=name)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rotary", [1.0, 0.5])
-def test_rotation_backward_is_the_rotation_by_minus_theta(rotary, dtype):
-    """The rotation's (modules/rotary.py:_Rotation, what apply_rotary_heads_last runs when
-    x takes a gradient) and _RotatedQKV's gradients against autograd's through the plain
-    rotation (``_rotated``), on odd sizes, for full and partial rotary tables; bf16
-    projections with float32 tables as under autocast (q, k float32, v and every gradient bf16)."""
-    torch.manual_seed(0)
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    B, T, n, D = 2, 5, 3, 8
-    R = int(D * rotary)
-    angles = torch.randn(B, T, R // 2)
-    cos = torch.cat([angles.cos()] * 2, dim=-1)
-    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
-    qkv = torch.randn(B, T, 3, n, D).to(dtype).requires_grad_()
-    grads = [torch.randn(B, T, n, D) for _ in range(2)] + [torch.randn(B, T, n, D).to(dtype)]
-
-    def plain(x):  # autograd's own chain through the forward's operators
-        return _rotated(x, cos[:, :, None], sin[:, :, None])
-
-    q, k, v = qkv.unbind(2)
-    want_out = (plain(q), plain(k), v)
-    want = torch.autograd.grad(want_out, qkv, grads)[0]
-    got_out = head_attention._RotatedQKV.apply(qkv, cos, sin)
-    got = torch.autograd.grad(got_out, qkv, grads)[0]
-    for a, b in zip(got_out, want_out):
-        assert torch.equal(a, b)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got, want, **tol)
-
-    x = qkv.detach()[:, :, 0].requires_grad_()
-    want = torch.autograd.grad(plain(x), x, grads[0])[0]
-    got = torch.autograd.grad(apply_rotary_heads_last(x, cos, sin), x, grads[0])[0]
-    assert got.dtype == dtype
-    torch.testing.assert_close(got, want, **tol)
 
 
 def test_grown_model_traces_as_one_graph():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from looplm import LoopCache, LoopLM
+from looplm.accounting.dispatch import count_dispatch
 from looplm.config_base import ConfigError
 from looplm.mixers import MixerContext
 from looplm.mixers.attention import RING_SPARE, SoftmaxAttention, blocked_window_attention
@@ -207,3 +208,33 @@ def test_a_refused_crop_leaves_every_layer_of_the_cache_as_it_was():
     assert {key: state.keys.shape[2] for key, state in cache.states.items()} == before
     assert cache.get_seq_length() == 8
     torch.testing.assert_close(model(x[:, 8:9], cache=cache).logits[:, 0], full[:, 8], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,rotary_dim,ops", [(4, 4, 15), (2, 4, 19), (4, 2, 16)],
+                         ids=["mha", "gqa", "partial-rotary"])
+def test_a_training_step_of_an_attention_layer_launches_fifteen_operators(kv_heads, rotary_dim, ops):
+    """Forward and backward of one attention layer (issue 25), 15 operators: forward the
+    q/k/v product, the rotation of q and k (three), SDPA and W_O; backward W_O's two
+    products, SDPA's backward, the split and rotation's hand-written four
+    (modules/rotary.py:split_rotated_qkv, where autograd's slices of the one projection took
+    nine) and the q/k/v product's two. Partial rotary joins its pass-through channels back
+    (one more); grouped-query heads repeat K and V for SDPA in training and sum their
+    gradients back (four more). No slice of the projection is zero-padded and summed."""
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(16, 4, kv_heads, bias=False)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    positions = torch.arange(5).expand(2, 5)
+    ctx = MixerContext(rope=Rotary(rotary_dim, 10000.0)(positions, x.dtype), valid=torch.ones(2, 5, dtype=torch.bool),
+                       past=0, padded=False)
+    grad = torch.ones(2, 5, 16)
+
+    def step():
+        y, _ = layer(x, ctx)
+        y.backward(grad)
+
+    step()
+    layer.zero_grad(set_to_none=True)  # as between training steps
+    x.grad = None
+    counts, _ = count_dispatch(step)
+    assert counts.syncs == 0 and "aten.slice_backward" not in counts.by_op, counts.by_op
+    assert counts.ops <= ops, counts.by_op

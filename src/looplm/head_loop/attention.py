@@ -15,7 +15,7 @@ the same numbers, more work.
 
 A training step's operators per pass (DESIGN.md invariant 6): the split of q, k, v, the
 rotation of q and k and its backward are one function with a hand-written backward (the
-rotation by -θ: four operators where autograd's chain takes seven, :class:`_RotatedQKV`),
+rotation by -θ, :func:`~looplm.modules.rotary.split_rotated_qkv`, as every attention layer's),
 and the pass's residual is added by its W_O product (one ``addmm``) where the dtypes
 allow, as the dense FFN adds its own (:func:`looplm.modules.mlp.add_product`).
 """
@@ -27,14 +27,13 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from looplm.accounting.cost import Call, Cost, causal_pairs
 from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
 from looplm.modules.mlp import add_product
-from looplm.modules.rotary import apply_rotary_heads_last, hand_written_backward, turn_back_
+from looplm.modules.rotary import apply_rotary_heads_last, split_rotated_qkv
 
 
 @dataclasses.dataclass
@@ -102,32 +101,6 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
     return dataclasses.replace(weights, **stacked)
 
 
-class _RotatedQKV(torch.autograd.Function):
-    """q, k, v [B, T, n, D] of one projection qkv [B, T, 3, n, D] (its output's layout), q
-    and k rotated by cos, sin [B, T, R] (one call,
-    :func:`~looplm.modules.rotary.apply_rotary_heads_last`) and v a view. The backward
-    stacks the three gradients into qkv's gradient at once and turns q's and k's back in
-    place (:func:`~looplm.modules.rotary.turn_back_`): four operators where autograd's
-    split, rotation and unbind take seven. The tables take no gradient."""
-
-    @staticmethod
-    def forward(ctx, qkv, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        ctx.dtype = qkv.dtype
-        B, T, _, n, D = qkv.shape
-        qk = apply_rotary_heads_last(qkv[:, :, :2].flatten(2, 3), cos, sin)  # [B, T, 2·n, D]
-        q, k = qk.view(B, T, 2, n, D).unbind(2)
-        return q, k, qkv[:, :, 2]
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_q, grad_k, grad_v):
-        cos, sin = (t[:, :, None] for t in ctx.saved_tensors)  # [B, T, 1, R]
-        grad = torch.stack([grad_q, grad_k, grad_v], dim=2)  # [B, T, 3, n, D]
-        turn_back_(grad[:, :, :2].flatten(2, 3), cos, sin)
-        return grad.to(ctx.dtype), None, None
-
-
 def head_subset_attention(
     attn: SoftmaxAttention, x: torch.Tensor, ctx: MixerContext, loop: GrownLoop,
     weights: Optional[PassWeights] = None, state: Optional[KVState] = None,
@@ -142,15 +115,9 @@ def head_subset_attention(
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
 
-    if weights.qkv is not None:  # MHA: [B, T, 3, n, D]; q and k rotated together, before the head transpose
-        qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, 3, n, D)
-        if not hand_written_backward(*ctx.rope):
-            qk, v = qkv.split([2, 1], dim=2)
-            q, k = apply_rotary_heads_last(qk.flatten(2, 3), *ctx.rope).view(B, T, 2, n, D).unbind(2)
-            v = v.squeeze(2)
-        else:
-            q, k, v = _RotatedQKV.apply(qkv, *ctx.rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if weights.qkv is not None:  # MHA: [B, T, 3·n, D]; q and k rotated together, before the head transpose
+        qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, 3 * n, D)
+        q, k, v = (t.transpose(1, 2) for t in split_rotated_qkv(qkv, *ctx.rope, n, n))
     else:
         m = weights.kv.shape[0] // (2 * D)
         q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)

@@ -16,7 +16,7 @@ from torch import nn
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
 from looplm.mixers.base import MixerContext
 from looplm.mixers.reserve import Reserve, extend
-from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last
+from looplm.modules.rotary import apply_rotary, apply_rotary_heads_last, split_rotated_qkv
 
 
 #: positions a sliding window's cache keeps beyond the w − 1 its next query reads, in the
@@ -195,9 +195,8 @@ class SoftmaxAttention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
-        qk = apply_rotary_heads_last(qkv[:, :, : H + Hkv], *ctx.rope)  # queries and keys rotated in one pass
-        y, new_state = self.attend_rotated(qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2),
-                                           qkv[:, :, H + Hkv:].transpose(1, 2), ctx, state)
+        q, k, v = split_rotated_qkv(qkv, *ctx.rope, H, Hkv)  # queries and keys rotated in one pass
+        y, new_state = self.attend_rotated(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, state)
         if self.gate is not None:  # LT2 §4.4: head-specific elementwise output gate
             y = y * torch.sigmoid(self.gate(x))
         return self.o_proj(y), new_state

@@ -93,6 +93,48 @@ class _Rotation(torch.autograd.Function):
         return turned.to(ctx.dtype), None, None
 
 
+class _RotatedQKV(torch.autograd.Function):
+    """q [B, T, n_q, D], k and v [B, T, n_kv, D] of one projection qkv [B, T, n_q + 2·n_kv, D]
+    (a fused projection's output: the query heads, then the key heads, then the value
+    heads), q and k rotated by cos, sin [B, T, 1, R] and v a view. The backward
+    concatenates the three gradients into qkv's at once and turns q's and k's back in place
+    (:func:`turn_back_`): four operators, where autograd's chain through the slices, the
+    rotation and the sums of the slices' zero-padded gradients takes nine. The tables take
+    no gradient; without rotary channels (R = 0) nothing is rotated and the backward is the
+    concatenation alone."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_q, n_kv):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype, ctx.n_qk = qkv.dtype, n_q + n_kv
+        qk = qkv[:, :, : n_q + n_kv]
+        if cos.shape[-1]:
+            qk = _rotated(qk, cos, sin)
+        return qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v):
+        cos, sin = ctx.saved_tensors
+        grad = torch.cat([grad_q, grad_k, grad_v], dim=2)  # [B, T, n_q + 2·n_kv, D]
+        if cos.shape[-1]:
+            turn_back_(grad[:, :, : ctx.n_qk], cos, sin)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def split_rotated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
+                      n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries, keys and values of a fused projection qkv [B, T, n_q + 2·n_kv, D],
+    queries and keys rotated in one pass (cos/sin: [B, T, R]) -> q [B, T, n_q, D], k and v
+    [B, T, n_kv, D]. In training (qkv takes a gradient, the tables do not) the split and the
+    rotation have one hand-written backward (:class:`_RotatedQKV`); else they are views and
+    :func:`apply_rotary_heads_last`."""
+    if torch.is_grad_enabled() and qkv.requires_grad and not (cos.requires_grad or sin.requires_grad):
+        return _RotatedQKV.apply(qkv, cos[:, :, None], sin[:, :, None], n_q, n_kv)
+    qk = apply_rotary_heads_last(qkv[:, :, : n_q + n_kv], cos, sin)
+    return qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
+
+
 def hand_written_backward(cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether a rotation by these tables takes the backward written as the rotation by -θ
     (:class:`_Rotation`, head looping's ``_RotatedQKV``): it has rotary channels and the
