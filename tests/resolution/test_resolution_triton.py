@@ -199,7 +199,7 @@ FUSED_OVERHEAD = 6
 def test_a_compressed_iteration_launches_six_operators_more_than_a_full_one():
     """Issue 25's SpiralFormer-B against its full-resolution loop, as a GPU runs them (MeSH's
     write-read and the resolution operators on their kernels): 3 compressed iterations add
-    3 × 6 operators (1.045 × at d = 64; 1.24 × before), and no host syncs."""
+    3 × 6 operators (1.05 × at d = 64; 1.24 × before), and no host syncs."""
     from tests.resolution.test_reshape_path import _benchmark_variants
 
     variants = _benchmark_variants()
