@@ -4,7 +4,8 @@
 # call of a few minutes adds what it can and the next call goes on:
 #
 #   bash docs/results/ladder-paper.sh          # on the device: $OUT/ladder-paper.tgz holds
-#                                              # the finished rungs' records
+#                                              # the finished rungs' records (no $OUT: the
+#                                              # runs stay in docs/results/ladder-paper)
 #   tar xzf FILES_AT/ladder-paper.tgz          # here, in the repository root; commit them
 #
 # A rung whose records are in docs/results/ladder-paper (committed: they travel with the
@@ -26,7 +27,6 @@ BUDGET=${LADDER_PAPER_BUDGET:-540}
 RUNG=${LADDER_PAPER_RUNG:-150}
 DIR=${LADDER_PAPER_DIR:-docs/results/ladder-paper}
 read -r -a ARGS <<< "${LADDER_PAPER_ARGS:---paper train.device=cuda}"
-DEST=${OUT:-$DIR}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 START=$SECONDS
 RUNGS=${LADDER_PAPER_RUNGS:-$($PY -c "from looplm.ladder.rungs import RUNGS; print(*RUNGS)")}
@@ -42,9 +42,14 @@ for rung in $RUNGS; do
     --no-progress || echo "[ladder-paper +$((SECONDS - START))s] $rung: stopped (status $?)"
 done
 
-# the records of every finished run (what the study reads back), as one file
-mkdir -p "$DEST"
-"$PY" - "$DIR" "$DEST/ladder-paper.tgz" <<'PYEOF'
+# the records of every finished run (what the study reads back), as one file for the device
+# to hand back; on a machine of one's own they are where the study reads them already
+if [[ -z ${OUT:-} ]]; then
+  echo "[ladder-paper] the runs are in $DIR (no \$OUT: nothing packed)"
+  exit 0
+fi
+mkdir -p "$OUT"
+"$PY" - "$DIR" "$OUT/ladder-paper.tgz" <<'PYEOF'
 import json
 import sys
 import tarfile
