@@ -46,14 +46,16 @@ def reference_head_subset_attention(attn, x, ctx, loop, weights, state):
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
     rows = x.reshape(B * T, d)
-    if weights.qkv is not None:
+    m = (weights.qkv.shape[0] // D - n) // 2
+    if m == n:  # MHA
         qk, v = _batched_linear(rows, *_stacked(weights.qkv, weights.qkv_bias, 3)).view(3, B, T, n, D).split([2, 1])
         q, k = (t.transpose(1, 2) for t in apply_rotary_heads_last(qk, *ctx.rope).unbind(0))
         v = v.squeeze(0).transpose(1, 2)
-    else:
-        m = weights.kv.shape[0] // (2 * D)
-        q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
-        k, v = _batched_linear(rows, *_stacked(weights.kv, weights.kv_bias, 2)).view(2, B, T, m, D).unbind(0)
+    else:  # q, then k and v: the GQA pass's two products before they were one
+        bias = weights.qkv_bias
+        q = F.linear(x, weights.qkv[: n * D], None if bias is None else bias[: n * D]).view(B, T, n, D)
+        kv_bias = None if bias is None else bias[n * D:]
+        k, v = _batched_linear(rows, *_stacked(weights.qkv[n * D:], kv_bias, 2)).view(2, B, T, m, D).unbind(0)
         q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
                                                  apply_rotary_heads_last(k, *ctx.rope), v))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
@@ -140,3 +142,26 @@ def test_grown_model_traces_as_one_graph():
     torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa_gate_bias", "gqa_4_groups"])
+def test_a_pass_projects_and_rotates_q_k_v_at_once(variant):
+    """Every arranged pass, grouped-query ones included, runs its q, k, v rows as one GEMM
+    and splits and rotates them in one function (one concatenation in its backward), where
+    the reference's chain takes two products (GQA) and autograd's slices: fewer operators
+    for the same gradients (checked above)."""
+    from looplm.accounting.dispatch import count_dispatch
+
+    model, reference = _models(variant, arranged=True)
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def counts(m):
+        def step():
+            m(ids[:, :-1], ids[:, 1:]).loss.backward()
+
+        step()
+        m.zero_grad(set_to_none=True)
+        return count_dispatch(step)[0]
+
+    got, want = counts(model), counts(reference)
+    assert got.syncs == 0 and got.ops < want.ops, (got.ops, want.ops)

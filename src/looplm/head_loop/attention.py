@@ -7,8 +7,8 @@ layer's ``qkv`` (and ``gate``) and their columns of ``o_proj``, so its cost scal
 them), taken once per block forward (:func:`pass_weights`) and shared by its K_l passes.
 
 Once the block's heads are arranged (:func:`permute_heads`, at growth events) S occupies
-the first slots and every view is narrow: no gathers, no host-built indices; under MHA
-q, k and v come from one GEMM and q, k are rotated in one call. Unarranged
+the first slots and every view is narrow: no gathers, no host-built indices; q, k and v
+come from one GEMM and q, k are rotated in one call (GQA too). Unarranged
 heads (a structure written by hand, or S spread over more than two shared GQA groups)
 are gathered with the device indices of :class:`~looplm.head_loop.structure.GrownLoop`:
 the same numbers, more work.
@@ -33,25 +33,21 @@ from looplm.head_loop.structure import GrownLoop
 from looplm.mixers.attention import KVState, SoftmaxAttention
 from looplm.mixers.base import MixerContext
 from looplm.modules.mlp import add_product
-from looplm.modules.rotary import apply_rotary_heads_last, split_rotated_qkv
+from looplm.modules.rotary import split_rotated_qkv
 
 
 @dataclasses.dataclass
 class PassWeights:
     """What the extra passes of one forward read: the weights of S's heads, ``qkv``
-    [3·n·D, d] (MHA: the q, k and v rows of the n heads, one after the other) or ``q``
-    [n·D, d] and ``kv`` [2·m·D, d] (grouped-query attention: the k and v rows of the m kv
-    heads S reads); ``gate`` [n·D, d] or None; ``out`` [d, n·D], S's columns of W_O;
-    ``*_bias`` alike (None without biases). Each projection is one plain matrix, so that a
-    pass runs it as one GEMM (``addmm``) whose backward needs no reduction over a batch of
-    copies of its input."""
+    [(n + 2·m)·D, d] (the q rows of the n heads, then the k and the v rows of the m kv
+    heads they read: m = n under MHA); ``gate`` [n·D, d] or None; ``out`` [d, n·D], S's
+    columns of W_O; ``*_bias`` alike (None without biases). Each projection is one plain
+    matrix, so that a pass runs it as one GEMM (``addmm``) whose backward needs no
+    reduction over a batch of copies of its input, and splits and rotates its q, k and v
+    at once (:func:`~looplm.modules.rotary.split_rotated_qkv`)."""
 
-    qkv: Optional[torch.Tensor]
+    qkv: torch.Tensor
     qkv_bias: Optional[torch.Tensor]
-    q: Optional[torch.Tensor]
-    q_bias: Optional[torch.Tensor]
-    kv: Optional[torch.Tensor]
-    kv_bias: Optional[torch.Tensor]
     gate: Optional[torch.Tensor]
     gate_bias: Optional[torch.Tensor]
     out: torch.Tensor
@@ -61,44 +57,45 @@ def pass_weights(attn: SoftmaxAttention, loop: GrownLoop) -> PassWeights:
     """S's rows of ``qkv`` / ``gate`` and columns of ``o_proj``: narrow views when its heads
     (and the kv heads they read) lie in consecutive slots, else gathered by the loop's
     device indices; under autocast cast once here for all K_l passes (not again by every
-    pass's products). The q, k, v rows (k, v under GQA) are made one matrix here, once for
-    the K_l passes: a copy when S is not every head (or the cast's copy under autocast)."""
+    pass's products). The q, k, v rows are made one matrix here, once for the K_l passes:
+    a copy when S is not every head of an MHA layer (or the cast's copy under autocast)."""
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     n, m = len(loop.slots), len(loop.kv_slots)
     narrow = loop.narrow
     q0, kv0 = loop.slots[0] * D, loop.kv_slots[0] * D  # first rows of S, of its kv heads (when narrow)
     W, b = attn.qkv.weight, attn.qkv.bias
     d = W.shape[1]
+    device_type = W.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+    def ready(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # cast once under autocast
+        return t if t is None or dtype is None else t.to(dtype)
 
     def q_part(t: Optional[torch.Tensor], dim: int = 0) -> Optional[torch.Tensor]:
         if t is None:
             return None
         return t.narrow(dim, q0, n * D) if narrow else t.index_select(dim, loop.pass_q_rows[: n * D])
 
-    def kv_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # t: [2, H_kv·D, ...]
-        if t is None:
-            return None
+    def kv_part(t: torch.Tensor) -> torch.Tensor:  # t: [2, H_kv·D, ...]
         return t.narrow(1, kv0, m * D) if narrow else t.index_select(1, loop.pass_kv_rows[: m * D])
 
-    gate_w, gate_b = (None, None) if attn.gate is None else (attn.gate.weight, attn.gate.bias)
-    if narrow and H == Hkv:  # one [3, n·D, d] view of q, k, v (their blocks have the same stride)
+    def one_matrix(blocks: list[torch.Tensor], width: tuple[int, ...]) -> torch.Tensor:
+        """Row blocks [k, r, *width] or [r, *width] as one [Σ k·r, *width] matrix (a view
+        where one block is contiguous, else a copy)."""
+        rows = [ready(t).reshape(-1, *width) for t in blocks]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    if narrow and H == Hkv:  # one [3, n·D, ...] view of q, k, v (their blocks have the same stride)
         rows = slice(q0, q0 + n * D)
-        parts = dict(qkv=W.view(3, H * D, d)[:, rows], qkv_bias=None if b is None else b.view(3, H * D)[:, rows],
-                     q=None, q_bias=None, kv=None, kv_bias=None)
-    else:
-        parts = dict(qkv=None, qkv_bias=None, q=q_part(W[: H * D]), q_bias=q_part(None if b is None else b[: H * D]),
-                     kv=kv_part(W[H * D:].view(2, Hkv * D, d)),
-                     kv_bias=kv_part(None if b is None else b[H * D:].view(2, Hkv * D)))
-    weights = PassWeights(**parts, gate=q_part(gate_w), gate_bias=q_part(gate_b), out=q_part(attn.o_proj.weight, 1))
-    device_type = W.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        weights = PassWeights(**{f.name: None if getattr(weights, f.name) is None else getattr(weights, f.name).to(dtype)
-                                 for f in dataclasses.fields(PassWeights)})
-    # one matrix per projection: [k, r, d] -> [k·r, d] and [k, r] -> [k·r] (a copy unless contiguous)
-    stacked = {key: getattr(weights, key).flatten(0, 1) for key in ("qkv", "qkv_bias", "kv", "kv_bias")
-               if getattr(weights, key) is not None}
-    return dataclasses.replace(weights, **stacked)
+        qkv = [W.view(3, H * D, d)[:, rows]]
+        qkv_bias = None if b is None else [b.view(3, H * D)[:, rows]]
+    else:  # S's q rows, then the k and v rows of the kv heads S reads
+        qkv = [q_part(W[: H * D]), kv_part(W[H * D:].view(2, Hkv * D, d))]
+        qkv_bias = None if b is None else [q_part(b[: H * D]), kv_part(b[H * D:].view(2, Hkv * D))]
+    gate_w, gate_b = (None, None) if attn.gate is None else (attn.gate.weight, attn.gate.bias)
+    return PassWeights(qkv=one_matrix(qkv, (d,)), qkv_bias=None if qkv_bias is None else one_matrix(qkv_bias, ()),
+                       gate=ready(q_part(gate_w)), gate_bias=ready(q_part(gate_b)),
+                       out=ready(q_part(attn.o_proj.weight, 1)))
 
 
 def head_subset_attention(
@@ -115,15 +112,9 @@ def head_subset_attention(
     B, T, d = x.shape
     D, n = attn.head_dim, len(loop.slots)
 
-    if weights.qkv is not None:  # MHA: [B, T, 3·n, D]; q and k rotated together, before the head transpose
-        qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, 3 * n, D)
-        q, k, v = (t.transpose(1, 2) for t in split_rotated_qkv(qkv, *ctx.rope, n, n))
-    else:
-        m = weights.kv.shape[0] // (2 * D)
-        q = F.linear(x, weights.q, weights.q_bias).view(B, T, n, D)
-        k, v = F.linear(x, weights.kv, weights.kv_bias).view(B, T, 2, m, D).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (apply_rotary_heads_last(q, *ctx.rope),
-                                               apply_rotary_heads_last(k, *ctx.rope), v))
+    m = (weights.qkv.shape[0] // D - n) // 2  # the kv heads S reads
+    qkv = F.linear(x, weights.qkv, weights.qkv_bias).view(B, T, n + 2 * m, D)  # q and k rotated together
+    q, k, v = (t.transpose(1, 2) for t in split_rotated_qkv(qkv, *ctx.rope, n, m))
     kv_index = loop.pass_kv[:n] if loop.kv_mapped else None
     y, new_state = attn.attend_rotated(q, k, v, ctx, state, kv_index)  # [B, T, n·D]
     if weights.gate is not None:  # LT2 §4.4's output gate, these heads' rows
