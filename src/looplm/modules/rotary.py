@@ -137,8 +137,9 @@ def split_rotated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
 
 def hand_written_backward(cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether a rotation by these tables takes the backward written as the rotation by -θ
-    (:class:`_Rotation`, head looping's ``_RotatedQKV``): it has rotary channels and the
-    tables want no gradient (never those of :class:`Rotary`)."""
+    (:class:`_Rotation`): it has rotary channels and the tables want no gradient (never
+    those of :class:`Rotary`). :func:`split_rotated_qkv` asks the same of the tables, and
+    takes its own backward without rotary channels too."""
     return cos.shape[-1] > 0 and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
 
 
