@@ -50,21 +50,15 @@ if [[ -z ${OUT:-} ]]; then
 fi
 mkdir -p "$OUT"
 "$PY" - "$DIR" "$OUT/ladder-paper.tgz" <<'PYEOF'
-import json
 import sys
 import tarfile
-from pathlib import Path
 
-study, archive = Path(sys.argv[1]), sys.argv[2]
-records = []
-for summary in sorted(study.rglob("summary.json")):
-    run = summary.parent
-    done = json.loads(summary.read_text(encoding="utf-8"))
-    if done.get("steps", 0) >= done["config"]["train"]["max_steps"] and (run / "study.json").is_file():
-        records += [summary, run / "metrics.jsonl", run / "study.json"]
-with tarfile.open(archive, "w:gz") as tar:
+from looplm.study.runs import finished_records
+
+records = finished_records(sys.argv[1])
+with tarfile.open(sys.argv[2], "w:gz") as tar:
     for path in records:
         tar.add(path)
-runs = len(records) // 3
-print(f"[ladder-paper] the records of {runs} finished run{'' if runs == 1 else 's'} in {archive}")
+runs = sum(path.name == "summary.json" for path in records)
+print(f"[ladder-paper] the records of {runs} finished run{'' if runs == 1 else 's'} in {sys.argv[2]}")
 PYEOF

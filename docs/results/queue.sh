@@ -9,7 +9,8 @@
 # Every study trains into its docs/results directory. A lane stopped anywhere restarts with the
 # same command on any machine: a finished run whose records (metrics.jsonl, summary.json,
 # study.json) are committed is read back; .gitignore keeps the checkpoints out, so an
-# unfinished run starts over. `stage` adds the records of finished runs only (a study run
+# unfinished run starts over. `stage` adds the records of finished runs only
+# (`looplm.study.runs.finished_records`, as docs/results/ladder-paper.sh packs them: a study run
 # also needs its measures, study.json; a sweep run does not); commit them with the tables.
 # The distillation study is staged only once it has finished (its directory no longer marked
 # INCOMPLETE): its rows start from the seed's teacher's checkpoint, which a record does not carry.
@@ -78,20 +79,14 @@ case "${1:-}" in
     ;;
   stage)
     python - <<'EOF'
-import json
 import subprocess
 from pathlib import Path
 
-files = []
-for summary in sorted(Path("docs/results").rglob("summary.json")):
-    run = summary.parent
-    if run.parts[2] == "distill" and (Path(*run.parts[:3]) / "INCOMPLETE").exists():
-        continue  # staged whole, once the study has finished
-    done = json.loads(summary.read_text(encoding="utf-8"))
-    finished = done.get("steps", 0) >= done["config"]["train"]["max_steps"]
-    measured = "lr-sweep" in run.parts or (run / "study.json").is_file()
-    if finished and measured:
-        files += [p for p in (summary, run / "metrics.jsonl", run / "study.json") if p.is_file()]
+from looplm.study.runs import finished_records
+
+results = Path("docs/results")
+files = [f for f in finished_records(results)  # distillation: staged whole, once the study has finished
+         if f.relative_to(results).parts[0] != "distill" or not (results / "distill" / "INCOMPLETE").exists()]
 if files:
     subprocess.run(["git", "add", "--", *map(str, files)], check=True)
 print(f"staged {len(files)} files of finished runs" if files else "no finished run to stage")

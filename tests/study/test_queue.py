@@ -6,6 +6,7 @@ share are the same configs, trained first."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -139,3 +140,36 @@ def test_every_committed_link_is_a_run_of_the_same_config_trained_first(tmp_path
             a, b = configs[mine.parts[-1]].to_dict(), other_configs[theirs.parts[-1]].to_dict()
             a["train"].pop("out_dir"), b["train"].pop("out_dir")
             assert a == b, link
+
+
+def write_run(run: Path, steps: int, measured: bool) -> None:
+    """A run's records as a study leaves them: at ``steps`` of 4, with its measures or not."""
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"steps": steps, "config": {"train": {"max_steps": 4}}}))
+    (run / "metrics.jsonl").write_text("{}\n")
+    if measured:
+        (run / "study.json").write_text("{}")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
+def test_stage_adds_the_records_of_finished_runs_only(tmp_path) -> None:
+    repo = tmp_path / "repo"
+    results = repo / "docs" / "results"
+    finished = {"mesh-stdlib/mesh/seed-0": True, "mesh-stdlib/lr-sweep/lr-0.004/mesh/seed-0": False}
+    for run, measured in finished.items():
+        write_run(results / run, 4, measured)
+    write_run(results / "mesh-stdlib/base/seed-0", 4, False)  # finished, its measures not yet written
+    write_run(results / "mesh-stdlib/base/seed-1", 2, True)  # cut short: starts over elsewhere
+    write_run(results / "distill/lt2/seed-0", 4, True)  # the distillation study, not finished
+    (results / "distill" / "INCOMPLETE").write_text("")
+    shutil.copy(QUEUE, results / "queue.sh")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(["bash", "docs/results/queue.sh", "stage"], cwd=repo, env=env, capture_output=True,
+                          text=True, check=True, timeout=120)
+    staged = subprocess.run(["git", "diff", "--cached", "--name-only"], cwd=repo, capture_output=True, text=True,
+                            check=True).stdout.split()
+    expected = [f"docs/results/{run}/{name}" for run, measured in finished.items()
+                for name in ("summary.json", "metrics.jsonl", "study.json") if measured or name != "study.json"]
+    assert sorted(staged) == sorted(expected), done.stdout
+    assert f"staged {len(expected)} files of finished runs" in done.stdout

@@ -142,6 +142,28 @@ def finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
     return summary
 
 
+#: where a study trains its learning-rate sweep runs (``out_dir/lr-sweep/lr-RATE/RUN/seed-0``)
+SWEEP_DIR = "lr-sweep"
+#: what a study reads back of a finished run (checkpoints, which .gitignore keeps out, are not)
+RECORDS = ("summary.json", "metrics.jsonl", "study.json")
+
+
+def finished_records(root: PathLike) -> list[Path]:
+    """The record files (:data:`RECORDS`) of every finished run under ``root``: a run at its
+    ``train.max_steps`` and measured — a study run holds its measures (``study.json``), a
+    learning-rate sweep run (under ``lr-sweep/``) needs none. What a study reads back instead
+    of training, so the files to commit or to bring back from another machine; an unfinished
+    run's files are left out (it starts over from its config where its checkpoints are not)."""
+    files: list[Path] = []
+    for summary in sorted(Path(root).rglob("summary.json")):
+        run = summary.parent
+        done = json.loads(summary.read_text(encoding="utf-8"))
+        finished = done.get("steps", 0) >= done["config"]["train"]["max_steps"]
+        if finished and (SWEEP_DIR in run.relative_to(root).parts or (run / "study.json").is_file()):
+            files += [p for p in (run / name for name in RECORDS) if p.is_file()]
+    return files
+
+
 @functools.lru_cache(maxsize=8)
 def _data_identity(data: DataConfig) -> Optional[dict[str, Any]]:
     """This machine's identity of ``data`` (once per data config: a study reads back many runs)."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from looplm.artifacts import write_text
 from looplm.study.definition import Study, Sweep
 from looplm.study.results import csv_text
+from looplm.study.runs import SWEEP_DIR
 
 if TYPE_CHECKING:
     from looplm.config import RunConfig
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("looplm")
 
-SWEEP_DIR = "lr-sweep"
 SWEEP_FIELDS = ("run", "lr", "metric", "value", "chosen")
 
 
