@@ -138,6 +138,46 @@ def test_a_distilled_run_interrupted_mid_stage_resumes_exactly(quick, tmp_path, 
         quick.measures["distill-per-loop"][1]["scalars"])
 
 
+def test_a_row_whose_earlier_runs_lost_their_checkpoints_trains_them_again(quick, tmp_path, monkeypatch) -> None:
+    """A seed's teacher and stage 1 kept as records only (a machine that keeps untracked files
+    but not ignored ones: checkpoints) are trained again from their recorded configs when a
+    later row needs their weights: the same runs, so the row trains as it did from the first."""
+    from looplm.distill import stages
+
+    cut = tmp_path / "cut"
+    shutil.copytree(quick.out_dir, cut)
+    for run in ("teacher", "stage1"):
+        shutil.rmtree(cut / run / "seed-1" / "checkpoints")
+    shutil.rmtree(cut / "distill-final" / "seed-1")
+    trained = []
+    for module in (runs_module, stages, distillation):
+        real = module.Trainer
+
+        def recording(run_cfg, *, _real=real, **kwargs):
+            trained.append(run_cfg.train.out_dir)
+            return _real(run_cfg, **kwargs)
+
+        monkeypatch.setattr(module, "Trainer", recording)
+    again = run_study("distill", cut, size="quick", threads=1)
+    assert trained == [str(cut / run / "seed-1") for run in ("teacher", "stage1", "distill-final")]
+    for run in ("teacher", "stage1", "distill-final"):
+        assert train_losses(cut / run / "seed-1" / "metrics.jsonl") == train_losses(
+            quick.out_dir / run / "seed-1" / "metrics.jsonl"), run
+    assert again.measures["distill-final"][1]["scalars"] == pytest.approx(
+        quick.measures["distill-final"][1]["scalars"])
+
+
+def test_a_teacher_trained_again_to_other_losses_is_refused(quick, tmp_path) -> None:
+    cut = tmp_path / "cut"
+    shutil.copytree(quick.out_dir / "teacher", cut / "teacher")
+    shutil.rmtree(cut / "teacher" / "seed-0" / "checkpoints")
+    summary = cut / "teacher" / "seed-0" / "summary.json"
+    recorded = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**recorded, "val_loss": recorded["val_loss"] + 0.1}))
+    with pytest.raises(LoopLMError, match="not its recorded"):
+        distillation._weights(cut / "teacher" / "seed-0", "teacher", "stage1")
+
+
 def test_a_row_without_its_earlier_runs_is_refused(tmp_path) -> None:
     with pytest.raises(LoopLMError, match="finished stage1 run"):
         run_study("distill", tmp_path, size="quick", seeds=1, variants=["distill-per-loop"])

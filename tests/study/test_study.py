@@ -442,6 +442,30 @@ def test_records_without_checkpoints_are_read_back_and_refuse_a_new_measure(tmp_
         assert (ignored.returncode, kept.returncode) == (0, 1)
 
 
+def test_a_finished_run_never_measured_and_without_checkpoints_trains_again(tmp_path, monkeypatch) -> None:
+    """A session that ends between a run's last step and its measures, on a machine that keeps
+    untracked files but not ignored ones, leaves records without measures or checkpoints: the
+    run trains again (the same losses), where a measured one is read back."""
+    from looplm.study import runner
+
+    first = run_study(TINY, tmp_path / "full", size="quick")
+    shutil.copytree(tmp_path / "full", tmp_path / "cut", ignore=shutil.ignore_patterns("checkpoints"))
+    (tmp_path / "cut" / "b" / "seed-1" / runner.MEASURES_FILE).unlink()
+    trained = []
+    real = runs_module.Trainer
+
+    def recording(cfg, **kwargs):
+        trained.append((cfg.train.out_dir, kwargs["resume"]))
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(runs_module, "Trainer", recording)
+    again = run_study(TINY, tmp_path / "cut", size="quick")
+    assert trained == [(str(tmp_path / "cut" / "b" / "seed-1"), False)]
+    assert train_losses(again.runs["b"][1].run_dir / "metrics.jsonl") == train_losses(
+        first.runs["b"][1].run_dir / "metrics.jsonl")
+    assert (tmp_path / "cut" / "results.csv").read_text() == (tmp_path / "full" / "results.csv").read_text()
+
+
 def test_a_finished_run_trained_on_other_data_is_refused(tmp_path) -> None:
     """A finished run whose sessions recorded other data than this machine's (its corpus, its
     tokenizer) is not read back into the table: a study is never mixed from two corpora."""

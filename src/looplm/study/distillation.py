@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -52,7 +53,10 @@ from looplm.model import LoopLM
 from looplm.model_config import ModelConfig
 from looplm.study.definition import Measures, RunSpec, Study, preset_configs, run_dir
 from looplm.study.runs import Run, events_by_step, validation
+from looplm.train.checkpoint import has_checkpoints
 from looplm.train.trainer import Trainer
+
+logger = logging.getLogger("looplm")
 
 TEACHER, LONG, SCRATCH, STAGE1 = "teacher", "scratch-teacher-budget", "scratch", "stage1"
 #: distilled rows -> their stage-2 loop-weight schedule (``distill.kd.schedule``)
@@ -118,6 +122,32 @@ def _finished(run_dir: Path, run: str, needed_by: str) -> Path:
     return run_dir
 
 
+def _weights(run_dir: Path, run: str, needed_by: str) -> Path:
+    """``run_dir``, the seed's finished ``run``, with the weights ``needed_by`` starts from.
+
+    A finished run's records can outlive its checkpoints: .gitignore keeps checkpoints out,
+    and a machine that keeps a checkout's untracked files but not its ignored ones loses
+    them between sessions. Such a run is trained again here from the config it recorded:
+    the same seed, data order and steps give the same run (checked: its final training and
+    validation losses), so the rows already trained from it stay valid."""
+    _finished(run_dir, run, needed_by)
+    if has_checkpoints(run_dir):
+        return run_dir
+    recorded = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    cfg = RunConfig.from_dict(recorded["config"])
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(run_dir)))
+    logger.warning("%s: the finished %s run has no checkpoints; training it again for %s", run_dir, run, needed_by)
+    hooked = trainer(run, cfg, False, False)
+    summary = (hooked if hooked is not None else Trainer(cfg, progress=False)).fit()
+    for key in ("train_loss", "val_loss"):
+        if not math.isclose(summary[key], recorded[key], rel_tol=1e-6, abs_tol=1e-9):
+            raise LoopLMError(
+                f"{run_dir}: trained again for its weights, the {run} run reached {key} {summary[key]!r}, not "
+                f"its recorded {recorded[key]!r}: its seed's later rows started from the recorded run; delete "
+                f"that seed's runs (OUT/*/{run_dir.name}) to train them all again")
+    return run_dir
+
+
 def _teacher_model(cfg: RunConfig) -> ModelConfig:
     teacher_dir = _finished(sibling(cfg, TEACHER), TEACHER, "the student")
     saved = json.loads((teacher_dir / "summary.json").read_text(encoding="utf-8"))["config"]
@@ -131,7 +161,7 @@ def selection_of(cfg: RunConfig) -> Selection:
     selection = read_selection(stage1_dir)
     if selection is None:
         _finished(stage1_dir, STAGE1, "the selection of F")
-        teacher = load_teacher(_finished(sibling(cfg, TEACHER), TEACHER, "the selection of F"))
+        teacher = load_teacher(_weights(sibling(cfg, TEACHER), TEACHER, "the selection of F"))
         selection = choose_layers(teacher, SETTINGS, cfg.data, cfg.train.batch_size // cfg.train.grad_accum,
                                   cfg.train.device, stage1_dir)
         write_selection(selection, stage1_dir / SELECTION_FILE)
@@ -168,11 +198,11 @@ def trainer(name: str, cfg: RunConfig, resume: bool, progress: bool) -> Optional
     from the seed's stage-1 student); None for the rows trained on the next-token loss."""
     if name != STAGE1 and name not in DISTILLED:
         return None
-    teacher = load_teacher(sibling(cfg, TEACHER))
+    teacher = load_teacher(_weights(sibling(cfg, TEACHER), TEACHER, name))
     if name == STAGE1:
         return alignment_trainer(cfg, teacher, lambda student: init_student(student, teacher), resume=resume,
                                  progress=progress)
-    aligned = LoopLM.from_pretrained(sibling(cfg, STAGE1))
+    aligned = LoopLM.from_pretrained(_weights(sibling(cfg, STAGE1), STAGE1, name))
     settings = _kd_settings(name)
     return kd_trainer(cfg, teacher, lambda student: init_student(student, teacher, linear_from=aligned),
                       kd=settings.kd, lengths=settings.stage_lengths(cfg.data.seq_len), resume=resume,

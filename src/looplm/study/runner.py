@@ -153,7 +153,8 @@ def run_study(
                                                                         progress),
                               lambda run: sweep_measure(study, run), write_tables=not keep_tables)
         configs = {seed: configs_at(seed) for seed in seeds}
-    finished = {(run, seed): finished_run(cfg) for seed, by_run in configs.items() for run, cfg in by_run.items()}
+    finished = {(run, seed): reusable_run(study, cfg) for seed, by_run in configs.items()
+                for run, cfg in by_run.items()}
     runs: dict[str, list[Run]] = {name: [] for name in configs[seeds[0]]}
     measures: dict[str, list[Measures]] = {name: [] for name in runs}
     done, i = 0, 0
@@ -179,7 +180,7 @@ def run_study(
             keep = set(result.variants) if study.prepare is not None else rows
             seeds.append(seed)
             configs[seed] = {run: cfg for run, cfg in configs_at(seed).items() if variant_of(run) in keep}
-            finished.update({(run, seed): finished_run(cfg) for run, cfg in configs[seed].items()})
+            finished.update({(run, seed): reusable_run(study, cfg) for run, cfg in configs[seed].items()})
         if not keep_tables:  # an interrupted study leaves whole seeds' tables
             written = write_results(result, figures=i == len(seeds))
     if variants is None:  # the whole study: its tables are final
@@ -192,6 +193,21 @@ def run_study(
         logger.info("study %s (%s) done in %.0f s; wrote %s", study.name, size, time.perf_counter() - start,
                     ", ".join(str(p) for p in written))
     return result
+
+
+def reusable_run(study: Study, cfg: "RunConfig") -> Optional[dict]:
+    """The summary of ``cfg``'s finished run to read back (:func:`finished_run`), or None to
+    train it. A finished run that was never measured (no ``study.json``) and has lost its
+    checkpoints is trained again: its records alone cannot give the study's measures. A
+    machine that keeps a checkout's untracked files but not its ignored ones (checkpoints,
+    .gitignore) leaves one where a session ended between training and measuring; committed
+    records always hold their measures (``queue.sh stage``), so none of them is retrained."""
+    summary = finished_run(cfg)
+    run_dir = Path(cfg.train.out_dir)
+    if summary is None or study.measure is None or (run_dir / MEASURES_FILE).is_file() or has_checkpoints(run_dir):
+        return summary
+    logger.warning("%s: a finished run never measured, without its checkpoints: training it again", run_dir)
+    return None
 
 
 def prepare_and_train(study: Study, name: str, seed: int, cfg: "RunConfig", summary: Optional[dict],
