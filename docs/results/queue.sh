@@ -12,8 +12,9 @@
 # unfinished run starts over. `stage` adds the records of finished runs only
 # (`looplm.study.runs.finished_records`, as docs/results/ladder-paper.sh packs them: a study run
 # also needs its measures, study.json; a sweep run does not); commit them with the tables.
-# The distillation study is staged only once it has finished (its directory no longer marked
-# INCOMPLETE): its rows start from the seed's teacher's checkpoint, which a record does not carry.
+# The distillation study's rows start from the seed's teacher (and stage 1) checkpoints, which a
+# record does not carry: a row that finds them gone trains them again from their records first
+# (looplm.study.distillation, checked against the recorded losses).
 # Runs two tables share are read through links (link_targets, below): `stage` adds their
 # records where they are, in the directory of the table that trained them.
 set -u
@@ -84,9 +85,7 @@ from pathlib import Path
 
 from looplm.study.runs import finished_records
 
-results = Path("docs/results")
-files = [f for f in finished_records(results)  # distillation: staged whole, once the study has finished
-         if f.relative_to(results).parts[0] != "distill" or not (results / "distill" / "INCOMPLETE").exists()]
+files = finished_records(Path("docs/results"))
 if files:
     subprocess.run(["git", "add", "--", *map(str, files)], check=True)
 print(f"staged {len(files)} files of finished runs" if files else "no finished run to stage")

@@ -160,8 +160,6 @@ def test_stage_adds_the_records_of_finished_runs_only(tmp_path) -> None:
         write_run(results / run, 4, measured)
     write_run(results / "mesh-stdlib/base/seed-0", 4, False)  # finished, its measures not yet written
     write_run(results / "mesh-stdlib/base/seed-1", 2, True)  # cut short: starts over elsewhere
-    write_run(results / "distill/lt2/seed-0", 4, True)  # the distillation study, not finished
-    (results / "distill" / "INCOMPLETE").write_text("")
     shutil.copy(QUEUE, results / "queue.sh")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
