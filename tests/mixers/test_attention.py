@@ -13,6 +13,7 @@ from looplm.mixers.attention import RING_SPARE, SoftmaxAttention, blocked_window
 from looplm.model_config import ModelConfig
 from looplm.modules.rotary import Rotary
 from tests.conftest import random_ids, tiny_config
+from tests.invariants import error_ratio
 
 
 def _influence(model: LoopLM, length: int) -> torch.Tensor:
@@ -210,7 +211,7 @@ def test_a_refused_crop_leaves_every_layer_of_the_cache_as_it_was():
     torch.testing.assert_close(model(x[:, 8:9], cache=cache).logits[:, 0], full[:, 8], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_heads,rotary_dim,ops", [(4, 4, 15), (2, 4, 19), (4, 2, 16)],
+@pytest.mark.parametrize("kv_heads,rotary_dim,ops", [(4, 4, 15), (2, 4, 15), (4, 2, 16)],
                          ids=["mha", "gqa", "partial-rotary"])
 def test_a_training_step_of_an_attention_layer_launches_fifteen_operators(kv_heads, rotary_dim, ops):
     """Forward and backward of one attention layer (issue 25), 15 operators: forward the
@@ -218,8 +219,9 @@ def test_a_training_step_of_an_attention_layer_launches_fifteen_operators(kv_hea
     products, SDPA's backward, the split and rotation's hand-written four
     (modules/rotary.py:split_rotated_qkv, where autograd's slices of the one projection took
     nine) and the q/k/v product's two. Partial rotary joins its pass-through channels back
-    (one more); grouped-query heads repeat K and V for SDPA in training and sum their
-    gradients back (four more). No slice of the projection is zero-padded and summed."""
+    (one more); grouped-query heads are read by SDPA itself (``enable_gqa``), not repeated
+    to every query head and their gradients summed back (four more, until they were). No
+    slice of the projection is zero-padded and summed."""
     torch.manual_seed(0)
     layer = SoftmaxAttention(16, 4, kv_heads, bias=False)
     x = torch.randn(2, 5, 16, requires_grad=True)
@@ -238,3 +240,43 @@ def test_a_training_step_of_an_attention_layer_launches_fifteen_operators(kv_hea
     counts, _ = count_dispatch(step)
     assert counts.syncs == 0 and "aten.slice_backward" not in counts.by_op, counts.by_op
     assert counts.ops <= ops, counts.by_op
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_heads_read_by_sdpa_equal_the_repeated_heads(device, dtype, padded, monkeypatch):
+    """SDPA reading the grouped K/V heads itself (``reads_grouped_heads``) computes what it
+    computes over K/V repeated to every query head: the output and every gradient, with a
+    padding mask and without, training and a decode step against the cache."""
+    from looplm.mixers import attention
+
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(64, 8, 2, bias=False).to(device)
+    x = torch.randn(2, 9, 64, device=device)
+    valid = torch.ones(2, 9, dtype=torch.bool, device=device)
+    if padded:
+        valid[1, :3] = False
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    rope = Rotary(8, 10000.0)(positions, torch.float32)
+    ctx = MixerContext(rope=rope, valid=valid, past=0, padded=padded)
+
+    def run(grouped: bool):
+        monkeypatch.setattr(attention, "reads_grouped_heads", lambda q, mask: grouped)
+        layer.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y, state = layer(inputs, ctx)
+            y.float().square().sum().backward()
+            prefill = MixerContext(rope=tuple(t[:, :-1] for t in rope), valid=valid[:, :-1], past=0, padded=padded)
+            step = MixerContext(rope=tuple(t[:, -1:] for t in rope), valid=valid, past=8, padded=padded)
+            last, _ = layer(x[:, -1:], step, layer(x[:, :-1], prefill)[1])
+        return y, last, inputs.grad, [p.grad for p in layer.parameters()]
+
+    grouped, repeated = run(True), run(False)
+    for a, b in zip(grouped[:3] + tuple(grouped[3]), repeated[:3] + tuple(repeated[3])):
+        if dtype == torch.float32 and device == "cpu":
+            torch.testing.assert_close(a, b)
+        else:  # bf16 gradients of K/V summed over their group in another order
+            assert error_ratio(a, b) < 1e-2

@@ -108,6 +108,19 @@ class StaticKVState:
         return self
 
 
+def reads_grouped_heads(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether SDPA reads grouped key/value heads itself (``enable_gqa``) for queries ``q``
+    [B, H, T, D] under ``mask``, instead of from copies repeated to H heads (a copy of K and
+    V forward, a sum of their gradients backward). PyTorch's kernels that take grouped heads:
+    the CPU flash kernel, any mask and dtype (the same values as over the copies); on CUDA
+    the flash kernel only, so half precision, head size a multiple of 8 up to 256 and no
+    mask (else SDPA would run its math kernel, slower than the copies)."""
+    if q.device.type == "cpu":
+        return True
+    return (q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+
 #: Smallest query block of :func:`blocked_window_attention`: tiny windows still get
 #: blocks large enough for SDPA to be efficient (cost 2·T·block instead of T·w).
 MIN_WINDOW_BLOCK = 128
@@ -251,12 +264,13 @@ class SoftmaxAttention(nn.Module):
         if mask is not None:
             mask = mask[..., start:]  # only the kept keys
         keys, values = k, v
-        if kv_index is not None:
-            keys, values = k.index_select(1, kv_index), v.index_select(1, kv_index)
-        elif Hkv != H:
-            keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         blocked = (self.window is not None and state is None and ctx.past == 0 and not ctx.padded
                    and T > max(self.window, MIN_WINDOW_BLOCK))  # training / prefill: O(T·w), not T × T
+        if kv_index is not None:
+            keys, values = k.index_select(1, kv_index), v.index_select(1, kv_index)
+        elif Hkv != H and (blocked or ctx.attentions is not None or ctx.first_step_kv is not None
+                           or not reads_grouped_heads(q, mask)):  # these read H key heads
+            keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         attend = functools.partial(self._over_keys, keys=keys, values=values, mask=mask, blocked=blocked,
                                    key_valid=ctx.valid)
         y = attend(q, ctx)
@@ -281,8 +295,10 @@ class SoftmaxAttention(nn.Module):
             return self._explicit(q, keys, values, mask, ctx)
         if blocked:
             return blocked_window_attention(q, keys, values, self.window)
-        # mask None: the T queries are the last T of the keys and need only causality
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1)
+        # mask None: the T queries are the last T of the keys and need only causality; grouped
+        # key heads (fewer than H): read by SDPA itself (attend_rotated, reads_grouped_heads)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
 
     def _attend_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                        state: StaticKVState, kv_index: Optional[torch.Tensor]) -> torch.Tensor:
