@@ -221,7 +221,7 @@ def test_generate_benchmark_refuses_models_that_differ():
 
 def test_gpu_script_is_valid_bash_and_calls_what_exists():
     """benchmarks/gpu.sh: valid syntax; its parts fit 8 minutes; every script and test folder
-    it names exists, and each benchmark's argument parser accepts the arguments given."""
+    it names exists (a single test named by its node id too), and each benchmark's argument parser accepts the arguments given."""
     script = ROOT / "benchmarks" / "gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     done = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=60)
@@ -233,7 +233,9 @@ def test_gpu_script_is_valid_bash_and_calls_what_exists():
     for name, _, command in parts:
         words = shlex.split(command)
         paths = [w for w in words if w.startswith(("benchmarks/", "tests/")) and not w.endswith(".md")]
-        assert paths and all((ROOT / p).exists() for p in paths), (name, paths)
+        files = [p.split("::") for p in paths]  # a test file, or one test of it (file::name)
+        assert paths and all((ROOT / f[0]).exists() for f in files), (name, paths)
+        assert all(f"def {f[1]}(" in (ROOT / f[0]).read_text() for f in files if len(f) > 1), (name, paths)
         if words[1].endswith(".py"):
             module, argv = benchmark(Path(words[1]).stem), words[2:]
             if "--compile" in argv and words[1].endswith("long_context.py") and not HAS_COMPILED_GENERATE:
