@@ -354,13 +354,9 @@ TINY = Study(
 )
 
 
-def test_resume_skips_finished_runs_and_continues_an_interrupted_one(tmp_path, monkeypatch) -> None:
-    first = run_study(TINY, tmp_path / "full", size="quick")
-    # interrupt run b at seed 1 after step 3: a checkpoint and a partial summary
-    shutil.copytree(tmp_path / "full", tmp_path / "cut")
-    shutil.rmtree(tmp_path / "cut" / "b" / "seed-1")
-    (cfg,) = [c for name, c in TINY.configs("quick", tmp_path / "cut", 1).items() if name == "b"]
-    Trainer(cfg, progress=False).fit(stop_after=3)
+def record_training(monkeypatch) -> list[tuple[str, bool]]:
+    """(out_dir, resume) of every run a study trains from here on (the runs it reads back are
+    not listed)."""
     trained = []
     real = runs_module.Trainer
 
@@ -369,6 +365,17 @@ def test_resume_skips_finished_runs_and_continues_an_interrupted_one(tmp_path, m
         return real(cfg, **kwargs)
 
     monkeypatch.setattr(runs_module, "Trainer", recording)
+    return trained
+
+
+def test_resume_skips_finished_runs_and_continues_an_interrupted_one(tmp_path, monkeypatch) -> None:
+    first = run_study(TINY, tmp_path / "full", size="quick")
+    # interrupt run b at seed 1 after step 3: a checkpoint and a partial summary
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "b" / "seed-1")
+    (cfg,) = [c for name, c in TINY.configs("quick", tmp_path / "cut", 1).items() if name == "b"]
+    Trainer(cfg, progress=False).fit(stop_after=3)
+    trained = record_training(monkeypatch)
     again = run_study(TINY, tmp_path / "cut", size="quick")
     assert trained == [(str(tmp_path / "cut" / "b" / "seed-1"), True)]  # the rest were read back
     assert [r.reused for r in again.runs["b"]] == [True, False] and all(r.reused for r in again.runs["a"])
@@ -451,14 +458,7 @@ def test_a_finished_run_never_measured_and_without_checkpoints_trains_again(tmp_
     first = run_study(TINY, tmp_path / "full", size="quick")
     shutil.copytree(tmp_path / "full", tmp_path / "cut", ignore=shutil.ignore_patterns("checkpoints"))
     (tmp_path / "cut" / "b" / "seed-1" / runner.MEASURES_FILE).unlink()
-    trained = []
-    real = runs_module.Trainer
-
-    def recording(cfg, **kwargs):
-        trained.append((cfg.train.out_dir, kwargs["resume"]))
-        return real(cfg, **kwargs)
-
-    monkeypatch.setattr(runs_module, "Trainer", recording)
+    trained = record_training(monkeypatch)
     again = run_study(TINY, tmp_path / "cut", size="quick")
     assert trained == [(str(tmp_path / "cut" / "b" / "seed-1"), False)]
     assert train_losses(again.runs["b"][1].run_dir / "metrics.jsonl") == train_losses(
