@@ -124,7 +124,7 @@ fi
 TEST_ARGS=(-v -p no:cacheprovider -k "not cpu")
 TEST_FILES=(tests/gpu tests/ops/test_selected_triton.py tests/topology/test_mesh_triton.py
             tests/resolution/test_resolution_triton.py
-            tests/mixers/test_attention.py::test_grouped_heads_read_by_sdpa_equal_the_repeated_heads)
+            tests/mixers/test_attention.py::test_grouped_heads_read_in_place_equal_the_repeated_heads)
 if ((!DRY)); then
   "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_ARGS+=(--timeout 60)
   # pyproject's addopts ask for pytest-xdist (one worker per core, a file per worker): here 8

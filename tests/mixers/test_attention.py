@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from looplm import LoopCache, LoopLM
 from looplm.accounting.dispatch import count_dispatch
@@ -246,10 +247,12 @@ def test_a_training_step_of_an_attention_layer_launches_fifteen_operators(kv_hea
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_grouped_heads_read_by_sdpa_equal_the_repeated_heads(device, dtype, padded, monkeypatch):
-    """SDPA reading the grouped K/V heads itself (``reads_grouped_heads``) computes what it
-    computes over K/V repeated to every query head: the output and every gradient, with a
-    padding mask and without, training and a decode step against the cache."""
+@pytest.mark.parametrize("sdpa_groups", [True, False], ids=["enable_gqa", "copies"])
+def test_grouped_heads_read_in_place_equal_the_repeated_heads(device, dtype, padded, sdpa_groups, monkeypatch):
+    """Grouped K/V heads read in place (SDPA's ``enable_gqa`` over several positions where
+    ``reads_grouped_heads`` says so, else copies; one position folded by ``attend_grouped``)
+    compute what SDPA computes over K/V repeated to every query head: the output, a decode
+    step against the cache and every gradient, with a padding mask and without."""
     from looplm.mixers import attention
 
     torch.manual_seed(0)
@@ -260,23 +263,67 @@ def test_grouped_heads_read_by_sdpa_equal_the_repeated_heads(device, dtype, padd
         valid[1, :3] = False
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     rope = Rotary(8, 10000.0)(positions, torch.float32)
-    ctx = MixerContext(rope=rope, valid=valid, past=0, padded=padded)
 
-    def run(grouped: bool):
-        monkeypatch.setattr(attention, "reads_grouped_heads", lambda q, mask: grouped)
-        layer.zero_grad(set_to_none=True)
-        inputs = x.clone().requires_grad_()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            y, state = layer(inputs, ctx)
-            y.float().square().sum().backward()
-            prefill = MixerContext(rope=tuple(t[:, :-1] for t in rope), valid=valid[:, :-1], past=0, padded=padded)
-            step = MixerContext(rope=tuple(t[:, -1:] for t in rope), valid=valid, past=8, padded=padded)
-            last, _ = layer(x[:, -1:], step, layer(x[:, :-1], prefill)[1])
-        return y, last, inputs.grad, [p.grad for p in layer.parameters()]
+    def repeated(q, keys, values, mask, is_causal=False):
+        G = q.shape[1] // keys.shape[1]
+        return F.scaled_dot_product_attention(q, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1),
+                                              attn_mask=mask, is_causal=is_causal)
 
-    grouped, repeated = run(True), run(False)
-    for a, b in zip(grouped[:3] + tuple(grouped[3]), repeated[:3] + tuple(repeated[3])):
+    def run(reference: bool):
+        with monkeypatch.context() as patch:
+            patch.setattr(attention, "reads_grouped_heads", lambda q, mask: sdpa_groups)
+            if reference:
+                patch.setattr(attention, "attend_grouped", repeated)
+            layer.zero_grad(set_to_none=True)
+            inputs = x.clone().requires_grad_()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                ctx = MixerContext(rope=rope, valid=valid, past=0, padded=padded)
+                y, _ = layer(inputs, ctx)
+                y.float().square().sum().backward()
+                prefill = MixerContext(rope=tuple(t[:, :-1] for t in rope), valid=valid[:, :-1], past=0,
+                                       padded=padded)
+                step = MixerContext(rope=tuple(t[:, -1:] for t in rope), valid=valid, past=8, padded=padded)
+                last, _ = layer(x[:, -1:], step, layer(x[:, :-1], prefill)[1])
+        return [y, last, inputs.grad, *(p.grad for p in layer.parameters())]
+
+    for a, b in zip(run(False), run(True)):
         if dtype == torch.float32 and device == "cpu":
             torch.testing.assert_close(a, b)
         else:  # bf16 gradients of K/V summed over their group in another order
             assert error_ratio(a, b) < 1e-2
+
+
+def test_a_decoding_step_reads_grouped_heads_without_copying_the_cache(monkeypatch):
+    """One new position folds each group's query heads into the query axis (attend_grouped):
+    no tensor of the cache's keys or values repeated to every query head, with a padding mask
+    and where SDPA could not read grouped heads itself (CUDA with a mask: reads_grouped_heads
+    False, as here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from looplm.mixers import attention
+
+    monkeypatch.setattr(attention, "reads_grouped_heads", lambda q, mask: False)
+
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(64, 8, 2, bias=False).eval()
+    x = torch.randn(2, 9, 64)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False
+    rope = Rotary(8, 10000.0)((valid.long().cumsum(1) - 1).clamp(min=0), torch.float32)
+    prefill = MixerContext(rope=tuple(t[:, :-1] for t in rope), valid=valid[:, :-1], past=0, padded=True)
+    step = MixerContext(rope=tuple(t[:, -1:] for t in rope), valid=valid, past=8, padded=True)
+    shapes = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.extend(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor))
+            return out
+
+    with torch.no_grad():
+        state = layer(x[:, :-1], prefill)[1]
+        with Shapes():
+            layer(x[:, -1:], step, state)
+    assert (2, 2, 9, 8) in shapes  # the cache, read as it is
+    assert not [s for s in shapes if len(s) == 4 and s[1] == 8 and s[2] > 1], shapes  # never repeated to 8 heads

@@ -110,8 +110,9 @@ class StaticKVState:
 
 def reads_grouped_heads(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     """Whether SDPA reads grouped key/value heads itself (``enable_gqa``) for queries ``q``
-    [B, H, T, D] under ``mask``, instead of from copies repeated to H heads (a copy of K and
-    V forward, a sum of their gradients backward). PyTorch's kernels that take grouped heads:
+    [B, H, T, D] at several positions (one is folded: :func:`attend_grouped`) under ``mask``,
+    instead of from copies repeated to H heads (a copy of K and V forward, a sum of their
+    gradients backward). PyTorch's kernels that take grouped heads:
     the CPU flash kernel, any mask and dtype (the same values as over the copies); on CUDA
     the flash kernel only, so half precision, head size a multiple of 8 up to 256 and no
     mask (else SDPA would run its math kernel, slower than the copies)."""
@@ -119,6 +120,23 @@ def reads_grouped_heads(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
         return True
     return (q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+
+def attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+                   is_causal: bool = False) -> torch.Tensor:
+    """SDPA of queries q [B, H, T, D] over keys and values of H or of H_kv grouped heads
+    [B, H_kv, S, D] (query head h reads kv head h // (H / H_kv)) under ``mask`` [B, 1, T, S]
+    (None: ``is_causal`` or none) -> [B, H, T, D_v]. One query position (a decoding step)
+    folds each group's G = H / H_kv query heads into the query axis, [B, H_kv, G, D]: an MHA
+    call over the cache as it is, which every kernel takes, masked or not, so no step copies
+    the cache to H heads; several positions read grouped heads through ``enable_gqa``
+    (:func:`reads_grouped_heads` says where)."""
+    B, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    if Hkv != H and T == 1:
+        y = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), keys, values, attn_mask=mask)
+        return y.reshape(B, H, 1, values.shape[-1])
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=Hkv != H)
 
 
 #: Smallest query block of :func:`blocked_window_attention`: tiny windows still get
@@ -269,7 +287,7 @@ class SoftmaxAttention(nn.Module):
         if kv_index is not None:
             keys, values = k.index_select(1, kv_index), v.index_select(1, kv_index)
         elif Hkv != H and (blocked or ctx.attentions is not None or ctx.first_step_kv is not None
-                           or not reads_grouped_heads(q, mask)):  # these read H key heads
+                           or (T > 1 and not reads_grouped_heads(q, mask))):  # these read H key heads
             keys, values = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         attend = functools.partial(self._over_keys, keys=keys, values=values, mask=mask, blocked=blocked,
                                    key_valid=ctx.valid)
@@ -296,14 +314,13 @@ class SoftmaxAttention(nn.Module):
         if blocked:
             return blocked_window_attention(q, keys, values, self.window)
         # mask None: the T queries are the last T of the keys and need only causality; grouped
-        # key heads (fewer than H): read by SDPA itself (attend_rotated, reads_grouped_heads)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
-                                              enable_gqa=keys.shape[1] != q.shape[1])
+        # key heads (fewer than H, attend_rotated kept them): attend_grouped
+        return attend_grouped(q, keys, values, mask, is_causal=mask is None and q.shape[2] > 1)
 
     def _attend_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: MixerContext,
                        state: StaticKVState, kv_index: Optional[torch.Tensor]) -> torch.Tensor:
         """:meth:`attend_rotated` against a static cache: write the new rows in place, attend
-        over the whole buffer (grouped heads read through SDPA's ``enable_gqa``, no copy).
+        over the whole buffer (grouped heads read in place: :func:`attend_grouped`).
         A window's ring is written first when one position comes (its row held a position
         the window has left); several new positions attend over the ring and themselves
         first and then write their last rows."""
@@ -339,8 +356,7 @@ class SoftmaxAttention(nn.Module):
             return SoftmaxAttention._explicit(q, keys.repeat_interleave(H // keys.shape[1], dim=1),
                                               values.repeat_interleave(H // keys.shape[1], dim=1),
                                               ctx.static_mask(*mask), ctx)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.static_bias(mask, q.dtype),
-                                              enable_gqa=keys.shape[1] != H)
+        return attend_grouped(q, keys, values, ctx.static_bias(mask, q.dtype))
 
     def flop_cost(self, call: Call) -> Cost:
         """Projections (and the output gate's multiply) plus q·kᵀ and p·v over the pairs; the
