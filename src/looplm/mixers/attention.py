@@ -114,12 +114,19 @@ def reads_grouped_heads(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     instead of from copies repeated to H heads (a copy of K and V forward, a sum of their
     gradients backward). PyTorch's kernels that take grouped heads:
     the CPU flash kernel, any mask and dtype (the same values as over the copies); on CUDA
-    the flash kernel only, so half precision, head size a multiple of 8 up to 256 and no
-    mask (else SDPA would run its math kernel, slower than the copies)."""
+    the flash kernel only, so a GPU of compute capability 8.0 or newer, half precision, head
+    size a multiple of 8 up to 256 and no mask (else SDPA would run its math kernel, slower
+    than the copies)."""
     if q.device.type == "cpu":
         return True
     return (q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and _runs_flash(q.device.index))
+
+
+@torch.compiler.assume_constant_result
+def _runs_flash(index: int) -> bool:
+    """Whether CUDA device ``index`` has SDPA's flash kernel (Ampere, compute capability 8.0, on)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def attend_grouped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
