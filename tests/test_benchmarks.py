@@ -519,3 +519,23 @@ def test_cpu_step_benchmark_runs_every_setting_and_compares_the_losses(tmp_path)
     assert cells[1] == "2048 × 257" and cells[6] == "yes", text  # huge pages: the same loss bit for bit
     assert float(cells[7]) < 1e-5, text  # loss_rows: the same loss to float rounding
     assert "transparent_hugepage" in text and "cpu_step.py --rows depth-pydoc-fixed-T3" in text, text
+
+
+def test_gqa_decode_benchmark_times_the_three_ways_side_by_side(tmp_path):
+    """benchmarks/gqa_decode.py: one row per context, the three ways agree (the copies', SDPA's
+    grouped heads' and attend_grouped's values), each ratio from the times beside it."""
+    out = tmp_path / "gqa.md"
+    text = benchmark("gqa_decode").main(["--contexts", "16", "40", "--batch", "2", "--heads", "4", "--kv-heads", "2",
+                                         "--head-dim", "8", "--warmup", "0", "--repeats", "1", "--calls", "1",
+                                         "--device", "cpu", "--out", str(out)])
+    assert out.read_text() == text
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| 16")
+            or line.startswith("| 40")]
+    assert [r[0] for r in rows] == ["16", "40"]
+    for row in rows:
+        copies, gqa, folded = (float(x) for x in row[1:4])
+        assert float(row[4]) == pytest.approx(gqa / copies, rel=3e-3, abs=1e-3)
+        assert float(row[5]) == pytest.approx(folded / copies, rel=3e-3, abs=1e-3)
+        assert float(row[6]) < 1e-5
+    with pytest.raises(SystemExit):
+        benchmark("gqa_decode").parse(["--heads", "6", "--kv-heads", "4"])
