@@ -61,7 +61,7 @@ from looplm.study.results import (
     summary_rows,
     tables_final,
 )
-from looplm.study.runs import Run, finished_run, machine_info, train_or_reuse, validation
+from looplm.study.runs import MEASURES_FILE, Run, finished_run, machine_info, train_or_reuse, validation
 from looplm.study.studies import get_study, ladder_study
 from looplm.study.sweep import run_lr_sweep, with_lr
 from looplm.train.checkpoint import has_checkpoints
@@ -72,8 +72,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("looplm")
 
 PathLike = Union[str, os.PathLike]
-
-MEASURES_FILE = "study.json"
 
 
 def resolve_seeds(seeds: Union[int, Sequence[int]]) -> list[int]:

@@ -144,8 +144,10 @@ def finished_run(cfg: RunConfig) -> Optional[dict[str, Any]]:
 
 #: where a study trains its learning-rate sweep runs (``out_dir/lr-sweep/lr-RATE/RUN/seed-0``)
 SWEEP_DIR = "lr-sweep"
+#: a study run's measures, beside its records (:func:`looplm.study.runner.measure_run`)
+MEASURES_FILE = "study.json"
 #: what a study reads back of a finished run (checkpoints, which .gitignore keeps out, are not)
-RECORDS = ("summary.json", "metrics.jsonl", "study.json")
+RECORDS = ("summary.json", "metrics.jsonl", MEASURES_FILE)
 
 
 def finished_records(root: PathLike) -> list[Path]:
@@ -159,7 +161,7 @@ def finished_records(root: PathLike) -> list[Path]:
         run = summary.parent
         done = json.loads(summary.read_text(encoding="utf-8"))
         finished = done.get("steps", 0) >= done["config"]["train"]["max_steps"]
-        if finished and (SWEEP_DIR in run.relative_to(root).parts or (run / "study.json").is_file()):
+        if finished and (SWEEP_DIR in run.relative_to(root).parts or (run / MEASURES_FILE).is_file()):
             files += [p for p in (run / name for name in RECORDS) if p.is_file()]
     return files
 
