@@ -1,5 +1,5 @@
 """Grouped-query attention in a decoding step: the cache read in place against the cache
-copied to every query head (issue 25; ``mixers/attention.py:attend_grouped``).
+copied to every query head (issue 25; ``ops/grouped_attention.py:attend_grouped``).
 
 One decoding step's attention, q [B, H, 1, D] over a cache of H_kv heads [B, H_kv, S, D]
 under a padding mask [B, 1, 1, S] (a batch of prompts of different lengths), three ways:
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from looplm.mixers.attention import attend_grouped
+from looplm.ops.grouped_attention import attend_grouped
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -8,6 +8,8 @@ memory: nothing of size T·k·D or T·S is allocated."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -122,6 +124,45 @@ def test_dense_prefill_allocates_no_scores(T):
     with torch.no_grad(), LargestAllocation() as mode:
         dsa_attention(q, k, v, q_index, k_index, w_index, None, top_k=T, scale=0.25)
     assert mode.largest <= q.numel(), (mode.largest, mode.op)
+
+
+class Shapes(TorchDispatchMode):
+    """(operator, shape) of every tensor the dispatched operators write (views left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func is torch.ops.aten.detach.default:
+            return out
+        self.shapes += [(str(func), tuple(t.shape)) for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("T, S", [(12, 12), (5, 12), (1, 12)])
+def test_a_padded_dense_prefill_reads_grouped_heads_in_place(T, S, monkeypatch):
+    """Under a padding mask the dense queries read the H_kv key/value heads as they are
+    (SDPA's grouped heads on CPU; one query folded into the query axis anywhere): no K or V
+    repeated to every query head, and the same values and gradients as the copies that a
+    kernel without grouped heads (CUDA with a mask) is handed."""
+    from looplm.ops.sparse import dsa
+
+    results = []
+    for in_place in (True, False):
+        monkeypatch.setattr(dsa, "reads_grouped_heads", lambda q, mask: in_place)
+        tensors, valid = _inputs(2, 2, 3, T, S, padded=True)
+        q, k, v = tensors[:3]
+        with Shapes() as made:
+            o, _ = dsa_attention(q, k, v, None, tensors[4], None, valid, top_k=S, scale=0.3)
+        copies = [op for op, shape in made.shapes if math.prod(shape) == 2 * 6 * S * 8 and "scaled_dot" not in op]
+        assert bool(copies) == (not in_place and T > 1), copies  # K, V repeated to the 6 query heads
+        o.square().sum().backward()
+        results.append([o.detach()] + [t.grad for t in (q, k, v)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_sparse_prefill_allocates_per_block_not_per_sequence():

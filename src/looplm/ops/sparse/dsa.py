@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from looplm.ops.backend import use_triton
+from looplm.ops.grouped_attention import attend_grouped, reads_grouped_heads
 from looplm.ops.sparse.common import (
     gathered_attention,
     grouped_attention,
@@ -198,7 +199,9 @@ def dense_attention(
     """DSA where every candidate is selected (each query has at most top_k): softmax
     attention of the last Q of S positions over the real keys at or before each, a padding
     query over itself only, through ``F.scaled_dot_product_attention`` (flash attention on
-    CUDA without padding; no [Q, S] probabilities kept for the backward).
+    CUDA without padding; no [Q, S] probabilities kept for the backward), the grouped
+    key/value heads read in place wherever the kernel takes them
+    (:mod:`looplm.ops.grouped_attention`).
 
     q: [B, H_kv, G, Q, D]; k, v: [B, H_kv, S, D]; valid: bool [B, S] or None (all real).
     Returns o [B, H_kv, G, Q, D_v] in v's dtype."""
@@ -209,11 +212,10 @@ def dense_attention(
         mask = _candidates(valid, S - Q, Q)[0][:, None]  # [B, 1, Q, S]
     elif 1 < Q < S:  # later queries of a chunk: causal, aligned to the last key
         mask = torch.ones(Q, S, dtype=torch.bool, device=q.device).tril(S - Q)
-    if mask is not None and G > 1:  # grouped heads with a mask: SDPA's GQA is not on every masked backend
+    q = q.reshape(B, Hkv * G, Q, D)
+    if G > 1 and Q > 1 and not reads_grouped_heads(q, mask):  # no kernel here reads grouped heads: copies
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    o = F.scaled_dot_product_attention(q.reshape(B, Hkv * G, Q, D), k, v, attn_mask=mask,
-                                       is_causal=mask is None and Q > 1, scale=scale,
-                                       enable_gqa=mask is None and G > 1)
+    o = attend_grouped(q, k, v, mask, is_causal=mask is None and Q > 1, scale=scale)
     return o.view(B, Hkv, G, Q, v.shape[-1])
 
 
