@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from publish import publish
 
 #: row name -> (preset, overrides): the LT2 0.6B looped transformer narrowed, and LT2's tiny presets
 MODELS = {
@@ -207,10 +208,7 @@ def main(argv: Optional[list[str]] = None) -> str:
             f"{os.getloadavg()[1]:.1f} over the last 5 minutes at the end (the seconds move with it; the operators do "
             f"not)\n\n"
             f"{table(results)}\n")
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
-    return text
+    return publish(text, args.out)
 
 
 if __name__ == "__main__":

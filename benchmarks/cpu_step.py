@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from looplm.study.studies.common import STDLIB_LOSS_ROWS  # noqa: E402  (the rows the stdlib studies use)
+from publish import publish  # noqa: E402
 
 ENV = "THP_MEM_ALLOC_ENABLE"
 #: row -> (study, size, run): that study row's model and batch, at its size's shared settings
@@ -157,10 +158,7 @@ def main(argv=None) -> None:
         print(json.dumps(child(args.child, args.steps, args.loss_rows)))
         return
     text = report(args.rows, args.steps, args.repeats)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

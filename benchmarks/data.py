@@ -31,6 +31,7 @@ from looplm.config import load_config
 from looplm.data import DataConfig, TrainStream, build_tokenizer
 from looplm.data.packing import packed_corpus
 from looplm.data.tokenize_shards import tokenize_to_shards
+from publish import publish
 
 WORDS = ("loop state core prelude coda token window batch epoch resume shard stream query key value the of and "
          "to in is that for it as with was on be by this are or from at which an not have has but were been "
@@ -221,9 +222,7 @@ def main(argv=None) -> None:
         "rank's loader serves only its own GPU.",
     ]
     text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from publish import publish
 
 #: mixer kinds in the order checked
 KINDS = ("gated_deltanet", "kda", "mamba2", "retnet", "gla", "hgrn2")
@@ -64,10 +65,7 @@ def main(argv=None) -> None:
     ]
 
     def write() -> None:
-        text = "\n".join(lines) + "\n"
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(text)
+        publish("\n".join(lines) + "\n", args.out, echo=False)
 
     write()
     for kind in args.kinds:

@@ -44,10 +44,11 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from publish import publish
 
 SYSTEMS = ("looplm eager", "looplm compiled", "looplm CUDA graph", "transformers eager",
            "transformers static + compile")
@@ -270,15 +271,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     hf_logging.set_verbosity_error()
     out = None
     if args.out is not None:
-        out = Path(args.out or f"benchmarks/results/generate-{torch.device(args.device).type}.md")
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = args.out or f"benchmarks/results/generate-{torch.device(args.device).type}.md"
 
     def on_row(rows: list[dict], notes: list[str]) -> None:
         print(f"[generate] {rows[-1]}", file=sys.stderr, flush=True)
-        if out is not None:  # rewritten after every row: a run stopped at a deadline keeps what it measured
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_text(report(args, rows, notes, argv), encoding="utf-8")
-            os.replace(tmp, out)
+        # rewritten after every row: a run stopped at a deadline keeps what it measured
+        publish(report(args, rows, notes, argv), out, echo=False)
 
     rows, notes = measure(args, on_row)
     print(report(args, rows, notes, argv))

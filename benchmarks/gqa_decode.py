@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.ops.grouped_attention import attend_grouped
+from publish import publish
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -126,12 +127,7 @@ def main(argv=None) -> str:
     for context, t, error in rows:
         lines.append(f"| {context} | {t['copies'] * 1e3:.4g} | {t['enable_gqa'] * 1e3:.4g} | {t['folded'] * 1e3:.4g} | "
                      f"{t['enable_gqa'] / t['copies']:.3f} | {t['folded'] / t['copies']:.3f} | {error:.1e} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(text)
-    return text
+    return publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 from looplm import LoopLM
 from looplm.model_config import ModelConfig
+from publish import publish
 
 
 def build(args, window) -> LoopLM:
@@ -97,12 +98,7 @@ def main(argv=None) -> str:
     for label, r, saved, ratio, peak in rows:
         peak_text = "–" if peak is None else f"{peak / 2**20:.1f}"
         lines.append(f"| {label} | {r} | {saved / 2**20:.1f} | {ratio:.2f} | {peak_text} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(text)
-    return text
+    return publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

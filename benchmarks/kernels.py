@@ -29,13 +29,12 @@ import os
 import platform
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 from unittest import mock
 
 import torch
 
-from looplm.artifacts import write_text
+from publish import publish
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -214,9 +213,7 @@ def main(argv: Optional[list[str]] = None) -> list[Kernel]:
         run_kernel(kernel, measure)
         done.append(kernel)
         text = report(args, done, copy_gbps, argv)
-        if args.out:  # after each kernel: a run cut at its deadline keeps what it timed
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            write_text(Path(args.out), text, atomic=True)
+        publish(text, args.out, echo=False)  # after each kernel: a run cut at its deadline keeps what it timed
         print(f"[kernels] {kernel.name}: {len(kernel.rows)} launches", file=sys.stderr, flush=True)
     print(text)
     return kernels

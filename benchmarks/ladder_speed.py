@@ -24,6 +24,7 @@ import torch
 from looplm.ladder import RUNGS
 from looplm.ladder.runner import ladder_configs
 from looplm.train import Trainer
+from publish import publish
 
 #: the study's paper size (looplm.study.studies.ladder._LADDER_PAPER) without evaluation or checkpoints
 PAPER = ("model.d_model=384", "model.n_heads=6", "data.task.train_length=10", "data.task.min_length=10",
@@ -65,9 +66,7 @@ def main(argv=None) -> list[dict]:
     rows = []
 
     def write() -> None:
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
+        publish("\n".join(lines) + "\n", args.out, echo=False)
 
     write()
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,6 +49,7 @@ from looplm.accounting.dispatch import count_dispatch  # noqa: E402
 from looplm.ops.backend import triton_installed  # noqa: E402
 from looplm.resolution import MultiResolution  # noqa: E402
 from looplm.topology import MeshTopology  # noqa: E402
+from publish import publish  # noqa: E402
 
 #: decoding: model -> (preset, issue 30's target in operators per decoded token per block pass)
 DECODE = {
@@ -222,10 +223,7 @@ def main(argv: Optional[list[str]] = None) -> str:
         print(json.dumps(all_train_counts()))
         return ""
     text = report() if args.device == "cpu" else cuda_report(args.dtype, args.compile)
-    print(text, end="")
-    if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
-    return text
+    return publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ from pathlib import Path
 
 import torch
 
+from publish import publish
+
 #: shape -> model name -> (preset, extra overrides); the same four models in each shape
 SHAPES = {
     "tiny": {
@@ -407,13 +409,6 @@ def default_out(args: argparse.Namespace) -> Path:
     return Path("benchmarks/results") / ("-".join(parts + [args.device.split(":")[0]]) + ".md")
 
 
-def write(out: Path, text: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)  # atomic: a reader sees the old results or the new ones
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="tiny",
@@ -504,11 +499,11 @@ def main(argv: list[str] | None = None) -> None:
                 traceback.print_exc()
                 failed = {"oom": True} if isinstance(error, torch.OutOfMemoryError) else {"error": str(error)}
                 results.update({(m, s): failed for s in args.contexts})
-                write(out, render(args, results, header))
+                publish(render(args, results, header), out, echo=False)
                 continue
         for s in args.contexts:
             results[m, s] = run_job(args, model, model=m, context=s, profile=(m == args.profile and s == longest))
-            write(out, render(args, results, header))
+            publish(render(args, results, header), out, echo=False)
             print(f"[long_context] {m}, S={s}: {json.dumps({k: v for k, v in results[m, s].items() if k != 'profile'})}",
                   file=sys.stderr, flush=True)
         del model

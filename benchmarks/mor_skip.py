@@ -27,6 +27,7 @@ import torch
 
 from looplm import LoopLM
 from looplm.model_config import ModelConfig
+from publish import publish
 
 
 def build(args, kv: str, skip: bool) -> LoopLM:
@@ -104,12 +105,7 @@ def main(argv=None) -> str:
     for kv, frozen, skipping, diff, share in rows:
         lines.append(f"| {kv} | {frozen * 1e3:.1f} | {skipping * 1e3:.1f} | {skipping / frozen:.3f} | "
                      f"{share:.3f} | {diff:.1e} |")
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(text)
-    return text
+    return publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from looplm import LoopLM
 from looplm.accounting import count_flops
 from looplm.accounting.dispatch import count_dispatch
 from looplm.model_config import ModelConfig
+from publish import publish
 
 
 def variants(max_depth: int) -> list[tuple[str, dict, int]]:
@@ -118,10 +119,7 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | {1e3 * t:.1f} | {100 * dt:+.2f} % | {f:.4e} | {100 * df:+.2f} % | {ratio} "
                      f"| {ops} | {ops / base_ops:.2f} |")
     text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from looplm.accounting import count_flops, device_peak_flops, mfu
-from looplm.artifacts import write_text
 from looplm.config import RunConfig
 from looplm.train import Trainer
+from publish import publish
 
 LOOP = "2+2R2+2"
 #: name -> model overrides; every layout unrolls to 8 blocks
@@ -449,9 +449,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     def write(result: dict[str, Any]) -> None:  # after each group: a run cut at a deadline keeps what it timed
         nonlocal text
         text = report(args, result, argv, (load_start, os.getloadavg()[0]))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            write_text(Path(args.out), text, atomic=True)
+        publish(text, args.out, echo=False)
 
     result = measure(args, on_group=write)  # the last group's report is the whole run's
     print(text)

@@ -330,12 +330,12 @@ def test_train_throughput_writes_each_group_as_it_ends(tmp_path):
     bench = benchmark("train_throughput")
     out = tmp_path / "t.md"
     seen = []
-    write = bench.write_text
+    write = bench.publish
 
-    def record(path, text, *args, **kwargs):  # the report as each group leaves it
-        if path == out:
+    def record(text, path, *args, **kwargs):  # the report as each group leaves it
+        if path == str(out):
             seen.append(text)
-        return write(path, text, *args, **kwargs)
+        return write(text, path, *args, **kwargs)
 
     argv = ["--width", "32", "--seq", "16", "--batch", "1", "--steps", "1", "--repeats", "1", "--warmup", "1",
             "--no-compile", "--threads", "1", "--variants", "sgt", "dense", "base", "--out", str(out)]
@@ -344,7 +344,7 @@ def test_train_throughput_writes_each_group_as_it_ends(tmp_path):
     threads = torch.get_num_threads()
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(bench, "write_text", record)
+            patch.setattr(bench, "publish", record)
             result = bench.main(argv)
     finally:
         torch.set_num_threads(threads)
