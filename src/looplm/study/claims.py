@@ -188,7 +188,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("LT2", "the SDPA output gate improves the looped transformer", "lt2.txt §4.4 (output-gate ablation)",
         ("lt2-stdlib", "lt2-gate"), "attention-looped-gated", "attention-looped"),
     Claim("LT2", "the output gate lowers the first-token attention mass (the sink) in the last loop",
-        "lt2.txt §4.4, Fig. loop-sink", ("lt2-gate",), "attention-looped-gated", "attention-looped",
+        "lt2.txt §4.4, Fig. loop-sink", ("lt2-stdlib", "lt2-gate"), "attention-looped-gated", "attention-looped",
         metric="sink_last"),
     Claim("LT2", "looping raises the state-tracking n_max", "lt2.txt §4.6, Fig. state-recall",
           untested="no variant passes stage 1 (n = m = 5 at 90 %) at d = 64, even at 4000 steps (84–88 %); "
