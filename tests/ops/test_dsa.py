@@ -165,6 +165,23 @@ def test_a_padded_dense_prefill_reads_grouped_heads_in_place(T, S, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decoding_step_folds_grouped_heads_over_its_picks(padded):
+    """Past top_k a decoding step attends over its k picked keys as one MHA-shaped call: each
+    kv head's G query heads folded into the query axis ([B, H_kv, G, D] queries), which
+    every kernel takes with the fillers' mask; not H query heads over grouped keys, which
+    sends a masked call on CUDA to the math kernel and its copies. Same values."""
+    from looplm.ops.sparse import dsa
+
+    (q, k, v, q_index, k_index, w_index), valid = _inputs(2, 2, 4, 1, 40, padded=padded)
+    with torch.no_grad(), Shapes() as made:
+        o = dsa.decode_step(q, k, v, q_index, k_index, w_index, valid, top_k=8, scale=0.3)
+        reference, _ = _reference(q, k, v, q_index, k_index, w_index, valid, 8, 0.3)
+    calls = [shape for op, shape in made.shapes if "scaled_dot_product" in op and len(shape) == 4]
+    assert calls == [(2, 2, 4, 8)], made.shapes
+    torch.testing.assert_close(o, reference, atol=1e-6, rtol=1e-5)
+
+
 def test_sparse_prefill_allocates_per_block_not_per_sequence():
     """Past top_k, the reference's gathered keys and values are bounded by the query block
     (block·k·D per KV head), like the block's index products (block·H^I·S): nothing grows

@@ -44,7 +44,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from looplm.ops.backend import use_triton
@@ -198,10 +197,9 @@ def dense_attention(
 ) -> torch.Tensor:
     """DSA where every candidate is selected (each query has at most top_k): softmax
     attention of the last Q of S positions over the real keys at or before each, a padding
-    query over itself only, through ``F.scaled_dot_product_attention`` (flash attention on
-    CUDA without padding; no [Q, S] probabilities kept for the backward), the grouped
-    key/value heads read in place wherever the kernel takes them
-    (:mod:`looplm.ops.grouped_attention`).
+    query over itself only, through SDPA (flash attention on CUDA without padding; no [Q, S]
+    probabilities kept for the backward), the grouped key/value heads read in place
+    wherever the kernel takes them (:mod:`looplm.ops.grouped_attention`).
 
     q: [B, H_kv, G, Q, D]; k, v: [B, H_kv, S, D]; valid: bool [B, S] or None (all real).
     Returns o [B, H_kv, G, Q, D_v] in v's dtype."""
@@ -252,9 +250,10 @@ def decode_step(
     v_sel = v.gather(2, rows.expand(B, Hkv, -1, v.shape[-1]))
     # fewer candidates than k: the fillers get no weight (a row always has itself)
     mask = bias.gather(1, index) if bias is not None else keep
-    o = F.scaled_dot_product_attention(  # one fused attention over the k picks (flash on CUDA)
-        q.reshape(B, Hkv * G, 1, D), k_sel, v_sel, attn_mask=None if mask is None else mask[:, None, None],
-        scale=scale, enable_gqa=G > 1)
+    # one fused attention over the k picks, each group's G query heads folded into the query
+    # axis (attend_grouped): an MHA-shaped call that every kernel takes, masked or not
+    o = attend_grouped(q.reshape(B, Hkv * G, 1, D), k_sel, v_sel, None if mask is None else mask[:, None, None],
+                       scale=scale)
     return o.view(B, Hkv, G, 1, v.shape[-1])
 
 
