@@ -113,6 +113,36 @@ def test_left_padded_rows_decode_alike_on_the_static_cache(name, mixer, topology
         torch.testing.assert_close(decoded[b], alone[len(row):], atol=2e-5, rtol=1e-5)
 
 
+def test_dsa_static_step_under_top_k_folds_grouped_heads():
+    """While the static buffer holds at most top_k rows a DSA step is plain attention over
+    it: each kv head's G query heads folded into the query axis, one MHA-shaped call under
+    the buffer's mask (no H-head call over grouped keys, which CUDA runs in its math kernel
+    with copies), equal to the whole sequence's forward, padded rows included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model({**DSA, "top_k": 64}, "anchor", kv=2)  # 4 query heads over 2 kv heads
+    ids = random_ids(2, 9)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    cache = LoopCache(full_loop=True)
+    model(ids[:, :8], attention_mask=mask, cache=cache)
+    static = cache.static(16)
+    calls = []
+
+    class Calls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "scaled_dot_product" in str(func):
+                calls.append(tuple(out[0].shape if isinstance(out, (tuple, list)) else out.shape))
+            return out
+
+    with torch.no_grad(), Calls():
+        step = model(ids[:, 8:], cache=static).logits[:, 0]
+    assert calls and all(shape[1:3] == (2, 2) for shape in calls), calls  # [B, H_kv, G, D]
+    torch.testing.assert_close(step[0], model(ids[:1]).logits[0, 8], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(step[1], model(ids[1:, 3:]).logits[0, 5], atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mixer", [NSA_MEAN, NSA_MLP], ids=["nsa-mean", "nsa-mlp"])
 def test_nsa_static_decoding_step_reads_nothing_back(mixer):
     """A captured decoding step must not depend on the data's shapes: NSA's step on the

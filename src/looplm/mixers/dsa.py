@@ -24,7 +24,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from looplm.accounting.cost import Call, Cost, causal_pairs, children_cost, module_cost
@@ -35,6 +34,7 @@ from looplm.mixers.reserve import MIN_SPARE, SPARE, Reserve, extend
 from looplm.modules.rotary import apply_rotary
 from looplm.modules.shape import BlockShape
 from looplm.ops.backend import KERNELS, log_backend, use_triton
+from looplm.ops.grouped_attention import attend_grouped
 from looplm.ops.sparse.dsa import decode_step, dsa_attention
 
 
@@ -284,9 +284,8 @@ class DeepSeekSparseAttention(nn.Module):
                 return decode_step(q, state.keys, state.values, q_index, state.index_keys, w_index, None,
                                    top_k=self.top_k, scale=self.head_dim**-0.5, positions=state.positions,
                                    bias=bias[:, 0, 0])
-            B, Hkv, G, _, D = q.shape
-            o = F.scaled_dot_product_attention(q.view(B, Hkv * G, 1, D), state.keys, state.values, attn_mask=bias,
-                                               scale=self.head_dim**-0.5, enable_gqa=G > 1)
+            B, Hkv, G, _, D = q.shape  # grouped heads folded over the buffer as it is (attend_grouped)
+            o = attend_grouped(q.view(B, Hkv * G, 1, D), state.keys, state.values, bias, scale=self.head_dim**-0.5)
             return o.view(B, Hkv, G, 1, D)
         o, _ = dsa_attention(q, state.keys[:, :, :length], state.values[:, :, :length], q_index,
                              state.index_keys[:, :length], w_index, ctx.valid[:, :length] if ctx.padded else None,
