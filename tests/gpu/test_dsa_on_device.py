@@ -1,8 +1,9 @@
 """DSA's split at position top_k on a device (issue 30): the dense queries through SDPA (flash
 attention on CUDA), the later ones through the Triton selected-key kernel, forward, indexer
-loss and backward against the CPU float32 definition; and a dense prefill that keeps no
-[S, S] scores. The CPU cases check the test bodies (and the PyTorch path) in CI; the CUDA
-ones run where a device is lent (``bash benchmarks/gpu.sh``)."""
+loss and backward against the CPU float32 definition; a decoding step past top_k against
+the definition; and a dense prefill that keeps no [S, S] scores. The CPU cases check the
+test bodies (and the PyTorch path) in CI; the CUDA ones run where a device is lent
+(``bash benchmarks/gpu.sh``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,23 @@ def test_dsa_split_on_device_equals_the_cpu_definition(device, dtype, padded):
     torch.testing.assert_close(loss.cpu(), loss_ref, **TOL[dtype])
     for name, a, b in zip(["q", "k", "v", "q_index", "k_index", "w_index"], grads, refs):
         torch.testing.assert_close(a.float().cpu(), b, **TOL[dtype], msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+@torch.no_grad()
+def test_dsa_decoding_step_on_device_equals_the_cpu_definition(device, dtype, padded):
+    """One decoding query past top_k (the step ``generate`` runs): one top-k over the row and
+    the grouped query heads folded over the k picks (one MHA-shaped SDPA call, masked where
+    a padded row has fewer candidates than k), against the CPU float32 definition."""
+    B, Hkv, G, S, top_k = 2, 2, 4, 150, 64
+    tensors, valid = _inputs(B, Hkv, G, 1, S, D=32, DI=32, padded=padded)
+    o_ref, _ = _reference(*tensors, valid, top_k, 32**-0.5)
+    on_device = [t.detach().to(device, dtype if i < 3 else torch.float32) for i, t in enumerate(tensors)]
+    o, _ = dsa_attention(*on_device, None if valid is None else valid.to(device), top_k=top_k, scale=32**-0.5)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    torch.testing.assert_close(o.float().cpu(), o_ref, **TOL[dtype])
 
 
 @CUDA
