@@ -118,7 +118,7 @@ def test_dsa_static_step_under_top_k_folds_grouped_heads():
     it: each kv head's G query heads folded into the query axis, one MHA-shaped call under
     the buffer's mask (no H-head call over grouped keys, which CUDA runs in its math kernel
     with copies), equal to the whole sequence's forward, padded rows included."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from tests.ops.test_dsa import Shapes
 
     model = _model({**DSA, "top_k": 64}, "anchor", kv=2)  # 4 query heads over 2 kv heads
     ids = random_ids(2, 9)
@@ -127,17 +127,9 @@ def test_dsa_static_step_under_top_k_folds_grouped_heads():
     cache = LoopCache(full_loop=True)
     model(ids[:, :8], attention_mask=mask, cache=cache)
     static = cache.static(16)
-    calls = []
-
-    class Calls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if "scaled_dot_product" in str(func):
-                calls.append(tuple(out[0].shape if isinstance(out, (tuple, list)) else out.shape))
-            return out
-
-    with torch.no_grad(), Calls():
+    with torch.no_grad(), Shapes() as made:
         step = model(ids[:, 8:], cache=static).logits[:, 0]
+    calls = [shape for op, shape in made.shapes if "scaled_dot_product" in op and len(shape) == 4]  # the outputs
     assert calls and all(shape[1:3] == (2, 2) for shape in calls), calls  # [B, H_kv, G, D]
     torch.testing.assert_close(step[0], model(ids[:1]).logits[0, 8], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(step[1], model(ids[1:, 3:]).logits[0, 5], atol=2e-5, rtol=1e-5)
