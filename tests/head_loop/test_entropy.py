@@ -57,3 +57,28 @@ def test_meter_equals_entropy_of_recorded_probabilities():
 
 def test_meter_with_grouped_query_and_window():
     _meter_vs_probabilities(n_kv_heads=2, mixer={"kind": "sliding_window", "window": 4})
+
+
+def test_grouped_query_entropy_reads_the_kv_heads_in_place():
+    """Under GQA each kv head's G queries score its keys as they are: no keys repeated to
+    every query head (a [B, H, T, D] tensor), the values of the repeated computation (and
+    the MHA case's numbers bit for bit: G = 1 is the same matmul)."""
+    from looplm.head_loop.entropy import last_query_entropy
+    from looplm.mixers.attention import SoftmaxAttention
+    from looplm.modules.rotary import apply_rotary
+    from tests.ops.test_dsa import Shapes
+
+    torch.manual_seed(0)
+    B, T, d, H, Hkv = 2, 7, 32, 4, 2
+    layer = SoftmaxAttention(d, H, Hkv, bias=False)
+    x, D = torch.randn(B, T, d), layer.head_dim
+    cos, sin = torch.randn(B, T, D), torch.randn(B, T, D)
+    with Shapes() as recorder:
+        entropy = last_query_entropy(layer, x, (cos, sin))
+    assert all(math.prod(shape) < B * H * T * D for _, shape in recorder.shapes), recorder.shapes
+
+    q, k, _ = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = apply_rotary(q[:, -1:].view(B, 1, H, D).transpose(1, 2), cos[:, -1:], sin[:, -1:])
+    k = apply_rotary(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin).repeat_interleave(H // Hkv, dim=1)
+    probs = torch.softmax((q @ k.transpose(-1, -2))[:, :, 0] * D ** -0.5, dim=-1)
+    torch.testing.assert_close(entropy, normalized_entropy(probs))

@@ -56,9 +56,10 @@ def last_query_entropy(layer: SoftmaxAttention, x: torch.Tensor, rope: tuple[tor
         k = F.linear(x[:, T - w:], weight[k_rows], None if bias is None else bias[k_rows])
         keys = apply_rotary(k.view(B, w, Hkv, D).transpose(1, 2), rope[0][:, T - w:], rope[1][:, T - w:])
     keys = keys[:, :, keys.shape[2] - w:]
-    if Hkv != H:
-        keys = keys.repeat_interleave(H // Hkv, dim=1)
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2))[:, :, 0] * D ** -0.5  # [B, H, w]
+    # query head h reads kv head h // G: each kv head's G queries are one [G, D] matrix against
+    # its keys as they are (no keys repeated to every head)
+    queries = q.reshape(B, Hkv, H // Hkv, D)
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)).reshape(B, H, w) * D ** -0.5
     counts = None
     if valid is not None:
         allowed = valid[:, None, T - w:]
