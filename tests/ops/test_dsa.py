@@ -176,7 +176,7 @@ def test_a_decoding_step_folds_grouped_heads_over_its_picks(padded):
     (q, k, v, q_index, k_index, w_index), valid = _inputs(2, 2, 4, 1, 40, padded=padded)
     with torch.no_grad(), Shapes() as made:
         o = dsa.decode_step(q, k, v, q_index, k_index, w_index, valid, top_k=8, scale=0.3)
-        reference, _ = _reference(q, k, v, q_index, k_index, w_index, valid, 8, 0.3)
+    reference, _ = _reference(q, k, v, q_index, k_index, w_index, valid, 8, 0.3)
     calls = [shape for op, shape in made.shapes if "scaled_dot_product" in op and len(shape) == 4]
     assert calls == [(2, 2, 4, 8)], made.shapes
     torch.testing.assert_close(o, reference, atol=1e-6, rtol=1e-5)
